@@ -1,0 +1,47 @@
+# Install the shared libraries into pykvq/lib and the tools into pykvq/bin, found at run time from
+# the package itself. Only the "pykvq" component goes into the wheel (pyproject.toml), which keeps
+# upstream's own install rules (headers, pkg-config, CMake packages) out of site-packages.
+set(PYKVQ_LIBRARIES ggml ggml-base ggml-cpu ggml-cuda llama llama-common
+    llama-perplexity-impl llama-completion-impl llama-batched-bench-impl)
+
+foreach (target ${PYKVQ_LIBRARIES})
+    if (NOT TARGET ${target})
+        continue()
+    endif()
+    # a plain libX.so: wheels cannot hold the libX.so.0 -> libX.so.0.0.N symlink chain
+    set_target_properties(${target} PROPERTIES VERSION "" SOVERSION "" INSTALL_RPATH "$ORIGIN")
+    install(TARGETS ${target} LIBRARY DESTINATION pykvq/lib COMPONENT pykvq)
+endforeach()
+
+foreach (tool ${PYKVQ_TOOLS})
+    set_target_properties(${tool} PROPERTIES INSTALL_RPATH "$ORIGIN/../lib")
+    install(TARGETS ${tool} RUNTIME DESTINATION pykvq/bin COMPONENT pykvq)
+endforeach()
+
+# what `pykvq info` reports about the build
+set(PYKVQ_BACKENDS CPU)
+if (GGML_CUDA)
+    list(APPEND PYKVQ_BACKENDS CUDA)
+endif()
+file(READ ${PYKVQ_UPSTREAM_INFO} upstream_json)
+string(JOIN "\", \"" backends_json ${PYKVQ_BACKENDS})
+set(cpu_features "")
+foreach (feature AVX AVX2 FMA F16C BMI2 AVX512)
+    if (GGML_${feature})
+        list(APPEND cpu_features ${feature})
+    endif()
+endforeach()
+string(JOIN "\", \"" cpu_features_json ${cpu_features})
+string(JOIN "\", \"" cuda_archs_json ${CMAKE_CUDA_ARCHITECTURES})
+if (cuda_archs_json)
+    set(cuda_archs_json "\"${cuda_archs_json}\"")
+endif()
+file(WRITE ${CMAKE_BINARY_DIR}/_build_info.json "{
+ \"pykvq_version\": \"${PYKVQ_VERSION}\",
+ \"build_type\": \"${CMAKE_BUILD_TYPE}\",
+ \"backends\": [\"${backends_json}\"],
+ \"cpu_features\": [\"${cpu_features_json}\"],
+ \"cuda_architectures\": [${cuda_archs_json}],
+ \"upstream\": ${upstream_json}}
+")
+install(FILES ${CMAKE_BINARY_DIR}/_build_info.json DESTINATION pykvq COMPONENT pykvq)

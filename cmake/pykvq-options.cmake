@@ -1,0 +1,21 @@
+# Upstream options: only what pykvq uses, no -march=native (the build machine may fault on AMX).
+set(BUILD_SHARED_LIBS ON)
+
+set(GGML_NATIVE OFF CACHE BOOL "" FORCE)
+foreach (feature AVX AVX2 FMA F16C BMI2)
+    set(GGML_${feature} ON CACHE BOOL "" FORCE)
+endforeach()
+
+foreach (option LLAMA_BUILD_TESTS LLAMA_BUILD_TOOLS LLAMA_BUILD_EXAMPLES LLAMA_BUILD_SERVER LLAMA_BUILD_APP
+                LLAMA_BUILD_UI LLAMA_OPENSSL LLAMA_CURL LLAMA_TOOLS_INSTALL LLAMA_TESTS_INSTALL)
+    set(${option} OFF CACHE BOOL "" FORCE)
+endforeach()
+set(LLAMA_BUILD_COMMON ON CACHE BOOL "" FORCE)
+
+# the sdist carries no git history: tell upstream which commit it is
+set(LLAMA_BUILD_COMMIT ${PYKVQ_LLAMA_CPP_COMMIT})
+
+if (GGML_CUDA AND NOT CMAKE_CUDA_ARCHITECTURES)
+    # Ampere, Ada, Hopper; override with -DCMAKE_CUDA_ARCHITECTURES=...
+    set(CMAKE_CUDA_ARCHITECTURES "80-virtual;86-real;89-real;90-real" CACHE STRING "" FORCE)
+endif()

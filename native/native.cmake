@@ -1,0 +1,7 @@
+# native: pykvq's llama-level sources, compiled into upstream's libllama.
+set(PYKVQ_NATIVE_DIR ${CMAKE_CURRENT_LIST_DIR})
+target_sources(llama PRIVATE
+    ${PYKVQ_NATIVE_DIR}/src/llama-kvq.cpp
+)
+target_include_directories(llama PUBLIC ${PYKVQ_NATIVE_DIR}/include)
+target_compile_definitions(llama PRIVATE PYKVQ_VERSION="${PYKVQ_VERSION}")

@@ -1,0 +1,5 @@
+import sys
+
+from pykvq.cli import main
+
+sys.exit(main())

