@@ -9,7 +9,9 @@ foreach (target ${PYKVQ_LIBRARIES})
         continue()
     endif()
     # a plain libX.so: wheels cannot hold the libX.so.0 -> libX.so.0.0.N symlink chain
-    set_target_properties(${target} PROPERTIES VERSION "" SOVERSION "" INSTALL_RPATH "$ORIGIN")
+    set_property(TARGET ${target} PROPERTY VERSION)
+    set_property(TARGET ${target} PROPERTY SOVERSION)
+    set_target_properties(${target} PROPERTIES INSTALL_RPATH "$ORIGIN")
     install(TARGETS ${target} LIBRARY DESTINATION pykvq/lib COMPONENT pykvq)
 endforeach()
 
@@ -45,3 +47,6 @@ file(WRITE ${CMAKE_BINARY_DIR}/_build_info.json "{
  \"upstream\": ${upstream_json}}
 ")
 install(FILES ${CMAKE_BINARY_DIR}/_build_info.json DESTINATION pykvq COMPONENT pykvq)
+
+# llama.cpp and ggml are MIT: their notice travels with the libraries built from them
+install(FILES ${PYKVQ_UPSTREAM_TREE}/LICENSE DESTINATION pykvq/licenses RENAME llama.cpp-LICENSE COMPONENT pykvq)
