@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+import numpy as np
 from cffi import FFI
 
 from pykvq import paths
@@ -15,6 +16,21 @@ _CDEF = """
     size_t       llama_kvq_n_cache_types(void);
     int          llama_kvq_cache_type(size_t i);
     const char * llama_print_system_info(void);
+
+    struct ggml_type_traits {
+        const char * type_name;
+        int64_t      blck_size;
+        int64_t      blck_size_interleave;
+        size_t       type_size;
+        bool         is_quantized;
+        void (*to_float)(const void * x, float * y, int64_t k);
+        void (*from_float_ref)(const float * x, void * y, int64_t k);
+    };
+    const struct ggml_type_traits * ggml_get_type_traits(int type);
+    size_t ggml_quantize_chunk(int type, const float * src, void * dst, int64_t start, int64_t nrows,
+                               int64_t n_per_row, const float * imatrix);
+    bool   ggml_validate_row_data(int type, const void * data, size_t nbytes);
+    size_t ggml_row_size(int type, int64_t ne);
 
     const char * ggml_type_name(int type);
     int64_t      ggml_blck_size(int type);
@@ -87,3 +103,36 @@ def extension_version() -> str:
 
 def system_info() -> str:
     return _str(libs().llama.llama_print_system_info())
+
+
+def quantize_rows(type_id: int, rows: np.ndarray) -> np.ndarray:
+    """Quantize float32 rows with ggml_quantize_chunk (the reference path); returns the raw bytes."""
+    rows = np.ascontiguousarray(rows, dtype=np.float32)
+    if rows.ndim != 2:
+        raise ValueError("rows must be a 2-D array")
+    lib = libs()
+    n_rows, n_per_row = rows.shape
+    out = np.zeros(n_rows * lib.ggml_base.ggml_row_size(type_id, n_per_row), dtype=np.uint8)
+    lib.ggml_base.ggml_quantize_chunk(type_id, lib.ffi.from_buffer("float[]", rows), lib.ffi.from_buffer(out),
+                                      0, n_rows, n_per_row, lib.ffi.NULL)
+    return out.reshape(n_rows, -1)
+
+
+def dequantize_rows(type_id: int, data: np.ndarray, n_per_row: int) -> np.ndarray:
+    """Dequantize raw rows with the type's to_float."""
+    lib = libs()
+    data = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+    row_size = lib.ggml_base.ggml_row_size(type_id, n_per_row)
+    n_rows = data.size // row_size
+    out = np.zeros((n_rows, n_per_row), dtype=np.float32)
+    to_float = lib.ggml_base.ggml_get_type_traits(type_id).to_float
+    for r in range(n_rows):
+        to_float(lib.ffi.from_buffer(data[r * row_size:(r + 1) * row_size]),
+                 lib.ffi.cast("float *", lib.ffi.from_buffer(out[r])), n_per_row)
+    return out
+
+
+def validate_row_data(type_id: int, data: np.ndarray) -> bool:
+    lib = libs()
+    data = np.ascontiguousarray(data, dtype=np.uint8)
+    return bool(lib.ggml_base.ggml_validate_row_data(type_id, lib.ffi.from_buffer(data), data.size))

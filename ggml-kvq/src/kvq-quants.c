@@ -1,0 +1,159 @@
+// Reference quantization of the kivi block formats (see ggml-kvq.h). tests/kvq_oracle.py is the
+// independent numpy model of this file; the two must agree bit for bit.
+//
+// Defined outcome for hostile input, so that a broken activation can never crash the cache or make a
+// block undecodable: values are saturated to the fp16 range, NaN is left out of the min/max and gets
+// code 0, and a block without any non-NaN value is all zero. d and m are always finite.
+
+#include "ggml-kvq.h"
+#include "ggml-impl.h"
+
+#include <math.h>
+#include <string.h>
+
+#define KIVI_FP16_MAX 65504.0f
+
+static float kivi_saturate(float v) {
+    return v > KIVI_FP16_MAX ? KIVI_FP16_MAX : (v < -KIVI_FP16_MAX ? -KIVI_FP16_MAX : v);
+}
+
+static size_t kivi_block_bytes(int bits) {
+    return 2*sizeof(uint16_t) + QK_KIVI*bits/8;
+}
+
+// One block. The codes are computed from the fp16-rounded d and m that dequantization will use, with
+// a subtraction, a multiplication and a round-to-nearest-even: no operation a compiler could fuse,
+// so SIMD paths and the numpy oracle reproduce it exactly.
+static void kivi_quantize_block(const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT block, int bits) {
+    const int   nbytes = QK_KIVI*bits/8;
+    const int   qmax   = (1 << bits) - 1;
+    float lo =  INFINITY;
+    float hi = -INFINITY;
+    for (int i = 0; i < QK_KIVI; ++i) {
+        if (isnan(x[i])) {
+            continue;
+        }
+        const float v = kivi_saturate(x[i]);
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    uint16_t * dm = (uint16_t *) block;
+    uint8_t  * qs = block + 2*sizeof(uint16_t);
+    memset(qs, 0, nbytes);
+    if (lo > hi) {
+        dm[0] = GGML_FP32_TO_FP16(0.0f);
+        dm[1] = GGML_FP32_TO_FP16(0.0f);
+        return;
+    }
+    const float d_wanted = (hi - lo)/qmax;
+    dm[0] = GGML_FP32_TO_FP16(d_wanted > KIVI_FP16_MAX ? KIVI_FP16_MAX : d_wanted);
+    dm[1] = GGML_FP32_TO_FP16(lo);
+    const float d  = GGML_FP16_TO_FP32(dm[0]);
+    const float m  = GGML_FP16_TO_FP32(dm[1]);
+    const float id = d > 0.0f ? 1.0f/d : 0.0f;
+    for (int i = 0; i < QK_KIVI; ++i) {
+        if (isnan(x[i])) {
+            continue;
+        }
+        const float t = (kivi_saturate(x[i]) - m)*id;
+        // clamp before converting: with a subnormal d, t can exceed the range of int
+        const int   q = (int) nearbyintf(t < 0.0f ? 0.0f : (t > qmax ? (float) qmax : t));
+        qs[i % nbytes] |= (uint8_t) (q << ((i / nbytes)*bits));
+    }
+}
+
+static void kivi_dequantize_block(const uint8_t * GGML_RESTRICT block, float * GGML_RESTRICT y, int bits) {
+    const int   nbytes = QK_KIVI*bits/8;
+    const int   mask   = (1 << bits) - 1;
+    const uint16_t * dm = (const uint16_t *) block;
+    const uint8_t  * qs = block + 2*sizeof(uint16_t);
+    const float d = GGML_FP16_TO_FP32(dm[0]);
+    const float m = GGML_FP16_TO_FP32(dm[1]);
+    for (int i = 0; i < QK_KIVI; ++i) {
+        const int q = (qs[i % nbytes] >> ((i / nbytes)*bits)) & mask;
+        y[i] = m + d*q;
+    }
+}
+
+static void kivi_quantize_row(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k, int bits) {
+    GGML_ASSERT(k % QK_KIVI == 0);
+    uint8_t * out = (uint8_t *) y;
+    for (int64_t ib = 0; ib < k/QK_KIVI; ++ib) {
+        kivi_quantize_block(x + ib*QK_KIVI, out + ib*kivi_block_bytes(bits), bits);
+    }
+}
+
+static void kivi_dequantize_row(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k, int bits) {
+    GGML_ASSERT(k % QK_KIVI == 0);
+    const uint8_t * in = (const uint8_t *) x;
+    for (int64_t ib = 0; ib < k/QK_KIVI; ++ib) {
+        kivi_dequantize_block(in + ib*kivi_block_bytes(bits), y + ib*QK_KIVI, bits);
+    }
+}
+
+static size_t kivi_quantize_rows(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, int bits) {
+    const size_t row_size = (n_per_row/QK_KIVI)*kivi_block_bytes(bits);
+    for (int64_t r = 0; r < nrows; ++r) {
+        kivi_quantize_row(src + r*n_per_row, (uint8_t *) dst + r*row_size, n_per_row, bits);
+    }
+    return nrows*row_size;
+}
+
+static_assert(sizeof(block_kivi2) == 4 + QK_KIVI*2/8, "wrong kivi2 block size/padding");
+static_assert(sizeof(block_kivi4) == 4 + QK_KIVI*4/8, "wrong kivi4 block size/padding");
+static_assert(sizeof(block_kivi1) == 4 + QK_KIVI*1/8, "wrong kivi1 block size/padding");
+
+void quantize_row_kivi2_ref(const float * GGML_RESTRICT x, block_kivi2 * GGML_RESTRICT y, int64_t k) { kivi_quantize_row(x, y, k, 2); }
+void quantize_row_kivi4_ref(const float * GGML_RESTRICT x, block_kivi4 * GGML_RESTRICT y, int64_t k) { kivi_quantize_row(x, y, k, 4); }
+void quantize_row_kivi1_ref(const float * GGML_RESTRICT x, block_kivi1 * GGML_RESTRICT y, int64_t k) { kivi_quantize_row(x, y, k, 1); }
+
+void dequantize_row_kivi2(const block_kivi2 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) { kivi_dequantize_row(x, y, k, 2); }
+void dequantize_row_kivi4(const block_kivi4 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) { kivi_dequantize_row(x, y, k, 4); }
+void dequantize_row_kivi1(const block_kivi1 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) { kivi_dequantize_row(x, y, k, 1); }
+
+size_t quantize_kivi2(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix) {
+    GGML_UNUSED(imatrix);
+    return kivi_quantize_rows(src, dst, nrows, n_per_row, 2);
+}
+
+size_t quantize_kivi4(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix) {
+    GGML_UNUSED(imatrix);
+    return kivi_quantize_rows(src, dst, nrows, n_per_row, 4);
+}
+
+size_t quantize_kivi1(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix) {
+    GGML_UNUSED(imatrix);
+    return kivi_quantize_rows(src, dst, nrows, n_per_row, 1);
+}
+
+static int kivi_bits(enum ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_KIVI2: return 2;
+        case GGML_TYPE_KIVI4: return 4;
+        case GGML_TYPE_KIVI1: return 1;
+        default:              return 0;
+    }
+}
+
+bool ggml_kvq_is_kivi(enum ggml_type type) {
+    return kivi_bits(type) != 0;
+}
+
+bool ggml_kvq_validate_row_data(enum ggml_type type, const void * data, size_t nbytes) {
+    const int bits = kivi_bits(type);
+    GGML_ASSERT(bits != 0);
+    const size_t bs = kivi_block_bytes(bits);
+    if (nbytes % bs != 0) {
+        fprintf(stderr, "%s: invalid size %zu for type %s\n", __func__, nbytes, ggml_type_name(type));
+        return false;
+    }
+    const uint8_t * blocks = (const uint8_t *) data;
+    for (size_t i = 0; i < nbytes/bs; ++i) {
+        const uint16_t * dm = (const uint16_t *) (blocks + i*bs);
+        if (!isfinite(GGML_FP16_TO_FP32(dm[0])) || !isfinite(GGML_FP16_TO_FP32(dm[1]))) {
+            fprintf(stderr, "%s: ggml_type %s: non-finite d or m in block %zu\n", __func__, ggml_type_name(type), i);
+            return false;
+        }
+    }
+    return true;
+}

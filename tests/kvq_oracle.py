@@ -1,0 +1,59 @@
+"""Independent numpy model of the kivi block formats (ggml-kvq/include/ggml-kvq.h), written from the
+format's definition, not from the C code. The C reference must agree with it bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+
+QK = 32
+FP16_MAX = np.float32(65504.0)
+
+
+def block_bytes(bits: int) -> int:
+    return 4 + QK * bits // 8
+
+
+def quantize_block(x: np.ndarray, bits: int) -> bytes:
+    x = np.asarray(x, dtype=np.float32)
+    assert x.shape == (QK,)
+    nbytes, qmax = QK * bits // 8, (1 << bits) - 1
+    present = ~np.isnan(x)
+    v = np.clip(x, -FP16_MAX, FP16_MAX)
+    qs = np.zeros(nbytes, dtype=np.uint8)
+    if not present.any():
+        return np.float16(0).tobytes() + np.float16(0).tobytes() + qs.tobytes()
+    lo, hi = v[present].min(), v[present].max()
+    d_wanted = np.float32(np.float32(hi - lo) / np.float32(qmax))
+    d16, m16 = np.float16(min(d_wanted, FP16_MAX)), np.float16(lo)
+    d, m = np.float32(d16), np.float32(m16)
+    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+    with np.errstate(invalid="ignore"):
+        t = (v - m) * inv
+    codes = np.nan_to_num(np.rint(np.clip(t, 0, qmax))).astype(np.int64)
+    codes[~present] = 0
+    for i, q in enumerate(codes):
+        qs[i % nbytes] |= np.uint8(q << ((i // nbytes) * bits))
+    return d16.tobytes() + m16.tobytes() + qs.tobytes()
+
+
+def dequantize_block(block: bytes, bits: int) -> np.ndarray:
+    nbytes = QK * bits // 8
+    d = np.float32(np.frombuffer(block[0:2], dtype=np.float16)[0])
+    m = np.float32(np.frombuffer(block[2:4], dtype=np.float16)[0])
+    qs = np.frombuffer(block[4:4 + nbytes], dtype=np.uint8)
+    codes = np.array([(int(qs[i % nbytes]) >> ((i // nbytes) * bits)) & ((1 << bits) - 1) for i in range(QK)],
+                     dtype=np.float32)
+    return (m + d * codes).astype(np.float32)
+
+
+def quantize_rows(rows: np.ndarray, bits: int) -> np.ndarray:
+    rows = np.asarray(rows, dtype=np.float32)
+    out = [b"".join(quantize_block(r[i:i + QK], bits) for i in range(0, r.size, QK)) for r in rows]
+    return np.frombuffer(b"".join(out), dtype=np.uint8).reshape(len(rows), -1)
+
+
+def dequantize_rows(data: np.ndarray, bits: int, n_per_row: int) -> np.ndarray:
+    bb = block_bytes(bits)
+    data = np.asarray(data, dtype=np.uint8).reshape(-1, n_per_row // QK * bb)
+    return np.stack([np.concatenate([dequantize_block(r[i:i + bb].tobytes(), bits)
+                                     for i in range(0, r.size, bb)]) for r in data])
