@@ -39,10 +39,14 @@ def test_tree_then_export_round_trips_and_routes_by_path(checkout: Path, tmp_pat
     commit(tree, "ggml/include/ggml.h", "// kvq\n", "ggml: a ggml-only change")
     commit(tree, "src/llama.cpp", "// kvq\n", "llama: a llama change")
     assert dev.main(["--repo", str(checkout), "export", str(tree)]) == 0
-    ggml = sorted(p.name for p in (checkout / "ggml-kvq" / "patches").glob("*.patch"))
-    native = sorted(p.name for p in (checkout / "native" / "patches").glob("*.patch"))
-    assert ggml == ["0001-ggml-a-ggml-only-change.patch"]
-    assert len(native) == len(original) + 1 and native[-1].endswith("-llama-a-llama-change.patch")
+    def names(folder: str) -> list[str]:
+        return sorted(p.name for p in (checkout / folder / "patches").glob("*.patch"))
+
+    ggml, native = names("ggml-kvq"), names("native")
+    assert ggml[:-1] == sorted(n for n in original if "-ggml-" in n)
+    assert ggml[-1] == f"{len(ggml):04d}-ggml-a-ggml-only-change.patch"
+    assert native[:-1] == sorted(n for n in original if "-ggml-" not in n)
+    assert native[-1] == f"{len(native):04d}-llama-a-llama-change.patch"
 
 
 def test_export_refuses_a_commit_spanning_ggml_and_llama(checkout: Path, tmp_path: Path) -> None:
