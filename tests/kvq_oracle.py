@@ -57,3 +57,51 @@ def dequantize_rows(data: np.ndarray, bits: int, n_per_row: int) -> np.ndarray:
     data = np.asarray(data, dtype=np.uint8).reshape(-1, n_per_row // QK * bb)
     return np.stack([np.concatenate([dequantize_block(r[i:i + bb].tobytes(), bits)
                                      for i in range(0, r.size, bb)]) for r in data])
+
+
+def fp16_round(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
+
+
+def dequantized_k_tiles(k: np.ndarray, bits: int) -> np.ndarray:
+    """K [n_cells, n_embd] as the cache's sealed per-channel tiles give it back (complete tiles only;
+    the cells of an incomplete last tile are NaN: the contract never reads them quantized)."""
+    k16 = fp16_round(k)
+    out = np.full_like(k16, np.nan)
+    for t in range(k16.shape[0] // QK):
+        for c in range(k16.shape[1]):
+            cells = slice(t * QK, (t + 1) * QK)
+            out[cells, c] = dequantize_block(quantize_block(k16[cells, c], bits), bits)
+    return out
+
+
+def dequantized_v_rows(v: np.ndarray, bits: int) -> np.ndarray:
+    """V [n_cells, n_embd] quantized per token (from the unrounded values, as ggml_set_rows writes it)."""
+    return dequantize_rows(quantize_rows(v, bits), bits, v.shape[1])
+
+
+def kivi_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_cells: np.ndarray, *, window: int,
+                   n_sink: int, k_bits: int, v_bits: int, scale: float) -> np.ndarray:
+    """DESIGN.md §5 in plain numpy (float64 softmax): q [n_q, n_head, d], k/v [n_cells, n_head_kv, d];
+    the query at cell i attends cells 0..i."""
+    n_cells, n_head_kv, d = k.shape
+    dv = v.shape[2]
+    group = q.shape[1] // n_head_kv
+    kq = dequantized_k_tiles(k.reshape(n_cells, -1), k_bits).reshape(k.shape)
+    vq = dequantized_v_rows(v.reshape(n_cells, -1), v_bits).reshape(v.shape)
+    k16, v16 = fp16_round(k), fp16_round(v)
+    out = np.zeros((q.shape[0], q.shape[1], dv))
+    for n, i in enumerate(query_cells):
+        j = np.arange(i + 1)
+        lim_v = i - window + 1
+        lim_k = min(lim_v, i // QK * QK)
+        k_quant = (j >= n_sink) & (j < lim_k)
+        v_quant = (j >= n_sink) & (j < lim_v)
+        for h in range(q.shape[1]):
+            hk = h // group
+            keys = np.where(k_quant[:, None], kq[j, hk], k16[j, hk]).astype(np.float64)
+            vals = np.where(v_quant[:, None], vq[j, hk], v16[j, hk]).astype(np.float64)
+            s = keys @ q[n, h].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[n, h] = p @ vals / p.sum()
+    return out

@@ -54,8 +54,80 @@ GGML_API size_t quantize_kivi1(const float * GGML_RESTRICT src, void * GGML_REST
 // ggml_validate_row_data for the kivi types: d and m must be finite
 GGML_API bool ggml_kvq_validate_row_data(enum ggml_type type, const void * data, size_t nbytes);
 
-// true for the kivi types
-GGML_API bool ggml_kvq_is_kivi(enum ggml_type type);
+// code width of a kivi type, 0 for any other type
+static inline int ggml_kvq_bits(enum ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_KIVI2: return 2;
+        case GGML_TYPE_KIVI4: return 4;
+        case GGML_TYPE_KIVI1: return 1;
+        default:              return 0;
+    }
+}
+
+static inline bool ggml_kvq_is_kivi(enum ggml_type type) {
+    return ggml_kvq_bits(type) != 0;
+}
+
+//
+// GGML_OP_KVQ: the ops of a kivi KV cache layer (one sequence, token cell == position).
+//
+// Storage of one layer, n_embd = n_head_kv*head_dim channels:
+//   k_tiles  kivi type, [n_embd*QK_KIVI, n_tiles]: row T is tile T (cells T*32 .. T*32+31), one block per
+//            channel, channel-major; a tile is written ("sealed") once all of its cells exist
+//   v_rows   kivi type, [n_embd, n_cells]: one row per cell, quantized on write (ggml_set_rows)
+//   k_fp16,  F16, [n_embd, n_sink + n_ring]: rows 0 .. n_sink-1 hold the sink cells for good; cell c
+//   v_fp16   also sits in ring slot n_sink + c % n_ring while it is among the n_ring most recent cells
+// The current batch: k_cur, v_cur F32 [head_dim, n_head_kv, n_tokens]; k_idxs I64 [n_tokens], its cells,
+// consecutive. K from the batch is rounded to fp16 wherever it is read, so that results do not depend
+// on how tokens were batched.
+//
+
+enum ggml_kvq_op {
+    GGML_KVQ_OP_SEAL_K   = 0,
+    GGML_KVQ_OP_ATTN     = 1,
+    GGML_KVQ_OP_RING_PUT = 2,
+};
+
+// n_ring must cover max(window, QK_KIVI) cells; this is the smallest multiple of QK_KIVI that does
+GGML_API int32_t ggml_kvq_ring_size(int32_t window);
+
+// quantize every K tile that the batch completes; returns k_tiles (as a view, for ordering)
+GGML_API struct ggml_tensor * ggml_kvq_seal_k(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * k_tiles,
+        struct ggml_tensor  * k_fp16,
+        struct ggml_tensor  * k_cur,
+        struct ggml_tensor  * k_idxs,
+        int32_t               n_sink);
+
+// attention of q [head_dim, n_head, n_tokens] over cells 0 .. n_kv-1 (n_kv = mask->ne[0]), reading the
+// quantized tiles and rows directly. Query at cell i attends cell j through its fp16 value when
+// i - j < window, j < n_sink, or (K only) j lies in i's own tile; through the quantized value otherwise.
+// Returns F32 [head_dim_v, n_head, n_tokens].
+GGML_API struct ggml_tensor * ggml_kvq_attn(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k_tiles,
+        struct ggml_tensor  * v_rows,
+        struct ggml_tensor  * k_fp16,
+        struct ggml_tensor  * v_fp16,
+        struct ggml_tensor  * k_cur,
+        struct ggml_tensor  * v_cur,
+        struct ggml_tensor  * mask,
+        struct ggml_tensor  * k_idxs,
+        int32_t               window,
+        int32_t               n_sink,
+        float                 scale);
+
+// store the batch's fp16 values (sinks and ring); `after` is only an ordering dependency (the attention
+// that must read the ring before it changes)
+GGML_API struct ggml_tensor * ggml_kvq_ring_put(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * fp16,
+        struct ggml_tensor  * cur,
+        struct ggml_tensor  * k_idxs,
+        struct ggml_tensor  * after,
+        int32_t               n_sink);
 
 #ifdef __cplusplus
 }

@@ -126,21 +126,8 @@ size_t quantize_kivi1(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst,
     return kivi_quantize_rows(src, dst, nrows, n_per_row, 1);
 }
 
-static int kivi_bits(enum ggml_type type) {
-    switch (type) {
-        case GGML_TYPE_KIVI2: return 2;
-        case GGML_TYPE_KIVI4: return 4;
-        case GGML_TYPE_KIVI1: return 1;
-        default:              return 0;
-    }
-}
-
-bool ggml_kvq_is_kivi(enum ggml_type type) {
-    return kivi_bits(type) != 0;
-}
-
 bool ggml_kvq_validate_row_data(enum ggml_type type, const void * data, size_t nbytes) {
-    const int bits = kivi_bits(type);
+    const int bits = ggml_kvq_bits(type);
     GGML_ASSERT(bits != 0);
     const size_t bs = kivi_block_bytes(bits);
     if (nbytes % bs != 0) {

@@ -1,0 +1,354 @@
+// CPU kernels of GGML_OP_KVQ (see ggml-kvq.h for the storage layout and the attention contract).
+
+#include "kvq-cpu.h"
+
+#include "ggml-kvq.h"
+#include "ggml-cpu-impl.h"
+#include "simd-mappings.h"
+
+#include <math.h>
+#include <string.h>
+
+#define KVQ_MAX_HEAD 512
+
+// the current batch and where its cells sit
+typedef struct {
+    const struct ggml_tensor * fp16;   // sinks + ring
+    const struct ggml_tensor * cur;    // F32 [head_dim, n_head_kv, n_tokens]
+    int64_t first;                     // cell of the batch's first token
+    int64_t n_tokens;
+    int32_t n_sink;
+    int32_t n_ring;
+} kvq_source;
+
+static int32_t kvq_param_i32(const struct ggml_tensor * t, int i) {
+    return ggml_get_op_params_i32(t, i);
+}
+
+static kvq_source kvq_make_source(const struct ggml_tensor * fp16, const struct ggml_tensor * cur,
+                                  const struct ggml_tensor * k_idxs, int32_t n_sink) {
+    const int64_t * cells = (const int64_t *) k_idxs->data;
+    kvq_source src = { fp16, cur, cells[0], cur->ne[2], n_sink, (int32_t) (fp16->ne[1] - n_sink) };
+    for (int64_t t = 1; t < src.n_tokens; ++t) {
+        // the kivi cache places a batch in consecutive cells (llama-kvq-cache); anything else is a bug
+        GGML_ASSERT(cells[t] == src.first + t);
+    }
+    return src;
+}
+
+static float kvq_round_fp16(float x) {
+    return GGML_CPU_FP16_TO_FP32(GGML_CPU_FP32_TO_FP16(x));
+}
+
+static const float * kvq_cur_row(const kvq_source * src, int64_t cell, int64_t head) {
+    return (const float *) ((const char *) src->cur->data + (cell - src->first)*src->cur->nb[2] + head*src->cur->nb[1]);
+}
+
+static const ggml_fp16_t * kvq_fp16_slot(const kvq_source * src, int64_t slot, int64_t offset) {
+    return (const ggml_fp16_t *) ((const char *) src->fp16->data + slot*src->fp16->nb[1]) + offset;
+}
+
+// fp16 value of `cell`, channels [head*n, head*n + n): from the batch when it is in it (rounded to fp16),
+// else from its sink row or its ring slot
+static void kvq_read_fp16(const kvq_source * src, int64_t cell, int64_t head, int64_t n, float * out) {
+    if (cell >= src->first) {
+        const float * x = kvq_cur_row(src, cell, head);
+        for (int64_t c = 0; c < n; ++c) {
+            out[c] = kvq_round_fp16(x[c]);
+        }
+        return;
+    }
+    const int64_t slot = cell < src->n_sink ? cell : src->n_sink + cell % src->n_ring;
+    const ggml_fp16_t * x = kvq_fp16_slot(src, slot, head*n);
+    for (int64_t c = 0; c < n; ++c) {
+        out[c] = GGML_CPU_FP16_TO_FP32(x[c]);
+    }
+}
+
+//
+// block access (layout in ggml-kvq.h)
+//
+
+static size_t kvq_block_bytes(int bits) {
+    return 4 + QK_KIVI*bits/8;
+}
+
+static inline __attribute__((always_inline)) void kvq_block_codes(const uint8_t * block, int bits, float * codes) {
+    const int nbytes = QK_KIVI*bits/8;
+    const int mask   = (1 << bits) - 1;
+    const uint8_t * qs = block + 4;
+    for (int u = 0; u < QK_KIVI; ++u) {
+        codes[u] = (float) ((qs[u % nbytes] >> ((u / nbytes)*bits)) & mask);
+    }
+}
+
+static float kvq_block_d(const uint8_t * block) {
+    return GGML_CPU_FP16_TO_FP32(((const ggml_fp16_t *) block)[0]);
+}
+
+static float kvq_block_m(const uint8_t * block) {
+    return GGML_CPU_FP16_TO_FP32(((const ggml_fp16_t *) block)[1]);
+}
+
+//
+// SEAL_K
+//
+
+// fp16 value of one channel of a cell that is in the batch or in the ring (never a sink row: sealing
+// only reads the ring, which holds every recent cell, sinks included)
+static float kvq_read_channel(const kvq_source * src, int64_t cell, int64_t channel) {
+    const int64_t head_dim = src->cur->ne[0];
+    if (cell >= src->first) {
+        return kvq_round_fp16(kvq_cur_row(src, cell, channel / head_dim)[channel % head_dim]);
+    }
+    return GGML_CPU_FP16_TO_FP32(*kvq_fp16_slot(src, src->n_sink + cell % src->n_ring, channel));
+}
+
+static void kvq_seal_k(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * k_tiles = dst->src[0];
+    const kvq_source src = kvq_make_source(dst->src[1], dst->src[2], dst->src[3], kvq_param_i32(dst, 2));
+    const ggml_from_float_t quantize = ggml_get_type_traits(k_tiles->type)->from_float_ref;
+    const size_t  bb     = kvq_block_bytes(ggml_kvq_bits(k_tiles->type));
+    const int64_t n_embd = src.cur->ne[0]*src.cur->ne[1];
+    const int64_t last   = src.first + src.n_tokens - 1;
+
+    // every tile ending inside the batch; the first candidate always ends at or after `first`
+    for (int64_t tile = src.first/QK_KIVI; tile*QK_KIVI + QK_KIVI - 1 <= last; ++tile) {
+        uint8_t * row = (uint8_t *) k_tiles->data + tile*k_tiles->nb[1];
+        for (int64_t c = params->ith; c < n_embd; c += params->nth) {
+            float x[QK_KIVI];
+            for (int u = 0; u < QK_KIVI; ++u) {
+                x[u] = kvq_read_channel(&src, tile*QK_KIVI + u, c);
+            }
+            quantize(x, row + c*bb, QK_KIVI);
+        }
+    }
+}
+
+//
+// RING_PUT
+//
+
+static void kvq_store_fp16(const kvq_source * src, int64_t slot, int64_t offset, const float * x, int64_t n) {
+    ggml_fp16_t * y = (ggml_fp16_t *) kvq_fp16_slot(src, slot, offset);
+    for (int64_t c = 0; c < n; ++c) {
+        y[c] = GGML_CPU_FP32_TO_FP16(x[c]);
+    }
+}
+
+static void kvq_ring_put(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const kvq_source src = kvq_make_source(dst->src[0], dst->src[1], dst->src[2], kvq_param_i32(dst, 2));
+    const int64_t head_dim = src.cur->ne[0];
+    const int64_t n_head   = src.cur->ne[1];
+    const int64_t last     = src.first + src.n_tokens - 1;
+
+    for (int64_t t = params->ith; t < src.n_tokens; t += params->nth) {
+        const int64_t cell = src.first + t;
+        for (int64_t h = 0; h < n_head; ++h) {
+            const float * x = kvq_cur_row(&src, cell, h);
+            // only the n_ring most recent cells keep a ring slot: distinct slots, so threads never collide
+            if (cell > last - src.n_ring) {
+                kvq_store_fp16(&src, src.n_sink + cell % src.n_ring, h*head_dim, x, head_dim);
+            }
+            if (cell < src.n_sink) {
+                kvq_store_fp16(&src, cell, h*head_dim, x, head_dim);
+            }
+        }
+    }
+}
+
+//
+// ATTN
+//
+
+typedef struct {
+    const struct ggml_tensor * q;
+    const struct ggml_tensor * k_tiles;
+    const struct ggml_tensor * v_rows;
+    const struct ggml_tensor * mask;
+    kvq_source k;
+    kvq_source v;
+    int32_t window;
+    float   scale;
+    int     k_bits;
+    int     v_bits;
+} kvq_attn_args;
+
+static float kvq_mask_value(const struct ggml_tensor * mask, int64_t t, int64_t j) {
+    const char * row = (const char *) mask->data + t*mask->nb[1];
+    return mask->type == GGML_TYPE_F16 ? GGML_CPU_FP16_TO_FP32(((const ggml_fp16_t *) row)[j]) : ((const float *) row)[j];
+}
+
+// scores of q against all QK_KIVI cells of a K tile, from the codes directly:
+// score_u = sum_c (q_c d_c) code_{c,u} + sum_c q_c m_c
+static inline __attribute__((always_inline)) void kvq_tile_scores_bits(
+        const uint8_t * blocks, int bits, const float * q, int64_t head_dim, float * scores) {
+    const size_t bb = kvq_block_bytes(bits);
+    float acc[QK_KIVI] = { 0 };
+    float offset = 0.0f;
+    for (int64_t c = 0; c < head_dim; ++c) {
+        const uint8_t * block = blocks + c*bb;
+        float codes[QK_KIVI];
+        kvq_block_codes(block, bits, codes);
+        const float qd = q[c]*kvq_block_d(block);
+        offset += q[c]*kvq_block_m(block);
+        for (int u = 0; u < QK_KIVI; ++u) {
+            acc[u] += qd*codes[u];
+        }
+    }
+    for (int u = 0; u < QK_KIVI; ++u) {
+        scores[u] = acc[u] + offset;
+    }
+}
+
+static void kvq_tile_scores(const uint8_t * blocks, int bits, const float * q, int64_t head_dim, float * scores) {
+    switch (bits) {
+        case 1:  kvq_tile_scores_bits(blocks, 1, q, head_dim, scores); break;
+        case 2:  kvq_tile_scores_bits(blocks, 2, q, head_dim, scores); break;
+        default: kvq_tile_scores_bits(blocks, 4, q, head_dim, scores); break;
+    }
+}
+
+static inline __attribute__((always_inline)) void kvq_accumulate_row_bits(
+        const uint8_t * blocks, int bits, float weight, int64_t n, float * acc) {
+    const size_t bb = kvq_block_bytes(bits);
+    for (int64_t b = 0; b < n/QK_KIVI; ++b) {
+        const uint8_t * block = blocks + b*bb;
+        float codes[QK_KIVI];
+        kvq_block_codes(block, bits, codes);
+        const float wd = weight*kvq_block_d(block);
+        const float wm = weight*kvq_block_m(block);
+        for (int u = 0; u < QK_KIVI; ++u) {
+            acc[b*QK_KIVI + u] += wd*codes[u] + wm;
+        }
+    }
+}
+
+// acc += weight * (quantized V row), n channels
+static void kvq_accumulate_row(const uint8_t * blocks, int bits, float weight, int64_t n, float * acc) {
+    switch (bits) {
+        case 1:  kvq_accumulate_row_bits(blocks, 1, weight, n, acc); break;
+        case 2:  kvq_accumulate_row_bits(blocks, 2, weight, n, acc); break;
+        default: kvq_accumulate_row_bits(blocks, 4, weight, n, acc); break;
+    }
+}
+
+typedef struct {
+    float max;
+    float sum;
+} kvq_softmax;
+
+// online softmax: fold value v (n channels) with score s into acc
+static void kvq_softmax_add(kvq_softmax * sm, float s, float * acc, int64_t n, float * weight) {
+    if (s > sm->max) {
+        const float rescale = expf(sm->max - s);
+        for (int64_t c = 0; c < n; ++c) {
+            acc[c] *= rescale;
+        }
+        sm->sum = sm->sum*rescale + 1.0f;
+        sm->max = s;
+        *weight = 1.0f;
+    } else {
+        *weight = expf(s - sm->max);
+        sm->sum += *weight;
+    }
+}
+
+static void kvq_attn_row(const kvq_attn_args * a, int64_t t, int64_t h, float * out) {
+    const int64_t head_dim   = a->k.cur->ne[0];
+    const int64_t head_dim_v = a->v.cur->ne[0];
+    const int64_t hk         = h / (a->q->ne[1] / a->k.cur->ne[1]);
+    const int64_t n_kv       = a->mask->ne[0];
+    const int64_t i          = a->k.first + t;
+    const int64_t lim_v      = i - a->window + 1;                     // V below this is quantized
+    const int64_t own_tile   = i/QK_KIVI*QK_KIVI;
+    const int64_t lim_k      = lim_v < own_tile ? lim_v : own_tile;   // K below this is quantized
+    const int64_t n_sink     = a->k.n_sink;
+    const size_t  k_bb       = kvq_block_bytes(a->k_bits);
+    const size_t  v_bb       = kvq_block_bytes(a->v_bits);
+    const float * q = (const float *) ((const char *) a->q->data + t*a->q->nb[2] + h*a->q->nb[1]);
+
+    float acc[KVQ_MAX_HEAD] = { 0 };
+    float kbuf[KVQ_MAX_HEAD];
+    float vbuf[KVQ_MAX_HEAD];
+    float tile_scores[QK_KIVI];
+    kvq_softmax sm = { -INFINITY, 0.0f };
+
+    for (int64_t j0 = 0; j0 < n_kv; j0 += QK_KIVI) {
+        const int64_t j1 = j0 + QK_KIVI < n_kv ? j0 + QK_KIVI : n_kv;
+        const int64_t q_lo = j0 > n_sink ? j0 : n_sink;
+        const int64_t q_hi = j1 < lim_k ? j1 : lim_k;
+        if (q_lo < q_hi) {
+            const uint8_t * tile = (const uint8_t *) a->k_tiles->data + (j0/QK_KIVI)*a->k_tiles->nb[1] + hk*head_dim*k_bb;
+            kvq_tile_scores(tile, a->k_bits, q, head_dim, tile_scores);
+        }
+        for (int64_t j = j0; j < j1; ++j) {
+            const float mv = kvq_mask_value(a->mask, t, j);
+            if (mv == -INFINITY) {
+                continue;
+            }
+            float s;
+            if (j >= n_sink && j < lim_k) {
+                s = tile_scores[j - j0];
+            } else {
+                kvq_read_fp16(&a->k, j, hk, head_dim, kbuf);
+                s = 0.0f;
+                for (int64_t c = 0; c < head_dim; ++c) {
+                    s += q[c]*kbuf[c];
+                }
+            }
+            s = s*a->scale + mv;
+
+            float w;
+            kvq_softmax_add(&sm, s, acc, head_dim_v, &w);
+            if (j >= n_sink && j < lim_v) {
+                const uint8_t * row = (const uint8_t *) a->v_rows->data + j*a->v_rows->nb[1] + hk*head_dim_v/QK_KIVI*v_bb;
+                kvq_accumulate_row(row, a->v_bits, w, head_dim_v, acc);
+            } else {
+                kvq_read_fp16(&a->v, j, hk, head_dim_v, vbuf);
+                for (int64_t c = 0; c < head_dim_v; ++c) {
+                    acc[c] += w*vbuf[c];
+                }
+            }
+        }
+    }
+    const float inv = sm.sum > 0.0f ? 1.0f/sm.sum : 0.0f;
+    for (int64_t c = 0; c < head_dim_v; ++c) {
+        out[c] = acc[c]*inv;
+    }
+}
+
+static void kvq_attn(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const int32_t n_sink = kvq_param_i32(dst, 2);
+    kvq_attn_args a = {
+        /*.q       =*/ dst->src[0],
+        /*.k_tiles =*/ dst->src[1],
+        /*.v_rows  =*/ dst->src[2],
+        /*.mask    =*/ dst->src[7],
+        /*.k       =*/ kvq_make_source(dst->src[3], dst->src[5], dst->src[8], n_sink),
+        /*.v       =*/ kvq_make_source(dst->src[4], dst->src[6], dst->src[8], n_sink),
+        /*.window  =*/ kvq_param_i32(dst, 1),
+        /*.scale   =*/ 0.0f,
+        /*.k_bits  =*/ ggml_kvq_bits(dst->src[1]->type),
+        /*.v_bits  =*/ ggml_kvq_bits(dst->src[2]->type),
+    };
+    memcpy(&a.scale, (const int32_t *) dst->op_params + 3, sizeof(float));
+    GGML_ASSERT(a.k.cur->ne[0] <= KVQ_MAX_HEAD && a.v.cur->ne[0] <= KVQ_MAX_HEAD);
+
+    const int64_t n_head = a.q->ne[1];
+    const int64_t n_rows = a.q->ne[2]*n_head;
+    for (int64_t r = params->ith; r < n_rows; r += params->nth) {
+        const int64_t t = r / n_head;
+        const int64_t h = r % n_head;
+        kvq_attn_row(&a, t, h, (float *) dst->data + r*dst->ne[0]);
+    }
+}
+
+void ggml_compute_forward_kvq(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    switch ((enum ggml_kvq_op) ggml_get_op_params_i32(dst, 0)) {
+        case GGML_KVQ_OP_SEAL_K:   kvq_seal_k(params, dst);   break;
+        case GGML_KVQ_OP_ATTN:     kvq_attn(params, dst);     break;
+        case GGML_KVQ_OP_RING_PUT: kvq_ring_put(params, dst); break;
+        default:                   GGML_ABORT("unknown kvq op");
+    }
+}

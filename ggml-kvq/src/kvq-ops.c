@@ -1,0 +1,108 @@
+// Graph constructors of GGML_OP_KVQ (see ggml-kvq.h); the kernels are in kvq-cpu.c.
+
+#include "ggml-kvq.h"
+#include "ggml-impl.h"
+
+int32_t ggml_kvq_ring_size(int32_t window) {
+    const int32_t cells = window > QK_KIVI ? window : QK_KIVI;
+    return (cells + QK_KIVI - 1)/QK_KIVI*QK_KIVI;
+}
+
+static int32_t kvq_n_embd(const struct ggml_tensor * cur) {
+    return (int32_t) (cur->ne[0]*cur->ne[1]);
+}
+
+static void kvq_check_batch(const struct ggml_tensor * fp16, const struct ggml_tensor * cur,
+                            const struct ggml_tensor * k_idxs, int32_t n_sink) {
+    GGML_ASSERT(fp16->type == GGML_TYPE_F16 && ggml_is_contiguous(fp16));
+    GGML_ASSERT(cur->type == GGML_TYPE_F32 && cur->nb[0] == sizeof(float));
+    GGML_ASSERT(k_idxs->type == GGML_TYPE_I64 && k_idxs->ne[0] == cur->ne[2]);
+    GGML_ASSERT(fp16->ne[0] == kvq_n_embd(cur));
+    GGML_ASSERT(n_sink >= 0 && fp16->ne[1] > n_sink && (fp16->ne[1] - n_sink) % QK_KIVI == 0);
+}
+
+static void kvq_set_params(struct ggml_tensor * t, enum ggml_kvq_op op, int32_t window, int32_t n_sink, float scale) {
+    int32_t params[4] = { op, window, n_sink, 0 };
+    memcpy(&params[3], &scale, sizeof(float));
+    ggml_set_op_params(t, params, sizeof(params));
+    t->op = GGML_OP_KVQ;
+}
+
+struct ggml_tensor * ggml_kvq_seal_k(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * k_tiles,
+        struct ggml_tensor  * k_fp16,
+        struct ggml_tensor  * k_cur,
+        struct ggml_tensor  * k_idxs,
+        int32_t               n_sink) {
+    GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_is_contiguous(k_tiles));
+    GGML_ASSERT(k_tiles->ne[0] == (int64_t) kvq_n_embd(k_cur)*QK_KIVI);
+    kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink);
+
+    struct ggml_tensor * result = ggml_view_tensor(ctx, k_tiles);
+    kvq_set_params(result, GGML_KVQ_OP_SEAL_K, 0, n_sink, 0.0f);
+    result->src[0] = k_tiles;
+    result->src[1] = k_fp16;
+    result->src[2] = k_cur;
+    result->src[3] = k_idxs;
+    return result;
+}
+
+struct ggml_tensor * ggml_kvq_attn(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k_tiles,
+        struct ggml_tensor  * v_rows,
+        struct ggml_tensor  * k_fp16,
+        struct ggml_tensor  * v_fp16,
+        struct ggml_tensor  * k_cur,
+        struct ggml_tensor  * v_cur,
+        struct ggml_tensor  * mask,
+        struct ggml_tensor  * k_idxs,
+        int32_t               window,
+        int32_t               n_sink,
+        float                 scale) {
+    GGML_ASSERT(q->type == GGML_TYPE_F32 && q->nb[0] == sizeof(float));
+    GGML_ASSERT(q->ne[0] == k_cur->ne[0] && q->ne[2] == k_cur->ne[2] && q->ne[1] % k_cur->ne[1] == 0);
+    GGML_ASSERT(v_cur->ne[1] == k_cur->ne[1] && v_cur->ne[2] == k_cur->ne[2]);
+    GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_kvq_is_kivi(v_rows->type));
+    GGML_ASSERT(k_tiles->ne[0] == (int64_t) kvq_n_embd(k_cur)*QK_KIVI && v_rows->ne[0] == kvq_n_embd(v_cur));
+    GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
+    GGML_ASSERT(mask->ne[1] >= q->ne[2] && mask->ne[0] <= v_rows->ne[1] && mask->ne[0] <= k_tiles->ne[1]*QK_KIVI);
+    GGML_ASSERT(window >= 0);
+    kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink);
+    kvq_check_batch(v_fp16, v_cur, k_idxs, n_sink);
+    GGML_ASSERT(k_fp16->ne[1] - n_sink >= ggml_kvq_ring_size(window));
+    GGML_ASSERT(v_fp16->ne[1] == k_fp16->ne[1]);
+
+    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, v_cur->ne[0], q->ne[1], q->ne[2]);
+    kvq_set_params(result, GGML_KVQ_OP_ATTN, window, n_sink, scale);
+    result->src[0] = q;
+    result->src[1] = k_tiles;
+    result->src[2] = v_rows;
+    result->src[3] = k_fp16;
+    result->src[4] = v_fp16;
+    result->src[5] = k_cur;
+    result->src[6] = v_cur;
+    result->src[7] = mask;
+    result->src[8] = k_idxs;
+    return result;
+}
+
+struct ggml_tensor * ggml_kvq_ring_put(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * fp16,
+        struct ggml_tensor  * cur,
+        struct ggml_tensor  * k_idxs,
+        struct ggml_tensor  * after,
+        int32_t               n_sink) {
+    kvq_check_batch(fp16, cur, k_idxs, n_sink);
+
+    struct ggml_tensor * result = ggml_view_tensor(ctx, fp16);
+    kvq_set_params(result, GGML_KVQ_OP_RING_PUT, 0, n_sink, 0.0f);
+    result->src[0] = fp16;
+    result->src[1] = cur;
+    result->src[2] = k_idxs;
+    result->src[3] = after;
+    return result;
+}

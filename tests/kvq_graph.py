@@ -1,0 +1,117 @@
+"""Build and run small ggml graphs of the GGML_OP_KVQ ops through cffi, with numpy arrays in and out.
+
+A ggml tensor's ne[0] is the fastest dimension: a numpy array of shape (a, b, c) becomes ne = (c, b, a).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+
+import numpy as np
+from cffi import FFI
+
+from pykvq import paths
+
+GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_I64 = 0, 1, 27
+
+_CDEF = """
+    struct ggml_init_params { size_t mem_size; void * mem_buffer; bool no_alloc; };
+    struct ggml_context;
+    struct ggml_tensor;
+    struct ggml_cgraph;
+    struct ggml_context * ggml_init(struct ggml_init_params params);
+    void   ggml_free(struct ggml_context * ctx);
+    struct ggml_tensor * ggml_new_tensor_1d(struct ggml_context * ctx, int type, int64_t ne0);
+    struct ggml_tensor * ggml_new_tensor_2d(struct ggml_context * ctx, int type, int64_t ne0, int64_t ne1);
+    struct ggml_tensor * ggml_new_tensor_3d(struct ggml_context * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2);
+    struct ggml_tensor * ggml_reshape_2d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1);
+    struct ggml_tensor * ggml_set_rows(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, struct ggml_tensor * c);
+    void * ggml_get_data(const struct ggml_tensor * tensor);
+    size_t ggml_nbytes(const struct ggml_tensor * tensor);
+    struct ggml_cgraph * ggml_new_graph_custom(struct ggml_context * ctx, size_t size, bool grads);
+    void   ggml_build_forward_expand(struct ggml_cgraph * cgraph, struct ggml_tensor * tensor);
+    int    ggml_graph_compute_with_ctx(struct ggml_context * ctx, struct ggml_cgraph * cgraph, int n_threads);
+
+    int32_t ggml_kvq_ring_size(int32_t window);
+    struct ggml_tensor * ggml_kvq_seal_k(struct ggml_context * ctx, struct ggml_tensor * k_tiles,
+        struct ggml_tensor * k_fp16, struct ggml_tensor * k_cur, struct ggml_tensor * k_idxs, int32_t n_sink);
+    struct ggml_tensor * ggml_kvq_attn(struct ggml_context * ctx, struct ggml_tensor * q,
+        struct ggml_tensor * k_tiles, struct ggml_tensor * v_rows, struct ggml_tensor * k_fp16,
+        struct ggml_tensor * v_fp16, struct ggml_tensor * k_cur, struct ggml_tensor * v_cur,
+        struct ggml_tensor * mask, struct ggml_tensor * k_idxs, int32_t window, int32_t n_sink, float scale);
+    struct ggml_tensor * ggml_kvq_ring_put(struct ggml_context * ctx, struct ggml_tensor * fp16,
+        struct ggml_tensor * cur, struct ggml_tensor * k_idxs, struct ggml_tensor * after, int32_t n_sink);
+"""
+
+
+@dataclass(frozen=True)
+class _Libs:
+    ffi: FFI
+    base: object
+    cpu: object
+
+
+@cache
+def libs() -> _Libs:
+    ffi = FFI()
+    ffi.cdef(_CDEF)
+    return _Libs(ffi, ffi.dlopen(str(paths.library("ggml-base"))), ffi.dlopen(str(paths.library("ggml-cpu"))))
+
+
+def ring_size(window: int) -> int:
+    return libs().base.ggml_kvq_ring_size(window)
+
+
+@dataclass
+class Context:
+    """A ggml context that owns its tensors' memory; freed with close()."""
+
+    mem_size: int = 64 << 20
+    ctx: object = field(init=False)
+
+    def __post_init__(self) -> None:
+        lib = libs()
+        self.ctx = lib.base.ggml_init({"mem_size": self.mem_size, "mem_buffer": lib.ffi.NULL, "no_alloc": False})
+
+    def close(self) -> None:
+        libs().base.ggml_free(self.ctx)
+
+    def new(self, type_id: int, *ne: int):
+        base = libs().base
+        return {1: base.ggml_new_tensor_1d, 2: base.ggml_new_tensor_2d, 3: base.ggml_new_tensor_3d}[len(ne)](
+            self.ctx, type_id, *ne)
+
+    def tensor(self, array: np.ndarray):
+        """A new tensor holding a copy of a float32 / float16 / int64 array."""
+        type_id = {np.float32: GGML_TYPE_F32, np.float16: GGML_TYPE_F16, np.int64: GGML_TYPE_I64}[array.dtype.type]
+        t = self.new(type_id, *reversed(array.shape))
+        write(t, array)
+        return t
+
+    def compute(self, *outputs, n_threads: int = 2) -> None:
+        base, cpu = libs().base, libs().cpu
+        graph = base.ggml_new_graph_custom(self.ctx, 256, False)
+        for out in outputs:
+            base.ggml_build_forward_expand(graph, out)
+        assert cpu.ggml_graph_compute_with_ctx(self.ctx, graph, n_threads) == 0
+
+
+def _buffer(t) -> memoryview:
+    lib = libs()
+    return lib.ffi.buffer(lib.base.ggml_get_data(t), lib.base.ggml_nbytes(t))
+
+
+def write(t, array: np.ndarray) -> None:
+    data = np.ascontiguousarray(array).tobytes()
+    buf = _buffer(t)
+    assert len(buf) == len(data), (len(buf), len(data))
+    buf[:] = data
+
+
+def read(t, dtype, shape) -> np.ndarray:
+    return np.frombuffer(bytes(_buffer(t)), dtype=dtype).reshape(shape).copy()
+
+
+def read_bytes(t) -> np.ndarray:
+    return np.frombuffer(bytes(_buffer(t)), dtype=np.uint8).copy()
