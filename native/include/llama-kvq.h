@@ -17,6 +17,25 @@ LLAMA_API const char * llama_kvq_version(void);
 LLAMA_API size_t         llama_kvq_n_cache_types(void);
 LLAMA_API enum ggml_type llama_kvq_cache_type(size_t i);
 
+// Settings of the kivi layers of a KV cache (DESIGN.md §4-5).
+struct llama_kvq_params {
+    int32_t window;   // W: the most recent tokens kept (and attended) in fp16, default 128
+    int32_t n_sink;   // S: the first tokens of a sequence kept in fp16 for good, default 0
+    bool    rotate;   // apply upstream's Hadamard rotation to kivi K/V (mixes channels), default false
+};
+
+LLAMA_API struct llama_kvq_params llama_kvq_default_params(void);
+
+// Process-wide settings used by every KV cache created afterwards (llama_init_from_model). Returns false,
+// keeping the previous settings, when they are invalid; llama_kvq_last_error() says why.
+LLAMA_API bool                    llama_kvq_set_params(struct llama_kvq_params params);
+LLAMA_API struct llama_kvq_params llama_kvq_get_params(void);
+LLAMA_API const char *            llama_kvq_last_error(void);
+
+// One setting by name, as the tools' command lines give it: "window" and "sinks" take a count,
+// "rotate" takes on/off. Returns false (see llama_kvq_last_error) for an unknown name or a bad value.
+LLAMA_API bool llama_kvq_set_param(const char * name, const char * value);
+
 #ifdef __cplusplus
 }
 #endif

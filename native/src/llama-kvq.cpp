@@ -3,10 +3,14 @@
 #include "ggml.h"
 
 #include <array>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
 
 // Upstream's list (common/arg.cpp before our patch), in its order, so that upstream's tools keep
-// accepting and printing exactly what they did.
-static constexpr std::array<ggml_type, 9> kvq_cache_types = {
+// accepting and printing exactly what they did; then pykvq's types.
+static constexpr std::array<ggml_type, 12> kvq_cache_types = {
     GGML_TYPE_F32,
     GGML_TYPE_F16,
     GGML_TYPE_BF16,
@@ -16,6 +20,9 @@ static constexpr std::array<ggml_type, 9> kvq_cache_types = {
     GGML_TYPE_IQ4_NL,
     GGML_TYPE_Q5_0,
     GGML_TYPE_Q5_1,
+    GGML_TYPE_KIVI4,
+    GGML_TYPE_KIVI2,
+    GGML_TYPE_KIVI1,
 };
 
 const char * llama_kvq_version(void) {
@@ -29,4 +36,88 @@ size_t llama_kvq_n_cache_types(void) {
 enum ggml_type llama_kvq_cache_type(size_t i) {
     // GGML_TYPE_COUNT rather than an abort: callers in Python iterate until they see it
     return i < kvq_cache_types.size() ? kvq_cache_types[i] : GGML_TYPE_COUNT;
+}
+
+// Settings are process-wide: llama_context_params' layout is mirrored by llama-cpp-python and must not
+// change, so they cannot travel with it.
+static std::mutex       kvq_params_mutex;
+static llama_kvq_params kvq_params = llama_kvq_default_params();
+static std::string      kvq_error;
+
+struct llama_kvq_params llama_kvq_default_params(void) {
+    return { /*.window =*/ 128, /*.n_sink =*/ 0, /*.rotate =*/ false };
+}
+
+bool llama_kvq_set_params(struct llama_kvq_params params) {
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    if (params.window < 0) {
+        kvq_error = "the recent window must be 0 or more tokens, got " + std::to_string(params.window);
+        return false;
+    }
+    if (params.n_sink < 0) {
+        kvq_error = "the sink count must be 0 or more tokens, got " + std::to_string(params.n_sink);
+        return false;
+    }
+    kvq_params = params;
+    kvq_error.clear();
+    return true;
+}
+
+struct llama_kvq_params llama_kvq_get_params(void) {
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    return kvq_params;
+}
+
+const char * llama_kvq_last_error(void) {
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    return kvq_error.c_str();
+}
+
+static bool kvq_parse_count(const char * value, int32_t & out) {
+    char * end = nullptr;
+    const long v = std::strtol(value, &end, 10);
+    if (end == value || *end != '\0' || v < INT32_MIN || v > INT32_MAX) {
+        return false;
+    }
+    out = (int32_t) v;
+    return true;
+}
+
+static bool kvq_parse_switch(const char * value, bool & out) {
+    for (const char * on : { "on", "1", "true", "yes" }) {
+        if (std::strcmp(value, on) == 0) {
+            out = true;
+            return true;
+        }
+    }
+    for (const char * off : { "off", "0", "false", "no" }) {
+        if (std::strcmp(value, off) == 0) {
+            out = false;
+            return true;
+        }
+    }
+    return false;
+}
+
+bool llama_kvq_set_param(const char * name, const char * value) {
+    llama_kvq_params params = llama_kvq_get_params();
+    bool ok = false;
+    if (std::strcmp(name, "window") == 0) {
+        ok = kvq_parse_count(value, params.window);
+    } else if (std::strcmp(name, "sinks") == 0) {
+        ok = kvq_parse_count(value, params.n_sink);
+    } else if (std::strcmp(name, "rotate") == 0) {
+        ok = kvq_parse_switch(value, params.rotate);
+    } else {
+        std::lock_guard<std::mutex> lock(kvq_params_mutex);
+        kvq_error = std::string("unknown kivi setting '") + name + "' (valid: window, sinks, rotate)";
+        return false;
+    }
+    if (!ok) {
+        std::lock_guard<std::mutex> lock(kvq_params_mutex);
+        kvq_error = std::string("invalid value '") + value + "' for kivi setting " + name +
+                    (std::strcmp(name, "rotate") == 0 ? " (valid: on, off)" : " (a whole number of tokens)");
+        return false;
+    }
+    return llama_kvq_set_params(params);
 }
