@@ -8,6 +8,7 @@ import sys
 
 from pykvq import __version__
 from pykvq.info import add_info_command
+from pykvq.perplexity import add_perplexity_command
 
 log = logging.getLogger("pykvq")
 
@@ -19,15 +20,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_info_command(commands)
+    add_perplexity_command(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="pykvq: %(message)s")
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     try:
         return args.handler(args)
-    except (RuntimeError, OSError) as exc:
+    except (RuntimeError, OSError, ValueError) as exc:
         # One line, no traceback: these carry a message meant for the user.
         print(f"pykvq: error: {exc}", file=sys.stderr)
         return 1

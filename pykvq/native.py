@@ -13,6 +13,8 @@ from pykvq import paths
 # enum ggml_type is passed as int: same size and calling convention on every platform we build for
 _CDEF = """
     const char * llama_kvq_version(void);
+    struct llama_kvq_params { int32_t window; int32_t n_sink; bool rotate; };
+    struct llama_kvq_params llama_kvq_default_params(void);
     size_t       llama_kvq_n_cache_types(void);
     int          llama_kvq_cache_type(size_t i);
     const char * llama_print_system_info(void);
@@ -31,6 +33,8 @@ _CDEF = """
                                int64_t n_per_row, const float * imatrix);
     bool   ggml_validate_row_data(int type, const void * data, size_t nbytes);
     size_t ggml_row_size(int type, int64_t ne);
+
+    int32_t ggml_kvq_ring_size(int32_t window);
 
     const char * ggml_type_name(int type);
     int64_t      ggml_blck_size(int type);
@@ -136,3 +140,20 @@ def validate_row_data(type_id: int, data: np.ndarray) -> bool:
     lib = libs()
     data = np.ascontiguousarray(data, dtype=np.uint8)
     return bool(lib.ggml_base.ggml_validate_row_data(type_id, lib.ffi.from_buffer(data), data.size))
+
+
+def kvq_ring_size(window: int) -> int:
+    """fp16 ring cells a kivi layer keeps for a recent window of ``window`` tokens."""
+    return int(libs().ggml_base.ggml_kvq_ring_size(window))
+
+
+@dataclass(frozen=True)
+class KvqParams:
+    window: int
+    n_sink: int
+    rotate: bool
+
+
+def kvq_default_params() -> KvqParams:
+    p = libs().llama.llama_kvq_default_params()
+    return KvqParams(p.window, p.n_sink, bool(p.rotate))

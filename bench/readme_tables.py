@@ -1,0 +1,43 @@
+"""Render bench/results/*.json as the markdown tables of the README's results section.
+
+    python bench/readme_tables.py        # prints the tables; paste them between the README markers
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def perplexity_table(path: Path) -> str:
+    record = json.loads(path.read_text())
+    s = record["settings"]
+    lines = [f"Perplexity, {Path(s['model']).stem}, {Path(s['text']).stem}, n_ctx {s['n_ctx']}, "
+             f"{s['chunks']} chunks, kivi window {s['window']}, sinks {s['n_sink']}:", "",
+             "| KV type | K bpe | V bpe | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in record["runs"]:
+        delta = "" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}"
+        lines.append(f"| {r['kv_type']} | {r['bpe_k']:.2f} | {r['bpe_v']:.2f} | {r['ppl']:.4f} | {r['error']:.4f} | {delta} |")
+    return "\n".join(lines)
+
+
+def decode_table(path: Path) -> str:
+    record = json.loads(path.read_text())
+    lines = [f"CPU decode speed ({record['machine']}), batch 1:", "",
+             "| context | KV type | prefill t/s | decode t/s | decode vs f16 |", "| ---: | --- | ---: | ---: | ---: |"]
+    for r in record["rows"]:
+        lines.append(f"| {r['depth']} | {r['kv_type']} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | "
+                     f"{r['decode_vs_f16']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parts = [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-c*.json"))]
+    parts += [decode_table(p) for p in sorted(RESULTS.glob("decode-speed-*.json"))]
+    print("\n\n".join(parts))
+
+
+if __name__ == "__main__":
+    main()

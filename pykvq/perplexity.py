@@ -1,0 +1,166 @@
+"""`pykvq perplexity`: every KV cache type on the same chunks of the same text, with the real llama-perplexity."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from pykvq import kv_types, llama_tools, native, paths
+from pykvq.kv_types import KvSpec
+
+log = logging.getLogger("pykvq.perplexity")
+
+_CHUNK_DONE = re.compile(rb"\[(\d+)\][0-9.]+,")
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: Path
+    text: Path
+    n_ctx: int
+    chunks: int
+    threads: int
+    window: int
+    n_sink: int
+
+
+@dataclass
+class Run:
+    kv_type: str
+    ppl: float
+    error: float
+    bpe_k: float
+    bpe_v: float
+    seconds: float
+    running_ppl: list[float] = field(default_factory=list)
+    delta_pct: float | None = None
+
+
+def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
+    # -b = -c: one sequence per pass, so that every type (kivi needs it) sees the same chunks the same way
+    args = ["-m", str(settings.model), "-f", str(settings.text), "-c", str(settings.n_ctx), "-b", str(settings.n_ctx),
+            "--chunks", str(settings.chunks), "-t", str(settings.threads), "-fa", "on",
+            "-ctk", spec.name, "-ctv", spec.name]
+    if spec.is_kivi:
+        args += ["--kv-window", str(settings.window), "--kv-sinks", str(settings.n_sink),
+                 "--kv-rotate", "on" if spec.rotate else "off"]
+    return args
+
+
+def run_one(settings: Settings, spec: KvSpec, progress: tqdm) -> Run:
+    """One llama-perplexity run, advancing `progress` as its chunks complete."""
+    cmd = [str(paths.tool("llama-perplexity")), *tool_args(settings, spec)]
+    log.debug("running %s", " ".join(cmd))
+    start = time.monotonic()
+    output = bytearray()
+    done = 0
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        assert proc.stdout is not None
+        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+            output += chunk
+            finished = len(_CHUNK_DONE.findall(output))
+            progress.update(finished - done)
+            done = finished
+    text = output.decode(errors="replace")
+    if proc.returncode != 0:
+        tail = "\n".join(text.strip().splitlines()[-6:])
+        raise llama_tools.ToolError(f"llama-perplexity failed for KV type {spec.label}:\n{tail}")
+    result = llama_tools.parse_perplexity(text)
+    progress.update(settings.chunks - done)
+    bpe = kv_types.bits_per_element(spec.name, settings.n_ctx, settings.window, settings.n_sink)
+    return Run(spec.label, result.ppl, result.error, bpe, bpe, time.monotonic() - start, result.running_ppl)
+
+
+def compare(settings: Settings, specs: list[KvSpec]) -> list[Run]:
+    runs = []
+    with tqdm(total=settings.chunks * len(specs), unit="chunk", desc="perplexity") as progress:
+        for spec in specs:
+            progress.set_postfix_str(spec.label)
+            runs.append(run_one(settings, spec, progress))
+    base = next((r for r in runs if r.kv_type == "f16"), None)
+    for r in runs:
+        r.delta_pct = None if base is None else 100.0 * (r.ppl - base.ppl) / base.ppl
+    return runs
+
+
+def format_table(runs: list[Run]) -> str:
+    header = f"{'KV type':<12} {'K bpe':>6} {'V bpe':>6} {'PPL':>9} {'± err':>8} {'Δ% vs f16':>10}"
+    lines = [header, "-" * len(header)]
+    for r in runs:
+        delta = "" if r.delta_pct is None else f"{r.delta_pct:+.2f}"
+        lines.append(f"{r.kv_type:<12} {r.bpe_k:>6.2f} {r.bpe_v:>6.2f} {r.ppl:>9.4f} {r.error:>8.4f} {delta:>10}")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, settings: Settings, runs: list[Run]) -> None:
+    record = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
+              "runs": [asdict(r) for r in runs]}
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def plot(path: Path, settings: Settings, runs: list[Run]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in runs:
+        if r.delta_pct is None:
+            continue
+        color = "tab:blue" if r.kv_type.startswith("kivi") else "tab:gray"
+        ax.scatter((r.bpe_k + r.bpe_v) / 2, r.delta_pct, color=color)
+        ax.annotate(r.kv_type, ((r.bpe_k + r.bpe_v) / 2, r.delta_pct), textcoords="offset points", xytext=(4, 4))
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_xlabel("bits per element (K and V mean, scales, window and sinks included)")
+    ax.set_ylabel("ΔPPL vs f16 KV (%)")
+    ax.set_title(f"{settings.model.stem}, {settings.text.stem}, n_ctx {settings.n_ctx}, {settings.chunks} chunks")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    specs = kv_types.parse_list(args.kv_types)
+    for f, what in ((args.model, "model"), (args.file, "text")):
+        if not f.is_file():
+            raise FileNotFoundError(f"{what} file not found: {f}")
+    defaults = native.kvq_default_params()
+    window = defaults.window if args.kv_window is None else args.kv_window
+    n_sink = defaults.n_sink if args.kv_sinks is None else args.kv_sinks
+    if args.ctx_size < 64 or args.chunks < 1 or args.threads < 1 or window < 0 or n_sink < 0:
+        raise ValueError("need -c >= 64, --chunks >= 1, -t >= 1, --kv-window >= 0 and --kv-sinks >= 0")
+    settings = Settings(args.model, args.file, args.ctx_size, args.chunks, args.threads, window, n_sink)
+    runs = compare(settings, specs)
+    print(format_table(runs))
+    out = Path(args.output)
+    write_json(out.with_suffix(".json"), settings, runs)
+    plot(out.with_suffix(".png"), settings, runs)
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
+def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("perplexity", help="compare KV cache types by perplexity on the same chunks")
+    p.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
+    p.add_argument("-f", "--file", type=Path, required=True, help="text to evaluate")
+    p.add_argument("--kv-types", default="f16,q8_0,q4_0,q4_1,kivi4,kivi2,kivi1",
+                   help="comma-separated KV cache types, same for K and V; kivi types may add +rot (default: %(default)s)")
+    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (default: %(default)s)")
+    p.add_argument("--chunks", type=int, default=4, help="chunks of the text to evaluate (default: %(default)s)")
+    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")
+    p.add_argument("--kv-window", type=int, help="kivi: recent tokens kept in fp16 (default: the library's, 128)")
+    p.add_argument("--kv-sinks", type=int, help="kivi: first tokens kept in fp16 for good (default: the library's, 0)")
+    p.add_argument("-o", "--output", default="pykvq-perplexity",
+                   help="output prefix: writes PREFIX.json and PREFIX.png (default: %(default)s)")
+    p.set_defaults(handler=run)
