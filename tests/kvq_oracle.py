@@ -83,7 +83,7 @@ def dequantized_v_rows(v: np.ndarray, bits: int) -> np.ndarray:
 def kivi_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_cells: np.ndarray, *, window: int,
                    n_sink: int, k_bits: int, v_bits: int, scale: float) -> np.ndarray:
     """DESIGN.md §5 in plain numpy (float64 softmax): q [n_q, n_head, d], k/v [n_cells, n_head_kv, d];
-    the query at cell i attends cells 0..i."""
+    the query at cell i attends cells 0..i. Q is taken in fp16, as upstream's flash attention does."""
     n_cells, n_head_kv, d = k.shape
     dv = v.shape[2]
     group = q.shape[1] // n_head_kv
@@ -101,7 +101,7 @@ def kivi_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_cells: np.
             hk = h // group
             keys = np.where(k_quant[:, None], kq[j, hk], k16[j, hk]).astype(np.float64)
             vals = np.where(v_quant[:, None], vq[j, hk], v16[j, hk]).astype(np.float64)
-            s = keys @ q[n, h].astype(np.float64) * scale
+            s = keys @ fp16_round(q[n, h]).astype(np.float64) * scale
             p = np.exp(s - s.max())
             out[n, h] = p @ vals / p.sum()
     return out

@@ -266,8 +266,14 @@ static void kvq_attn_row(const kvq_attn_args * a, int64_t t, int64_t h, float * 
     const int64_t n_sink     = a->k.n_sink;
     const size_t  k_bb       = kvq_block_bytes(a->k_bits);
     const size_t  v_bb       = kvq_block_bytes(a->v_bits);
-    const float * q = (const float *) ((const char *) a->q->data + t*a->q->nb[2] + h*a->q->nb[1]);
+    const float * q_row = (const float *) ((const char *) a->q->data + t*a->q->nb[2] + h*a->q->nb[1]);
 
+    // Q in fp16, as upstream's flash attention takes it for f16 K: a window covering the whole context
+    // then reproduces f16 KV, and ΔPPL against f16 measures the quantization alone
+    float q[KVQ_MAX_HEAD];
+    for (int64_t c = 0; c < head_dim; ++c) {
+        q[c] = kvq_round_fp16(q_row[c]);
+    }
     float acc[KVQ_MAX_HEAD] = { 0 };
     float kbuf[KVQ_MAX_HEAD];
     float vbuf[KVQ_MAX_HEAD];

@@ -11,6 +11,7 @@
 
 #include "ggml-kvq.h"
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -77,10 +78,23 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
     return true;
 }
 
+bool llama_kv_cache::kvq_active() const {
+    return !layers.empty() && layers[0].k_fp16 != nullptr;
+}
+
 void llama_kv_cache::kvq_check_state() const {
-    if (!layers.empty() && layers[0].k_fp16 != nullptr) {
+    if (kvq_active()) {
         throw std::runtime_error("saving or loading the state of a kivi KV cache is not supported yet");
     }
+}
+
+bool llama_kv_cache::kvq_can_remove(llama_pos p0, llama_pos p1) const {
+    // removing part of a sequence would leave sealed tiles and ring slots stale: only a whole clear for now
+    if (kvq_active() && (p0 > 0 || (p1 >= 0 && p1 != std::numeric_limits<llama_pos>::max()))) {
+        LLAMA_LOG_ERROR("%s: kivi KV cache: removing tokens [%d, %d) from a sequence is not supported yet\n", __func__, p0, p1);
+        return false;
+    }
+    return true;
 }
 
 bool llama_kv_cache::kvq_is_layer(int32_t il) const {
