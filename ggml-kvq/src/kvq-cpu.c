@@ -44,8 +44,8 @@ static const float * kvq_cur_row(const kvq_source * src, int64_t cell, int64_t h
     return (const float *) ((const char *) src->cur->data + (cell - src->first)*src->cur->nb[2] + head*src->cur->nb[1]);
 }
 
-static const ggml_fp16_t * kvq_fp16_slot(const kvq_source * src, int64_t slot, int64_t offset) {
-    return (const ggml_fp16_t *) ((const char *) src->fp16->data + slot*src->fp16->nb[1]) + offset;
+static ggml_fp16_t * kvq_fp16_slot(const kvq_source * src, int64_t slot, int64_t offset) {
+    return (ggml_fp16_t *) ((char *) src->fp16->data + slot*src->fp16->nb[1]) + offset;
 }
 
 // fp16 value of `cell`, channels [head*n, head*n + n): from the batch when it is in it (rounded to fp16),
@@ -130,7 +130,7 @@ static void kvq_seal_k(const struct ggml_compute_params * params, struct ggml_te
 //
 
 static void kvq_store_fp16(const kvq_source * src, int64_t slot, int64_t offset, const float * x, int64_t n) {
-    ggml_fp16_t * y = (ggml_fp16_t *) kvq_fp16_slot(src, slot, offset);
+    ggml_fp16_t * y = kvq_fp16_slot(src, slot, offset);
     for (int64_t c = 0; c < n; ++c) {
         y[c] = GGML_CPU_FP32_TO_FP16(x[c]);
     }
@@ -179,13 +179,52 @@ static float kvq_mask_value(const struct ggml_tensor * mask, int64_t t, int64_t 
     return mask->type == GGML_TYPE_F16 ? GGML_CPU_FP16_TO_FP32(((const ggml_fp16_t *) row)[j]) : ((const float *) row)[j];
 }
 
+// Codes 8g .. 8g+7 of a block as floats (layout in ggml-kvq.h: code u in byte u % nbytes at bit
+// (u / nbytes)*bits). For 2 and 4 bits the eight codes are eight consecutive bytes under one shift; for
+// 1 bit, four bytes twice under two shifts.
+#if defined(__AVX2__)
+static inline __attribute__((always_inline)) __m256 kvq_codes8(const uint8_t * qs, int bits, int g) {
+    __m256i x;
+    switch (bits) {
+        case 1: {
+            uint32_t w;
+            memcpy(&w, qs, sizeof(w));
+            x = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_set1_epi32((int) w)),
+                                  _mm256_setr_epi32(2*g, 2*g, 2*g, 2*g, 2*g + 1, 2*g + 1, 2*g + 1, 2*g + 1));
+        } break;
+        case 2:
+            x = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) qs)), _mm256_set1_epi32(2*g));
+            break;
+        default:
+            x = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (qs + 8*(g % 2)))),
+                                  _mm256_set1_epi32(4*(g / 2)));
+            break;
+    }
+    return _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32((1 << bits) - 1)));
+}
+#endif
+
 // scores of q against all QK_KIVI cells of a K tile, from the codes directly:
 // score_u = sum_c (q_c d_c) code_{c,u} + sum_c q_c m_c
 static inline __attribute__((always_inline)) void kvq_tile_scores_bits(
         const uint8_t * blocks, int bits, const float * q, int64_t head_dim, float * scores) {
     const size_t bb = kvq_block_bytes(bits);
-    float acc[QK_KIVI] = { 0 };
     float offset = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[QK_KIVI/8] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    for (int64_t c = 0; c < head_dim; ++c) {
+        const uint8_t * block = blocks + c*bb;
+        const __m256 qd = _mm256_set1_ps(q[c]*kvq_block_d(block));
+        offset += q[c]*kvq_block_m(block);
+        for (int g = 0; g < QK_KIVI/8; ++g) {
+            acc[g] = _mm256_fmadd_ps(qd, kvq_codes8(block + 4, bits, g), acc[g]);
+        }
+    }
+    for (int g = 0; g < QK_KIVI/8; ++g) {
+        _mm256_storeu_ps(scores + 8*g, _mm256_add_ps(acc[g], _mm256_set1_ps(offset)));
+    }
+#else
+    float acc[QK_KIVI] = { 0 };
     for (int64_t c = 0; c < head_dim; ++c) {
         const uint8_t * block = blocks + c*bb;
         float codes[QK_KIVI];
@@ -199,6 +238,7 @@ static inline __attribute__((always_inline)) void kvq_tile_scores_bits(
     for (int u = 0; u < QK_KIVI; ++u) {
         scores[u] = acc[u] + offset;
     }
+#endif
 }
 
 static void kvq_tile_scores(const uint8_t * blocks, int bits, const float * q, int64_t head_dim, float * scores) {
@@ -214,13 +254,21 @@ static inline __attribute__((always_inline)) void kvq_accumulate_row_bits(
     const size_t bb = kvq_block_bytes(bits);
     for (int64_t b = 0; b < n/QK_KIVI; ++b) {
         const uint8_t * block = blocks + b*bb;
-        float codes[QK_KIVI];
-        kvq_block_codes(block, bits, codes);
         const float wd = weight*kvq_block_d(block);
         const float wm = weight*kvq_block_m(block);
-        for (int u = 0; u < QK_KIVI; ++u) {
-            acc[b*QK_KIVI + u] += wd*codes[u] + wm;
+        float * out = acc + b*QK_KIVI;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (int g = 0; g < QK_KIVI/8; ++g) {
+            const __m256 v = _mm256_fmadd_ps(_mm256_set1_ps(wd), kvq_codes8(block + 4, bits, g), _mm256_set1_ps(wm));
+            _mm256_storeu_ps(out + 8*g, _mm256_add_ps(_mm256_loadu_ps(out + 8*g), v));
         }
+#else
+        float codes[QK_KIVI];
+        kvq_block_codes(block, bits, codes);
+        for (int u = 0; u < QK_KIVI; ++u) {
+            out[u] += wd*codes[u] + wm;
+        }
+#endif
     }
 }
 
