@@ -4,7 +4,7 @@
 
 For each depth the prompt of `depth` tokens is prefilled, then `tg` tokens are generated one at a time
 (batch 1); the decode tokens/s (S_TG) of each type is reported with its ratio to f16 KV. Writes
-bench/results/decode-speed-cpu.json and .png and prints a table.
+bench/results/decode-speed-cpu-<depths>.json and .png and prints a table.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import platform
+import re
+from dataclasses import asdict
 from pathlib import Path
 
 from pykvq import assets, llama_tools, native
@@ -55,10 +56,11 @@ def main() -> None:
         print(f"{r['depth']:>6} {r['kv_type']:<7} {r['prefill_tps']:>11.1f} {r['decode_tps']:>10.2f} {r['decode_vs_f16']:>13.2f}")
     RESULTS.mkdir(exist_ok=True)
     record = {"machine": f"{platform.processor() or platform.machine()}, {args.threads} threads",
-              "model": assets.SMOLLM2_135M_INSTRUCT.member, "kvq_defaults": vars(native.kvq_default_params()),
+              "model": assets.SMOLLM2_135M_INSTRUCT.member, "kvq_defaults": asdict(native.kvq_default_params()),
               "rows": rows}
-    (RESULTS / "decode-speed-cpu.json").write_text(json.dumps(record, indent=1) + "\n")
-    plot(rows, RESULTS / "decode-speed-cpu.png")
+    out = RESULTS / f"decode-speed-cpu-{'-'.join(str(d) for d in args.depth)}"
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    plot(rows, out.with_suffix(".png"))
 
 
 def plot(rows: list[dict], path: Path) -> None:
