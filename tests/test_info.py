@@ -47,10 +47,11 @@ def test_info_json_reports_the_build(repo: Path) -> None:
 def test_kv_types_are_those_the_patched_tools_accept() -> None:
     # independent oracle: the help text of the patched llama-perplexity itself
     help_text = llama_tools.run_tool("llama-perplexity", ["--help"])
-    allowed = re.search(r"-ctk,\s+--cache-type-k TYPE.*?allowed values: ([\w, ]+)", help_text, re.S)
+    allowed = re.search(r"-ctk,\s+--cache-type-k TYPE.*?allowed values: ([\w,\s]+?)\s+\(default", help_text, re.S)
     assert allowed is not None
     names = [t.name for t in native.kv_cache_types()]
     assert names == [n.strip() for n in allowed.group(1).split(",")]
+    assert names[-3:] == ["kivi4", "kivi2", "kivi1"]
 
 
 def test_kv_type_bits_per_element_match_the_block_formats() -> None:
