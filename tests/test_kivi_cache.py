@@ -44,12 +44,18 @@ def test_quantization_costs_in_bit_order(smollm2: Path, hamlet: Path, f16_ppl) -
 
 
 @pytest.mark.parametrize("kv_type", ["kivi4", "kivi2", "kivi1"])
-def test_batching_does_not_change_perplexity(kv_type: str, smollm2: Path, hamlet: Path) -> None:
+def test_batching_does_not_change_logits(kv_type: str, smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
+    """llama-perplexity's --kl-divergence-base saves the log-softmax of every scored token's logits: one
+    prefill batch, token by token and an odd ubatch size must write the same bytes (upstream f16 KV does not)."""
     settings = [*kv(kv_type), "--kv-window", "48", "--kv-sinks", "3", "--chunks", "1"]
-    whole, _ = perplexity(smollm2, hamlet, *settings)
-    for ubatch in ("37", "1"):
-        split, _ = perplexity(smollm2, hamlet, *settings, "-ub", ubatch)
-        assert split.running_ppl == whole.running_ppl
+    saved = {}
+    for ubatch in ("256", "37", "1"):
+        saved[ubatch] = tmp_path / f"logits-{ubatch}.bin"
+        perplexity(smollm2, hamlet, *settings, "-ub", ubatch, "--kl-divergence-base", str(saved[ubatch]))
+    whole = saved["256"].read_bytes()
+    assert len(whole) > 1_000_000
+    assert saved["37"].read_bytes() == whole
+    assert saved["1"].read_bytes() == whole
 
 
 @pytest.mark.parametrize("kv_type,window,sinks", [("kivi2", 128, 0), ("kivi1", 40, 5), ("kivi4", 0, 0)])
