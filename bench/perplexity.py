@@ -25,8 +25,13 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--kv-types", default=TYPES)
     parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--replot", action="store_true", help="only redraw the PNGs from the recorded JSON")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.replot:
+        for path in sorted(RESULTS.glob("perplexity-c*.json")):
+            perplexity.plot(path.with_suffix(".png"), *perplexity.load_json(path))
+        return
     defaults = native.kvq_default_params()
     RESULTS.mkdir(exist_ok=True)
     for n_ctx in args.ctx:

@@ -121,13 +121,23 @@ def plot(path: Path, settings: Settings, runs: list[Run]) -> None:
         ax.scatter((r.bpe_k + r.bpe_v) / 2, r.delta_pct, color=color)
         ax.annotate(r.kv_type, ((r.bpe_k + r.bpe_v) / 2, r.delta_pct), textcoords="offset points", xytext=(4, 4))
     ax.axhline(0, color="black", linewidth=0.5)
+    # symlog: a broken type (+10000%) and the near-lossless ones (+0.1%) both stay readable
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_ylim(bottom=min([-1.0] + [r.delta_pct * 1.5 for r in runs if r.delta_pct is not None]))
     ax.set_xlabel("bits per element (K and V mean, scales, window and sinks included)")
-    ax.set_ylabel("ΔPPL vs f16 KV (%)")
+    ax.set_ylabel("ΔPPL vs f16 KV (%), symlog")
     ax.set_title(f"{settings.model.stem}, {settings.text.stem}, n_ctx {settings.n_ctx}, {settings.chunks} chunks")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def load_json(path: Path) -> tuple[Settings, list[Run]]:
+    record = json.loads(path.read_text())
+    raw = record["settings"]
+    settings = Settings(**{**raw, "model": Path(raw["model"]), "text": Path(raw["text"])})
+    return settings, [Run(**r) for r in record["runs"]]
 
 
 def run(args: argparse.Namespace) -> int:
