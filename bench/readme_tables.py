@@ -1,6 +1,7 @@
 """Render bench/results/*.json as the markdown tables of the README's results section.
 
-    python bench/readme_tables.py        # prints the tables; paste them between the README markers
+    python bench/readme_tables.py        # prints the tables
+    python bench/update_readme.py        # writes them between the README's results markers
 """
 
 from __future__ import annotations
@@ -33,10 +34,14 @@ def decode_table(path: Path) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parts = [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-c*.json"))]
+def render() -> str:
+    parts = [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-c*.json"), key=lambda p: len(p.name))]
     parts += [decode_table(p) for p in sorted(RESULTS.glob("decode-speed-*.json"))]
-    print("\n\n".join(parts))
+    return "\n\n".join(parts)
+
+
+def main() -> None:
+    print(render())
 
 
 if __name__ == "__main__":
