@@ -79,7 +79,7 @@ def export_tree(repo: Path, tree: Path) -> None:
     targets = [patch_dir_for(repo, tree, c) for c in commits]
     with tempfile.TemporaryDirectory() as tmp:
         exported = []
-        for commit, target in zip(commits, targets):
+        for commit, target in zip(commits, targets, strict=True):
             number = sum(1 for t in targets[: len(exported)] if t == target) + 1
             out = git(tree, "format-patch", "-1", "--zero-commit", "--no-signature", "--start-number",
                       str(number), "-o", tmp, commit, capture=True).strip()
