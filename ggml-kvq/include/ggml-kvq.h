@@ -64,6 +64,11 @@ static inline int ggml_kvq_bits(enum ggml_type type) {
     }
 }
 
+// bytes of one block of a kivi type with `bits`-bit codes: fp16 d and m, then the codes
+static inline size_t ggml_kvq_block_bytes(int bits) {
+    return 2*sizeof(uint16_t) + QK_KIVI*bits/8;
+}
+
 static inline bool ggml_kvq_is_kivi(enum ggml_type type) {
     return ggml_kvq_bits(type) != 0;
 }

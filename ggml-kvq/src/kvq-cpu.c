@@ -21,10 +21,6 @@ typedef struct {
     int32_t n_ring;
 } kvq_source;
 
-static int32_t kvq_param_i32(const struct ggml_tensor * t, int i) {
-    return ggml_get_op_params_i32(t, i);
-}
-
 static kvq_source kvq_make_source(const struct ggml_tensor * fp16, const struct ggml_tensor * cur,
                                   const struct ggml_tensor * k_idxs, int32_t n_sink) {
     const int64_t * cells = (const int64_t *) k_idxs->data;
@@ -69,10 +65,6 @@ static void kvq_read_fp16(const kvq_source * src, int64_t cell, int64_t head, in
 // block access (layout in ggml-kvq.h)
 //
 
-static size_t kvq_block_bytes(int bits) {
-    return 4 + QK_KIVI*bits/8;
-}
-
 static inline __attribute__((always_inline)) void kvq_block_codes(const uint8_t * block, int bits, float * codes) {
     const int nbytes = QK_KIVI*bits/8;
     const int mask   = (1 << bits) - 1;
@@ -106,9 +98,9 @@ static float kvq_read_channel(const kvq_source * src, int64_t cell, int64_t chan
 
 static void kvq_seal_k(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * k_tiles = dst->src[0];
-    const kvq_source src = kvq_make_source(dst->src[1], dst->src[2], dst->src[3], kvq_param_i32(dst, 2));
+    const kvq_source src = kvq_make_source(dst->src[1], dst->src[2], dst->src[3], ggml_get_op_params_i32(dst, 2));
     const ggml_from_float_t quantize = ggml_get_type_traits(k_tiles->type)->from_float_ref;
-    const size_t  bb     = kvq_block_bytes(ggml_kvq_bits(k_tiles->type));
+    const size_t  bb     = ggml_kvq_block_bytes(ggml_kvq_bits(k_tiles->type));
     const int64_t n_embd = src.cur->ne[0]*src.cur->ne[1];
     const int64_t last   = src.first + src.n_tokens - 1;
 
@@ -137,7 +129,7 @@ static void kvq_store_fp16(const kvq_source * src, int64_t slot, int64_t offset,
 }
 
 static void kvq_ring_put(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    const kvq_source src = kvq_make_source(dst->src[0], dst->src[1], dst->src[2], kvq_param_i32(dst, 2));
+    const kvq_source src = kvq_make_source(dst->src[0], dst->src[1], dst->src[2], ggml_get_op_params_i32(dst, 2));
     const int64_t head_dim = src.cur->ne[0];
     const int64_t n_head   = src.cur->ne[1];
     const int64_t last     = src.first + src.n_tokens - 1;
@@ -208,7 +200,7 @@ static inline __attribute__((always_inline)) __m256 kvq_codes8(const uint8_t * q
 // score_u = sum_c (q_c d_c) code_{c,u} + sum_c q_c m_c
 static inline __attribute__((always_inline)) void kvq_tile_scores_bits(
         const uint8_t * blocks, int bits, const float * q, int64_t head_dim, float * scores) {
-    const size_t bb = kvq_block_bytes(bits);
+    const size_t bb = ggml_kvq_block_bytes(bits);
     float offset = 0.0f;
 #if defined(__AVX2__) && defined(__FMA__)
     __m256 acc[QK_KIVI/8] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
@@ -251,7 +243,7 @@ static void kvq_tile_scores(const uint8_t * blocks, int bits, const float * q, i
 
 static inline __attribute__((always_inline)) void kvq_accumulate_row_bits(
         const uint8_t * blocks, int bits, float weight, int64_t n, float * acc) {
-    const size_t bb = kvq_block_bytes(bits);
+    const size_t bb = ggml_kvq_block_bytes(bits);
     for (int64_t b = 0; b < n/QK_KIVI; ++b) {
         const uint8_t * block = blocks + b*bb;
         const float wd = weight*kvq_block_d(block);
@@ -312,8 +304,8 @@ static void kvq_attn_row(const kvq_attn_args * a, int64_t t, int64_t h, float * 
     const int64_t own_tile   = i/QK_KIVI*QK_KIVI;
     const int64_t lim_k      = lim_v < own_tile ? lim_v : own_tile;   // K below this is quantized
     const int64_t n_sink     = a->k.n_sink;
-    const size_t  k_bb       = kvq_block_bytes(a->k_bits);
-    const size_t  v_bb       = kvq_block_bytes(a->v_bits);
+    const size_t  k_bb       = ggml_kvq_block_bytes(a->k_bits);
+    const size_t  v_bb       = ggml_kvq_block_bytes(a->v_bits);
     const float * q_row = (const float *) ((const char *) a->q->data + t*a->q->nb[2] + h*a->q->nb[1]);
 
     // Q in fp16, as upstream's flash attention takes it for f16 K: a window covering the whole context
@@ -373,7 +365,7 @@ static void kvq_attn_row(const kvq_attn_args * a, int64_t t, int64_t h, float * 
 }
 
 static void kvq_attn(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    const int32_t n_sink = kvq_param_i32(dst, 2);
+    const int32_t n_sink = ggml_get_op_params_i32(dst, 2);
     kvq_attn_args a = {
         /*.q       =*/ dst->src[0],
         /*.k_tiles =*/ dst->src[1],
@@ -381,7 +373,7 @@ static void kvq_attn(const struct ggml_compute_params * params, struct ggml_tens
         /*.mask    =*/ dst->src[7],
         /*.k       =*/ kvq_make_source(dst->src[3], dst->src[5], dst->src[8], n_sink),
         /*.v       =*/ kvq_make_source(dst->src[4], dst->src[6], dst->src[8], n_sink),
-        /*.window  =*/ kvq_param_i32(dst, 1),
+        /*.window  =*/ ggml_get_op_params_i32(dst, 1),
         /*.scale   =*/ 0.0f,
         /*.k_bits  =*/ ggml_kvq_bits(dst->src[1]->type),
         /*.v_bits  =*/ ggml_kvq_bits(dst->src[2]->type),

@@ -17,10 +17,6 @@ static float kivi_saturate(float v) {
     return v > KIVI_FP16_MAX ? KIVI_FP16_MAX : (v < -KIVI_FP16_MAX ? -KIVI_FP16_MAX : v);
 }
 
-static size_t kivi_block_bytes(int bits) {
-    return 2*sizeof(uint16_t) + QK_KIVI*bits/8;
-}
-
 // One block. The codes are computed from the fp16-rounded d and m that dequantization will use, with
 // a subtraction, a multiplication and a round-to-nearest-even: no operation a compiler could fuse,
 // so SIMD paths and the numpy oracle reproduce it exactly.
@@ -79,7 +75,7 @@ static void kivi_quantize_row(const float * GGML_RESTRICT x, void * GGML_RESTRIC
     GGML_ASSERT(k % QK_KIVI == 0);
     uint8_t * out = (uint8_t *) y;
     for (int64_t ib = 0; ib < k/QK_KIVI; ++ib) {
-        kivi_quantize_block(x + ib*QK_KIVI, out + ib*kivi_block_bytes(bits), bits);
+        kivi_quantize_block(x + ib*QK_KIVI, out + ib*ggml_kvq_block_bytes(bits), bits);
     }
 }
 
@@ -87,12 +83,12 @@ static void kivi_dequantize_row(const void * GGML_RESTRICT x, float * GGML_RESTR
     GGML_ASSERT(k % QK_KIVI == 0);
     const uint8_t * in = (const uint8_t *) x;
     for (int64_t ib = 0; ib < k/QK_KIVI; ++ib) {
-        kivi_dequantize_block(in + ib*kivi_block_bytes(bits), y + ib*QK_KIVI, bits);
+        kivi_dequantize_block(in + ib*ggml_kvq_block_bytes(bits), y + ib*QK_KIVI, bits);
     }
 }
 
 static size_t kivi_quantize_rows(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, int bits) {
-    const size_t row_size = (n_per_row/QK_KIVI)*kivi_block_bytes(bits);
+    const size_t row_size = (n_per_row/QK_KIVI)*ggml_kvq_block_bytes(bits);
     for (int64_t r = 0; r < nrows; ++r) {
         kivi_quantize_row(src + r*n_per_row, (uint8_t *) dst + r*row_size, n_per_row, bits);
     }
@@ -129,7 +125,7 @@ size_t quantize_kivi1(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst,
 bool ggml_kvq_validate_row_data(enum ggml_type type, const void * data, size_t nbytes) {
     const int bits = ggml_kvq_bits(type);
     GGML_ASSERT(bits != 0);
-    const size_t bs = kivi_block_bytes(bits);
+    const size_t bs = ggml_kvq_block_bytes(bits);
     if (nbytes % bs != 0) {
         fprintf(stderr, "%s: invalid size %zu for type %s\n", __func__, nbytes, ggml_type_name(type));
         return false;
