@@ -9,6 +9,7 @@ import sys
 from pykvq import __version__
 from pykvq.info import add_info_command
 from pykvq.perplexity import add_perplexity_command
+from pykvq.run import add_run_command
 
 log = logging.getLogger("pykvq")
 
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pykvq {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_run_command(commands)
     add_info_command(commands)
     add_perplexity_command(commands)
     return parser
@@ -28,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="pykvq: %(message)s")
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    # llama.cpp's own log only with -v: its errors reach the user as the exception's message
+    logging.getLogger("pykvq.llama").setLevel(logging.DEBUG if args.verbose else logging.CRITICAL)
     try:
         return args.handler(args)
     except (RuntimeError, OSError, ValueError) as exc:

@@ -9,6 +9,7 @@ import numpy as np
 from cffi import FFI
 
 from pykvq import paths
+from pykvq.llama_cdef import LLAMA_CDEF
 
 # enum ggml_type is passed as int: same size and calling convention on every platform we build for
 _CDEF = """
@@ -47,7 +48,6 @@ _CDEF = """
 """
 
 
-
 @dataclass(frozen=True)
 class Libraries:
     ffi: FFI
@@ -60,6 +60,7 @@ class Libraries:
 def libs() -> Libraries:
     ffi = FFI()
     ffi.cdef(_CDEF)
+    ffi.cdef(LLAMA_CDEF)
     # ggml-base and ggml first: libllama finds them through its RPATH, but the handles are ours
     ggml_base = ffi.dlopen(str(paths.library("ggml-base")))
     ggml = ffi.dlopen(str(paths.library("ggml")))
@@ -155,5 +156,21 @@ class KvqParams:
 
 
 def kvq_default_params() -> KvqParams:
-    p = libs().llama.llama_kvq_default_params()
+    return _kvq_params(libs().llama.llama_kvq_default_params())
+
+
+def _kvq_params(p) -> KvqParams:
     return KvqParams(p.window, p.n_sink, bool(p.rotate))
+
+
+def kvq_params() -> KvqParams:
+    """The kivi settings that KV caches created now would get (process-wide in the C API)."""
+    return _kvq_params(libs().llama.llama_kvq_get_params())
+
+
+def set_kvq_params(params: KvqParams) -> None:
+    """Set the process-wide kivi settings; ValueError with the C API's reason when they are invalid."""
+    lib = libs()
+    struct = lib.ffi.new("struct llama_kvq_params *", (params.window, params.n_sink, params.rotate))
+    if not lib.llama.llama_kvq_set_params(struct[0]):
+        raise ValueError(lib.ffi.string(lib.llama.llama_kvq_last_error()).decode())

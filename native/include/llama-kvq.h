@@ -36,6 +36,19 @@ LLAMA_API const char *            llama_kvq_last_error(void);
 // "rotate" takes on/off. Returns false (see llama_kvq_last_error) for an unknown name or a bad value.
 LLAMA_API bool llama_kvq_set_param(const char * name, const char * value);
 
+// What a context's KV cache holds and costs. bytes: all of its buffers (scales, fp16 window and sinks and
+// alignment included); f16_bytes: what f16 K and V for the same cells and layers would take.
+struct llama_kvq_memory_info {
+    uint64_t bytes;
+    uint64_t f16_bytes;
+    uint64_t n_elements;   // K and V elements the cache holds at full occupancy
+    uint64_t n_cells;
+    uint32_t n_layers_kv;
+};
+
+// false when the context has no KV cache
+LLAMA_API bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_memory_info * info);
+
 #ifdef __cplusplus
 }
 #endif

@@ -89,8 +89,16 @@ void llama_kv_cache::kvq_check_state() const {
 }
 
 bool llama_kv_cache::kvq_can_remove(llama_pos p0, llama_pos p1) const {
+    if (!kvq_active()) {
+        return true;
+    }
+    // kivi caches hold one sequence (kvq_check); a range past its end removes nothing, which callers such as
+    // llama-cpp-python ask for before every decode
+    if (p0 > v_cells[0].seq_pos_max(0)) {
+        return true;
+    }
     // removing part of a sequence would leave sealed tiles and ring slots stale: only a whole clear for now
-    if (kvq_active() && (p0 > 0 || (p1 >= 0 && p1 != std::numeric_limits<llama_pos>::max()))) {
+    if (p0 > 0 || (p1 >= 0 && p1 != std::numeric_limits<llama_pos>::max())) {
         LLAMA_LOG_ERROR("%s: kivi KV cache: removing tokens [%d, %d) from a sequence is not supported yet\n", __func__, p0, p1);
         return false;
     }

@@ -1,0 +1,33 @@
+#include "llama-kvq.h"
+
+#include "llama-context.h"
+#include "llama-memory.h"
+#include "llama-model.h"
+
+// The buffers are what the cache really holds, scales, windows and alignment included; the f16 figure
+// is what upstream's default cache would allocate for the same cells, so that the two compare directly.
+bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_memory_info * info) {
+    if (ctx == nullptr || info == nullptr) {
+        return false;
+    }
+    const llama_memory_t mem = llama_get_memory(ctx);
+    if (mem == nullptr) {
+        return false;
+    }
+    *info = {};
+    for (const auto & [buft, size] : mem->memory_breakdown()) {
+        info->bytes += size;
+    }
+    const llama_hparams & hparams = llama_get_model(ctx)->hparams;
+    const uint64_t n_cells = llama_n_ctx(ctx);
+    info->n_cells = n_cells;
+    for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
+        if (!hparams.has_kv(il)) {
+            continue;
+        }
+        info->n_layers_kv += 1;
+        info->n_elements += n_cells * (hparams.n_embd_k_gqa(il) + hparams.n_embd_v_gqa(il));
+    }
+    info->f16_bytes = info->n_elements * sizeof(ggml_fp16_t);
+    return true;
+}

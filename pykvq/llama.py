@@ -1,0 +1,398 @@
+"""A small typed Python API over the built libllama: models, contexts with pykvq's KV settings, generation.
+
+    from pykvq import Model, KvConfig
+    with Model("model.gguf") as model:
+        for piece in model.generate("Once upon a time", n_predict=64, kv=KvConfig.preset("kivi2")):
+            print(piece, end="", flush=True)
+
+Errors reported by llama.cpp become :class:`LlamaError` carrying llama.cpp's own message.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pykvq import native
+from pykvq.kv_types import KIVI_BITS, KvTypeError, names as kv_type_names
+from pykvq.llama_log import sink
+from pykvq.sampling import Sampler, SamplerSettings
+
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+
+
+class LlamaError(RuntimeError):
+    """llama.cpp refused or failed; the message is llama.cpp's own where it gave one."""
+
+
+def _fail(what: str) -> LlamaError:
+    problems = sink().take_problems()
+    return LlamaError(f"{what}: {problems[0]}" if problems else what)
+
+
+def _kv_type_id(name: str) -> int:
+    for t in native.kv_cache_types():
+        if t.name == name:
+            return t.id
+    raise KvTypeError(f"unknown KV cache type {name!r}; valid: {', '.join(kv_type_names())}")
+
+
+@dataclass(frozen=True)
+class KvConfig:
+    """The KV cache of a context: K and V types, and the kivi settings (None: pykvq's defaults)."""
+
+    type_k: str = "f16"
+    type_v: str = "f16"
+    window: int | None = None
+    sinks: int | None = None
+    rotate: bool | None = None
+
+    @classmethod
+    def preset(cls, name: str, **settings) -> KvConfig:
+        """K and V of one type, e.g. ``KvConfig.preset("kivi2", window=64)``."""
+        return cls(name, name, **settings)
+
+    @property
+    def is_kivi(self) -> bool:
+        return self.type_k in KIVI_BITS or self.type_v in KIVI_BITS
+
+    def kvq_params(self) -> native.KvqParams:
+        defaults = native.kvq_default_params()
+        return native.KvqParams(
+            defaults.window if self.window is None else self.window,
+            defaults.n_sink if self.sinks is None else self.sinks,
+            defaults.rotate if self.rotate is None else self.rotate)
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """llama_context_params that pykvq exposes, named after llama.cpp's flags (-c, -b, -ub, -t, -fa)."""
+
+    n_ctx: int = 4096
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
+    flash_attn: str = "auto"
+    kv: KvConfig = KvConfig()
+
+
+@dataclass(frozen=True)
+class KvMemory:
+    """What a context's KV cache allocated, against f16 K and V for the same cells."""
+
+    bytes: int
+    f16_bytes: int
+    n_elements: int
+    n_cells: int
+    n_layers: int
+
+    @property
+    def bits_per_element(self) -> float:
+        return 8.0 * self.bytes / self.n_elements
+
+    @property
+    def ratio_to_f16(self) -> float:
+        return self.bytes / self.f16_bytes
+
+
+@dataclass(frozen=True)
+class Timings:
+    """llama.cpp's performance counters of a context."""
+
+    prompt_ms: float
+    n_prompt: int
+    decode_ms: float
+    n_decode: int
+
+    @staticmethod
+    def _rate(n: int, ms: float) -> float:
+        return 1e3 * n / ms if ms > 0 else 0.0
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self._rate(self.n_prompt, self.prompt_ms)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self._rate(self.n_decode, self.decode_ms)
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+# The kivi settings are process-wide in the C API (llama_context_params must keep upstream's layout), and
+# a cache reads them when it is created: creation sets them and restores the previous ones under this lock.
+_context_lock = threading.Lock()
+
+
+@contextmanager
+def kvq_params_applied(kv: KvConfig) -> Iterator[None]:
+    """Hold ``kv``'s kivi settings in the C API while a context is created in this block."""
+    with _context_lock:
+        previous = native.kvq_params()
+        native.set_kvq_params(kv.kvq_params())
+        try:
+            yield
+        finally:
+            native.set_kvq_params(previous)
+
+
+class Model:
+    """A GGUF model loaded by libllama."""
+
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0) -> None:
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise IsADirectoryError(f"model path is a folder, not a GGUF file: {self.path}")
+        if not self.path.is_file():
+            raise FileNotFoundError(f"model file not found: {self.path}")
+        if not os.access(self.path, os.R_OK):
+            raise PermissionError(f"model file is not readable: {self.path}")
+        if n_gpu_layers != 0 and not gpu_offload_supported():
+            raise LlamaError(f"-ngl {n_gpu_layers} asks for GPU layers, but this pykvq build has no GPU backend "
+                             "(rebuild with PYKVQ_CUDA=ON)")
+        self._lib = native.libs()
+        sink()
+        params = self._lib.llama.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        self._ptr = self._lib.llama.llama_model_load_from_file(str(self.path).encode(), params)
+        if self._ptr == self._lib.ffi.NULL:
+            raise _fail(f"cannot load model {self.path}")
+        self._vocab = self._lib.llama.llama_model_get_vocab(self._ptr)
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            self._lib.llama.llama_model_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def n_layer(self) -> int:
+        return self._lib.llama.llama_model_n_layer(self._ptr)
+
+    @property
+    def n_ctx_train(self) -> int:
+        return self._lib.llama.llama_model_n_ctx_train(self._ptr)
+
+    @property
+    def n_vocab(self) -> int:
+        return self._lib.llama.llama_vocab_n_tokens(self._vocab)
+
+    @property
+    def description(self) -> str:
+        buf = self._lib.ffi.new("char[]", 256)
+        self._lib.llama.llama_model_desc(self._ptr, buf, 256)
+        return self._lib.ffi.string(buf).decode(errors="replace")
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode()
+        capacity = len(data) + 8
+        while True:
+            tokens = self._lib.ffi.new("llama_token[]", capacity)
+            n = self._lib.llama.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_special,
+                                               parse_special)
+            if n >= 0:
+                return list(tokens[0:n])
+            if n == -(2**31):
+                raise LlamaError("tokenization overflow: the text is too long")
+            capacity = -n
+
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        capacity = 32
+        while True:
+            buf = self._lib.ffi.new("char[]", capacity)
+            n = self._lib.llama.llama_token_to_piece(self._vocab, token, buf, capacity, 0, special)
+            if n >= 0:
+                return self._lib.ffi.buffer(buf, n)[:]
+            capacity = -n
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        return b"".join(self.token_to_piece(t, special) for t in tokens).decode(errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._lib.llama.llama_vocab_is_eog(self._vocab, token))
+
+    @property
+    def chat_template(self) -> str | None:
+        tmpl = self._lib.llama.llama_model_chat_template(self._ptr, self._lib.ffi.NULL)
+        return None if tmpl == self._lib.ffi.NULL else self._lib.ffi.string(tmpl).decode(errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[ChatMessage], add_assistant: bool = True) -> str:
+        """The prompt text for a conversation, formatted with the model's own chat template."""
+        tmpl = self.chat_template
+        if tmpl is None:
+            raise LlamaError(f"{self.path.name} has no chat template (tokenizer.chat_template)")
+        ffi = self._lib.ffi
+        keep = [(ffi.new("char[]", m.role.encode()), ffi.new("char[]", m.content.encode())) for m in messages]
+        chat = ffi.new("llama_chat_message[]", len(keep))
+        for slot, (role, content) in zip(chat, keep, strict=True):
+            slot.role, slot.content = role, content
+        capacity = 2 * sum(len(m.content) + len(m.role) for m in messages) + 256
+        while True:
+            buf = ffi.new("char[]", capacity)
+            n = self._lib.llama.llama_chat_apply_template(tmpl.encode(), chat, len(keep), add_assistant, buf,
+                                                          capacity)
+            if n < 0:
+                raise LlamaError(f"llama.cpp does not support the chat template of {self.path.name}")
+            if n <= capacity:
+                return ffi.buffer(buf, n)[:].decode(errors="replace")
+            capacity = n
+
+    def context(self, config: ContextConfig = ContextConfig()) -> Context:
+        return Context(self, config)
+
+    def generate(self, prompt: str, n_predict: int = 128, sampling: SamplerSettings = SamplerSettings(),
+                 kv: KvConfig = KvConfig(), n_ctx: int = 4096) -> Iterator[str]:
+        """Stream the text generated after ``prompt`` in a fresh context."""
+        with self.context(ContextConfig(n_ctx=n_ctx, kv=kv)) as ctx:
+            yield from ctx.generate_text(self.tokenize(prompt), n_predict, Sampler(sampling))
+
+
+class Context:
+    """A llama_context: one sequence, its KV cache, its logits."""
+
+    def __init__(self, model: Model, config: ContextConfig) -> None:
+        self.model = model
+        self.config = config
+        self._lib = model._lib
+        self.n_past = 0
+        self.context_full = False  # generation stopped because the context filled up
+        self._ptr = self._create(config)
+
+    def _create(self, config: ContextConfig):
+        lib = self._lib
+        if config.flash_attn not in FLASH_ATTN:
+            raise LlamaError(f"-fa must be one of {', '.join(FLASH_ATTN)}, got {config.flash_attn!r}")
+        kv = config.kv
+        flash_attn = config.flash_attn
+        if kv.is_kivi:
+            if flash_attn == "off":
+                raise LlamaError("kivi KV types are read by the fused attention only: use -fa on (or auto)")
+            flash_attn = "on"
+        params = lib.llama.llama_context_default_params()
+        params.n_ctx = config.n_ctx
+        params.n_batch = min(config.n_batch, config.n_ctx)
+        params.n_ubatch = min(config.n_ubatch, params.n_batch)
+        params.n_threads = params.n_threads_batch = config.n_threads
+        params.flash_attn_type = FLASH_ATTN[flash_attn]
+        params.no_perf = False
+        params.type_k = _kv_type_id(kv.type_k)
+        params.type_v = _kv_type_id(kv.type_v)
+        with kvq_params_applied(kv):
+            ptr = lib.llama.llama_init_from_model(self.model._ptr, params)
+        if ptr == lib.ffi.NULL:
+            raise _fail("cannot create the context")
+        return ptr
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            self._lib.llama.llama_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def n_ctx(self) -> int:
+        return self._lib.llama.llama_n_ctx(self._ptr)
+
+    def eval(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Append ``tokens`` to the sequence; returns the logits of the last token, or of every token
+        (shape [len(tokens), n_vocab]) with ``all_logits``."""
+        if not tokens:
+            raise ValueError("nothing to evaluate: no tokens")
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise LlamaError(f"{len(tokens)} more tokens do not fit the context: {self.n_past} of {self.n_ctx} "
+                             "cells are used (raise -c)")
+        lib = self._lib
+        n_vocab = self.model.n_vocab
+        n_batch = lib.llama.llama_n_batch(self._ptr)
+        out = np.empty((len(tokens) if all_logits else 1, n_vocab), dtype=np.float32)
+        batch = lib.llama.llama_batch_init(n_batch, 0, 1)
+        try:
+            for start in range(0, len(tokens), n_batch):
+                chunk = tokens[start:start + n_batch]
+                last_chunk = start + len(chunk) == len(tokens)
+                batch.n_tokens = len(chunk)
+                for i, token in enumerate(chunk):
+                    batch.token[i] = token
+                    batch.pos[i] = self.n_past + i
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = 0
+                    batch.logits[i] = all_logits or (last_chunk and i == len(chunk) - 1)
+                status = lib.llama.llama_decode(self._ptr, batch)
+                if status != 0:
+                    raise _fail(f"llama_decode failed with status {status}")
+                self.n_past += len(chunk)
+                rows = range(len(chunk)) if all_logits else ([len(chunk) - 1] if last_chunk else [])
+                for i in rows:
+                    logits = lib.llama.llama_get_logits_ith(self._ptr, i)
+                    out[start + i if all_logits else 0] = np.frombuffer(
+                        lib.ffi.buffer(logits, 4 * n_vocab), dtype=np.float32)
+        finally:
+            lib.llama.llama_batch_free(batch)
+        return out if all_logits else out[0]
+
+    def check_fits(self, prompt: Sequence[int]) -> None:
+        if len(prompt) + self.n_past > self.n_ctx:
+            raise LlamaError(f"the prompt is {len(prompt)} tokens, the context has {self.n_ctx - self.n_past} "
+                             "free cells (raise -c or shorten the prompt)")
+
+    def generate_tokens(self, prompt: Sequence[int], n_predict: int, sampler: Sampler) -> Iterator[int]:
+        """Evaluate ``prompt``, then yield up to ``n_predict`` sampled tokens (-1: until end of generation or
+        a full context, which sets ``context_full``). Raises LlamaError when the prompt itself does not fit."""
+        self.check_fits(prompt)
+        self.eval(prompt)
+        produced = 0
+        while n_predict < 0 or produced < n_predict:
+            token = sampler.sample(self)
+            if self.model.is_eog(token):
+                return
+            if self.n_past >= self.n_ctx:
+                self.context_full = True
+                return
+            # evaluated before it is handed out, so that the cache always holds everything yielded
+            self.eval([token])
+            produced += 1
+            yield token
+
+    def generate_text(self, prompt: Sequence[int], n_predict: int, sampler: Sampler) -> Iterator[str]:
+        """Like generate_tokens, as text pieces; a character split across tokens comes out whole."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for token in self.generate_tokens(prompt, n_predict, sampler):
+            if piece := decoder.decode(self.model.token_to_piece(token)):
+                yield piece
+        if tail := decoder.decode(b"", final=True):
+            yield tail
+
+    def memory(self) -> KvMemory:
+        info = self._lib.ffi.new("struct llama_kvq_memory_info *")
+        if not self._lib.llama.llama_kvq_memory_info(self._ptr, info):
+            raise LlamaError("this context has no KV cache")
+        return KvMemory(info.bytes, info.f16_bytes, info.n_elements, info.n_cells, info.n_layers_kv)
+
+    def timings(self) -> Timings:
+        perf = self._lib.llama.llama_perf_context(self._ptr)
+        return Timings(perf.t_p_eval_ms, perf.n_p_eval, perf.t_eval_ms, perf.n_eval)
+
+
+def gpu_offload_supported() -> bool:
+    return bool(native.libs().llama.llama_supports_gpu_offload())

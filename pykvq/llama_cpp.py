@@ -1,0 +1,119 @@
+"""llama-cpp-python on pykvq's libllama: existing ``llama_cpp.Llama`` code gets the kivi KV types.
+
+Install llama-cpp-python's Python package without its own llama.cpp build, then load it through here:
+
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install "llama-cpp-python[server]==0.3.36"
+
+    import pykvq
+    from pykvq.llama_cpp import Llama
+    llm = Llama(model_path="model.gguf", flash_attn=True,
+                type_k=pykvq.GGML_TYPE_KIVI2, type_v=pykvq.GGML_TYPE_KIVI2, kv_window=64)
+
+``Llama`` here is a subclass of llama_cpp.Llama that checks the KV types and applies pykvq's kivi settings
+(window, sinks, rotation) while its context is created.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+from pykvq import native, paths
+from pykvq.llama import KvConfig, kvq_params_applied
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the release whose llama.cpp pykvq patches (pykvq/upstream.py)
+LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"
+INSTALL_HINT = f'CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install "llama-cpp-python[server]=={LLAMA_CPP_PYTHON_VERSION}"'
+
+
+class LlamaCppError(RuntimeError):
+    """llama-cpp-python is missing, of another version, or bound to another libllama."""
+
+
+def library_dir() -> Path:
+    """The folder holding pykvq's libllama: what LLAMA_CPP_LIB_PATH must name."""
+    return paths.lib_dir()
+
+
+def _loaded_library(module: ModuleType) -> Path:
+    return Path(module.llama_cpp._lib._name).resolve()
+
+
+def load() -> ModuleType:
+    """Import llama_cpp bound to pykvq's libllama, or say why it cannot be."""
+    ours = paths.library("llama").resolve()
+    requested = os.environ.get(LIB_PATH_ENV)
+    if requested is not None and Path(requested).resolve() != library_dir().resolve():
+        raise LlamaCppError(f"{LIB_PATH_ENV}={requested} names another libllama than pykvq's ({library_dir()}); "
+                            f"unset it, or set it to pykvq's folder")
+    already = sys.modules.get("llama_cpp")
+    if already is not None and _loaded_library(already) != ours:
+        raise LlamaCppError(f"llama_cpp was imported before pykvq.llama_cpp and runs on {_loaded_library(already)}, "
+                            f"not pykvq's {ours}: import pykvq.llama_cpp first (or set {LIB_PATH_ENV}="
+                            f"{library_dir()})")
+    os.environ[LIB_PATH_ENV] = str(library_dir())
+    try:
+        import llama_cpp
+    except ModuleNotFoundError as exc:
+        raise LlamaCppError(f"llama-cpp-python is not installed; install it without its own llama.cpp build: "
+                            f"{INSTALL_HINT}") from exc
+    if llama_cpp.__version__ != LLAMA_CPP_PYTHON_VERSION:
+        raise LlamaCppError(f"llama-cpp-python {llama_cpp.__version__} is installed; pykvq's libllama is the "
+                            f"llama.cpp of {LLAMA_CPP_PYTHON_VERSION}, whose C API it mirrors: {INSTALL_HINT}")
+    if _loaded_library(llama_cpp) != ours:
+        raise LlamaCppError(f"llama_cpp loaded {_loaded_library(llama_cpp)} instead of pykvq's {ours}")
+    return llama_cpp
+
+
+def check_kv_type(type_id: int | None) -> None:
+    """Refuse a type int the KV cache cannot hold, before llama.cpp sees it."""
+    if type_id is None:
+        return
+    valid = {t.id: t.name for t in native.kv_cache_types()}
+    if type_id not in valid:
+        listed = ", ".join(f"{i} ({name})" for i, name in valid.items())
+        raise ValueError(f"unknown KV cache type {type_id!r}; valid: {listed}")
+
+
+def _kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None,
+               rotate: bool | None = None) -> KvConfig:
+    names = {t.id: t.name for t in native.kv_cache_types()}
+    return KvConfig(names.get(kwargs.get("type_k"), "f16"), names.get(kwargs.get("type_v"), "f16"), window, sinks,
+                    rotate)
+
+
+@cache
+def _llama_class() -> type:
+    llama_cpp = load()
+
+    class Llama(llama_cpp.Llama):
+        """llama_cpp.Llama on pykvq's libllama; kv_window, kv_sinks and kv_rotate set the kivi layers (defaults:
+        128, 0, off). Flash attention is switched on for kivi types, which are read by the fused attention only."""
+
+        def __new__(cls, *args, **kwargs) -> Llama:
+            # refused before an instance exists: upstream's __del__ fails on a half-built Llama
+            check_kv_type(kwargs.get("type_k"))
+            check_kv_type(kwargs.get("type_v"))
+            if _kv_config(kwargs).is_kivi and kwargs.get("flash_attn") is False:
+                raise ValueError("kivi KV types are read by the fused attention only: pass flash_attn=True")
+            return super().__new__(cls)
+
+        def __init__(self, *args, kv_window: int | None = None, kv_sinks: int | None = None,
+                     kv_rotate: bool | None = None, **kwargs) -> None:
+            kv = _kv_config(kwargs, kv_window, kv_sinks, kv_rotate)
+            if kv.is_kivi:
+                kwargs["flash_attn"] = True
+            with kvq_params_applied(kv):
+                super().__init__(*args, **kwargs)
+
+    return Llama
+
+
+def __getattr__(name: str):
+    # the subclass needs llama_cpp, which must not be imported before load() has pointed it at our library
+    if name == "Llama":
+        return _llama_class()
+    raise AttributeError(f"module 'pykvq.llama_cpp' has no attribute {name!r}")

@@ -1,0 +1,78 @@
+"""llama-cpp-python's OpenAI-compatible server on pykvq's libllama and KV types.
+
+    python -m pykvq.llama_cpp_server --model model.gguf --kv-type kivi2 [--kv-window 64] [llama_cpp.server options]
+
+takes every option of ``python -m llama_cpp.server`` plus pykvq's: ``--kv-type`` sets --type_k, --type_v and
+--flash_attn true; ``--kv-window``, ``--kv-sinks`` and ``--kv-rotate`` set the kivi layers of every model
+the server loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pykvq import native
+from pykvq.kv_types import KvSpec, KvTypeError
+from pykvq.llama import KvConfig
+from pykvq.llama_cpp import LlamaCppError, check_kv_type, load
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m pykvq.llama_cpp_server", add_help=False)
+    parser.add_argument("--kv-type", help="K and V cache type by name, e.g. kivi2")
+    parser.add_argument("--kv-window", type=int, help="kivi: recent tokens kept in fp16 (default 128)")
+    parser.add_argument("--kv-sinks", type=int, help="kivi: first tokens kept in fp16 (default 0)")
+    parser.add_argument("--kv-rotate", choices=["on", "off"], help="kivi: Hadamard rotation (default off)")
+    return parser.parse_known_args(argv)
+
+
+def _type_option(rest: list[str], name: str) -> int | None:
+    for i, arg in enumerate(rest):
+        value = arg.split("=", 1)[1] if arg.startswith(f"{name}=") else rest[i + 1] if arg == name and i + 1 < len(
+            rest) else None
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                raise KvTypeError(f"{name} takes a ggml type number, got {value!r}") from None
+    return None
+
+
+def server_argv(argv: list[str]) -> list[str]:
+    """llama_cpp.server's command line for ours; applies the kivi settings to the process as a side effect."""
+    ours, rest = _parse(argv)
+    for option in ("--type_k", "--type_v"):
+        check_kv_type(_type_option(rest, option))
+    if ours.kv_type is not None:
+        spec = KvSpec.parse(ours.kv_type)
+        type_id = next(t.id for t in native.kv_cache_types() if t.name == spec.name)
+        rest += ["--type_k", str(type_id), "--type_v", str(type_id)]
+        if spec.is_kivi:
+            rest += ["--flash_attn", "true"]
+    rotate = None if ours.kv_rotate is None else ours.kv_rotate == "on"
+    native.set_kvq_params(KvConfig(window=ours.kv_window, sinks=ours.kv_sinks, rotate=rotate).kvq_params())
+    return rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="pykvq: %(message)s")
+    try:
+        rest = server_argv(sys.argv[1:] if argv is None else argv)
+        load()
+        from llama_cpp.server.__main__ import main as server_main
+    except (LlamaCppError, ValueError) as exc:
+        print(f"pykvq: error: {exc}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as exc:
+        print(f"pykvq: error: llama-cpp-python's server extras are missing ({exc.name}): install "
+              f"llama-cpp-python[server]", file=sys.stderr)
+        return 1
+    sys.argv = ["python -m llama_cpp.server", *rest]
+    server_main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

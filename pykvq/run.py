@@ -1,0 +1,173 @@
+"""`pykvq run`: generate text with a GGUF model on pykvq's KV cache types, with llama.cpp's flag names."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+from pykvq import assets
+from pykvq.kv_types import KvSpec
+from pykvq.llama import (FLASH_ATTN, ChatMessage, Context, ContextConfig, KvConfig, KvMemory, LlamaError, Model,
+                         Timings, gpu_offload_supported)
+from pykvq.sampling import LLAMA_DEFAULT_SEED, Sampler, SamplerSettings
+
+log = logging.getLogger("pykvq.run")
+
+MIB = 1024 * 1024
+
+
+def _switch(text: str) -> bool:
+    if text in ("on", "1", "true", "yes"):
+        return True
+    if text in ("off", "0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
+def add_run_command(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "run", help="generate text (or chat) with a GGUF model on a chosen KV cache type",
+        description="Generate text with a GGUF model. Without -m, SmolLM2-135M-Instruct is fetched on first "
+                    "use and reused from the cache.")
+    p.add_argument("-m", "--model", type=Path, help="GGUF model file (default: SmolLM2-135M-Instruct)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("-p", "--prompt", help="prompt to start generation with")
+    prompt.add_argument("-f", "--file", type=Path, help="a file holding the prompt")
+    p.add_argument("-n", "--n-predict", type=int, default=256,
+                   help="tokens to generate (-1: until end of generation or a full context; default 256)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size (default 2048)")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (default 512)")
+    p.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads")
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=None,
+                   help="layers to offload to the GPU (default: all with a GPU build, else 0)")
+    p.add_argument("-fa", "--flash-attn", choices=list(FLASH_ATTN), default="auto",
+                   help="flash attention (kivi types always use it)")
+    p.add_argument("--kv-type", metavar="TYPE", default="f16",
+                   help="K and V cache type, e.g. kivi2, kivi4, kivi1, q8_0, q4_0, f16 (default f16)")
+    p.add_argument("-ctk", "--cache-type-k", metavar="TYPE", help="K cache type (overrides --kv-type)")
+    p.add_argument("-ctv", "--cache-type-v", metavar="TYPE", help="V cache type (overrides --kv-type)")
+    p.add_argument("--kv-window", type=int, help="kivi: recent tokens kept in fp16 (default 128)")
+    p.add_argument("--kv-sinks", type=int, help="kivi: first tokens kept in fp16 (default 0)")
+    p.add_argument("--kv-rotate", type=_switch, help="kivi: Hadamard rotation of K/V, on or off (default off)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 or less is greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40, 0 = off)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95, 1.0 = off)")
+    p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling (default 0.05, 0.0 = off)")
+    p.add_argument("-s", "--seed", type=int, default=LLAMA_DEFAULT_SEED, help="RNG seed (default: random)")
+    p.add_argument("-cnv", "--conversation", action="store_true",
+                   help="chat with the model through its chat template (reads turns from stdin)")
+    p.add_argument("-sys", "--system-prompt", help="system message for chat mode")
+    p.add_argument("--no-display-prompt", action="store_true", help="do not echo the prompt")
+    p.set_defaults(handler=run_command)
+
+
+def kv_config(args: argparse.Namespace) -> KvConfig:
+    preset = KvSpec.parse(args.kv_type)
+    type_k = KvSpec.parse(args.cache_type_k).name if args.cache_type_k else preset.name
+    type_v = KvSpec.parse(args.cache_type_v).name if args.cache_type_v else preset.name
+    rotate = args.kv_rotate if args.kv_rotate is not None else (True if preset.rotate else None)
+    return KvConfig(type_k, type_v, args.kv_window, args.kv_sinks, rotate)
+
+
+def _prompt_text(args: argparse.Namespace) -> str:
+    if args.file is not None:
+        return args.file.read_text(encoding="utf-8")
+    return args.prompt if args.prompt is not None else ""
+
+
+def _model_path(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        return args.model
+    log.info("no -m given: using SmolLM2-135M-Instruct")
+    return assets.default_model()
+
+
+def _gpu_layers(args: argparse.Namespace) -> int:
+    if args.n_gpu_layers is not None:
+        return args.n_gpu_layers
+    return 999 if gpu_offload_supported() else 0
+
+
+def _stream(pieces: Iterator[str], out: TextIO) -> str:
+    text = []
+    for piece in pieces:
+        out.write(piece)
+        out.flush()
+        text.append(piece)
+    return "".join(text)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    kv = kv_config(args)
+    if args.n_predict < -1:
+        raise ValueError(f"-n must be -1 or more, got {args.n_predict}")
+    if args.ctx_size <= 0:
+        raise ValueError(f"-c must be a positive number of tokens, got {args.ctx_size}")
+    if not args.conversation and args.prompt is None and args.file is None:
+        raise ValueError("give a prompt with -p or -f, or chat with -cnv")
+    sampling = SamplerSettings(args.temp, args.top_k, args.top_p, args.min_p, args.seed)
+    config = ContextConfig(args.ctx_size, args.batch_size, args.ubatch_size, args.threads, args.flash_attn, kv)
+    with Model(_model_path(args), n_gpu_layers=_gpu_layers(args)) as model, model.context(config) as ctx:
+        sampler = Sampler(sampling)
+        if args.conversation:
+            _chat(model, ctx, sampler, args)
+        else:
+            prompt = _prompt_text(args)
+            tokens = model.tokenize(prompt, parse_special=True)
+            ctx.check_fits(tokens)
+            if not args.no_display_prompt:
+                sys.stdout.write(prompt)
+            _stream(ctx.generate_text(tokens, args.n_predict, sampler), sys.stdout)
+            sys.stdout.write("\n")
+        _report(ctx.timings(), ctx.memory(), kv)
+        if ctx.context_full:
+            # -n -1 asks for "until the end", and a full context is one; a count that did not fit is an error
+            if args.n_predict >= 0:
+                raise LlamaError(f"context full after {ctx.n_past} tokens, before -n {args.n_predict} tokens "
+                                 "were generated (raise -c)")
+            log.warning("context full after %d tokens: generation stopped (raise -c)", ctx.n_past)
+    return 0
+
+
+def _chat(model: Model, ctx: Context, sampler: Sampler, args: argparse.Namespace) -> None:
+    """Turns read from stdin; each new turn feeds only the text the cache has not seen yet."""
+    messages = [ChatMessage("system", args.system_prompt)] if args.system_prompt else []
+    evaluated = ""
+    interactive = sys.stdin.isatty()
+    while not ctx.context_full:
+        if interactive:
+            sys.stdout.write("\n> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        if not line.strip():
+            continue
+        messages.append(ChatMessage("user", line.rstrip("\n")))
+        formatted = model.apply_chat_template(messages)
+        if not formatted.startswith(evaluated):
+            raise LlamaError("the chat template rewrote earlier turns; this conversation cannot continue in "
+                             "the same cache")
+        new_tokens = model.tokenize(formatted[len(evaluated):], add_special=not evaluated, parse_special=True)
+        reply = _stream(ctx.generate_text(new_tokens, args.n_predict, sampler), sys.stdout)
+        sys.stdout.write("\n")
+        messages.append(ChatMessage("assistant", reply))
+        evaluated = formatted + reply
+
+
+def _report(timings: Timings, memory: KvMemory, kv: KvConfig) -> None:
+    print(f"pykvq: prompt {timings.n_prompt} tokens, {timings.prompt_tokens_per_s:.1f} t/s | "
+          f"generated {timings.n_decode} tokens, {timings.decode_tokens_per_s:.1f} t/s", file=sys.stderr)
+    settings = ""
+    if kv.is_kivi:
+        params = kv.kvq_params()
+        settings = f" (window {params.window}, sinks {params.n_sink}{', rotated' if params.rotate else ''})"
+    print(f"pykvq: KV cache K {kv.type_k}, V {kv.type_v}{settings}: {memory.bytes / MIB:.2f} MiB for "
+          f"{memory.n_cells} cells, {memory.bits_per_element:.2f} bits per element; f16 KV would use "
+          f"{memory.f16_bytes / MIB:.2f} MiB ({memory.ratio_to_f16:.2f}x)", file=sys.stderr)

@@ -1,0 +1,65 @@
+"""Token sampling: llama.cpp's sampler chain, in the order and with the defaults of its own tools."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pykvq import native
+
+if TYPE_CHECKING:
+    from pykvq.llama import Context
+
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "pick a random seed"
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """--temp, --top-k, --top-p, --min-p, --seed with llama.cpp's defaults; temp <= 0 is greedy."""
+
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int = LLAMA_DEFAULT_SEED
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp <= 0
+
+    def resolved_seed(self) -> int:
+        return random.getrandbits(32) if self.seed == LLAMA_DEFAULT_SEED else self.seed & 0xFFFFFFFF
+
+
+class Sampler:
+    """A llama_sampler chain: top-k, top-p, min-p, temperature, then a seeded draw (upstream's default
+    order, leaving out its stages that are off by default); greedy when temp <= 0."""
+
+    def __init__(self, settings: SamplerSettings = SamplerSettings()) -> None:
+        if settings.top_k < 0 or not 0.0 <= settings.top_p <= 1.0 or not 0.0 <= settings.min_p <= 1.0:
+            raise ValueError(f"bad sampling settings: {settings} (top-k >= 0, top-p and min-p in [0, 1])")
+        self.settings = settings
+        self.seed = settings.resolved_seed()
+        self._lib = native.libs()
+        llama = self._lib.llama
+        self._ptr = llama.llama_sampler_chain_init(llama.llama_sampler_chain_default_params())
+        if settings.greedy:
+            stages = [llama.llama_sampler_init_greedy()]
+        else:
+            stages = [llama.llama_sampler_init_top_k(settings.top_k),
+                      llama.llama_sampler_init_top_p(settings.top_p, 0),
+                      llama.llama_sampler_init_min_p(settings.min_p, 0),
+                      llama.llama_sampler_init_temp(settings.temp),
+                      llama.llama_sampler_init_dist(self.seed)]
+        for stage in stages:
+            llama.llama_sampler_chain_add(self._ptr, stage)
+
+    def sample(self, ctx: Context) -> int:
+        """The next token from the context's last logits (the chain also records it)."""
+        return int(self._lib.llama.llama_sampler_sample(self._ptr, ctx._ptr, -1))
+
+    def __del__(self) -> None:
+        if getattr(self, "_ptr", None) is not None:
+            self._lib.llama.llama_sampler_free(self._ptr)
+            self._ptr = None

@@ -1,0 +1,173 @@
+"""llama-cpp-python 0.3.36 running on pykvq's libllama: Llama objects, its server, and the guards around them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pykvq
+from pykvq import ChatMessage, ContextConfig, KvConfig, Model, Sampler, SamplerSettings
+
+# not imported here: pykvq.llama_cpp must point it at our library first
+if importlib.util.find_spec("llama_cpp") is None:
+    pytest.skip("llama-cpp-python is not installed (.ci/run installs it)", allow_module_level=True)
+
+PROMPT = "The capital of France is"
+QUESTION = "What is the capital of France?"
+N_PREDICT = 40
+
+
+@pytest.fixture(scope="module")
+def model(smollm2: Path):
+    with Model(smollm2) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2: Path):
+    from pykvq.llama_cpp import Llama
+    return Llama(model_path=str(smollm2), n_ctx=1024, n_threads=2, verbose=False, logits_all=True,
+                 type_k=pykvq.GGML_TYPE_KIVI2, type_v=pykvq.GGML_TYPE_KIVI2, kv_window=32)
+
+
+KIVI2_W32 = KvConfig.preset("kivi2", window=32)
+
+
+def ours(model: Model, tokens: list[int]) -> str:
+    with model.context(ContextConfig(n_ctx=1024, n_threads=2, kv=KIVI2_W32)) as ctx:
+        return "".join(ctx.generate_text(tokens, N_PREDICT, Sampler(SamplerSettings(temp=0))))
+
+
+def our_chat_reply(model: Model) -> str:
+    prompt = model.apply_chat_template([ChatMessage("user", QUESTION)])
+    return ours(model, model.tokenize(prompt, parse_special=True))
+
+
+def test_llama_is_the_upstream_class_on_our_library(llm) -> None:
+    import llama_cpp
+
+    from pykvq import paths
+    assert isinstance(llm, llama_cpp.Llama)
+    assert Path(llama_cpp.llama_cpp._lib._name).resolve() == paths.library("llama").resolve()
+
+
+def test_create_completion_equals_our_generation(llm, model: Model) -> None:
+    out = llm.create_completion(PROMPT, max_tokens=N_PREDICT, temperature=0)
+    assert out["choices"][0]["text"] == ours(model, model.tokenize(PROMPT))
+
+
+def test_create_chat_completion_equals_our_generation(llm, model: Model) -> None:
+    out = llm.create_chat_completion([{"role": "user", "content": QUESTION}], max_tokens=N_PREDICT, temperature=0)
+    reply = out["choices"][0]["message"]["content"]
+    assert "Paris" in reply
+    assert reply == our_chat_reply(model).strip()
+
+
+def test_logits_equal_our_bindings(llm, model: Model, hamlet: Path) -> None:
+    tokens = model.tokenize(hamlet.read_text()[30000:32000])[:300]
+    llm.reset()
+    llm.eval(tokens)
+    theirs = np.asarray(llm.scores[:len(tokens)])
+    with model.context(ContextConfig(n_ctx=1024, n_batch=512, n_threads=2, kv=KIVI2_W32)) as ctx:
+        mine = ctx.eval(tokens, all_logits=True)
+    np.testing.assert_array_equal(theirs, mine)
+
+
+def test_unknown_type_int_is_refused(smollm2: Path) -> None:
+    from pykvq.llama_cpp import Llama
+    with pytest.raises(ValueError, match=r"unknown KV cache type 99; valid: .*43 \(kivi2\)"):
+        Llama(model_path=str(smollm2), type_k=99, type_v=99, verbose=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(url: str, proc: subprocess.Popen, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"server did not answer {url} within {seconds} s")
+
+
+def test_server_answers_a_chat_completion_with_kivi2(smollm2: Path, model: Model, tmp_path: Path) -> None:
+    port = _free_port()
+    log = tmp_path / "server.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pykvq.llama_cpp_server", "--model", str(smollm2), "--kv-type", "kivi2",
+             "--kv-window", "32", "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "1024", "--n_threads", "2",
+             "--verbose", "true"], stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path)
+        try:
+            _wait_for(f"http://127.0.0.1:{port}/v1/models", proc, 60)
+            body = json.dumps({"messages": [{"role": "user", "content": QUESTION}], "max_tokens": N_PREDICT,
+                               "temperature": 0}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                answer = json.load(response)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    assert answer["choices"][0]["message"]["content"] == our_chat_reply(model).strip()
+    assert "K (kivi2)" in log.read_text() and "V (kivi2)" in log.read_text()
+
+
+def _fake_llama_cpp(root: Path, version: str, lib: str) -> Path:
+    root = root / "site"
+    pkg = root / "llama_cpp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f"__version__ = {version!r}\nfrom . import llama_cpp\n")
+    (pkg / "llama_cpp.py").write_text(f"class _Lib:\n    _name = {lib!r}\n_lib = _Lib()\n")
+    return root
+
+
+def _load_in_subprocess(code: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    # cwd: not the checkout, whose pykvq folder (no built libraries) would shadow the installed package
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env}, cwd=cwd)
+
+
+LOAD = "import pykvq.llama_cpp as p\ntry:\n    p.load()\nexcept p.LlamaCppError as e:\n    print(e)\n    raise SystemExit(3)\n"
+
+
+@pytest.mark.parametrize("case, message", [
+    ("other-lib-path", "names another libllama than pykvq's"),
+    ("imported-first", "was imported before pykvq.llama_cpp and runs on /opt/other/libllama.so"),
+    ("wrong-version", "llama-cpp-python 0.2.90 is installed"),
+    ("missing", "llama-cpp-python is not installed"),
+])
+def test_load_refuses_the_wrong_library(case: str, message: str, tmp_path: Path) -> None:
+    env: dict[str, str] = {}
+    code = LOAD
+    if case == "other-lib-path":
+        env["LLAMA_CPP_LIB_PATH"] = str(tmp_path)
+    elif case == "imported-first":
+        env["PYTHONPATH"] = str(_fake_llama_cpp(tmp_path, "0.3.36", "/opt/other/libllama.so"))
+        code = "import llama_cpp\n" + LOAD
+    elif case == "wrong-version":
+        from pykvq import paths
+        env["PYTHONPATH"] = str(_fake_llama_cpp(tmp_path, "0.2.90", str(paths.library("llama"))))
+    else:
+        code = "import sys\nsys.modules['llama_cpp'] = None\n" + LOAD
+    proc = _load_in_subprocess(code, env, tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    assert message in proc.stdout

@@ -1,0 +1,103 @@
+"""`pykvq run` as a user runs it: streaming output, the closing report, chat mode, and bad input."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pykvq.llama import gpu_offload_supported
+
+
+def pykvq_run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["pykvq", "run", "-t", "2", *args], input=stdin, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_run_streams_text_and_reports_speed_and_memory(smollm2: Path) -> None:
+    proc = pykvq_run("-m", str(smollm2), "--kv-type", "kivi2", "-p", "The capital of France is", "-n", "16",
+                     "--temp", "0", "-c", "512")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("The capital of France is Paris")
+    assert "prompt 5 tokens" in proc.stderr and "generated 16 tokens" in proc.stderr
+    # 512 cells: (512 * 3 + 128 * 16) / 512 = 7 bits per element
+    assert "K kivi2, V kivi2 (window 128, sinks 0)" in proc.stderr and "7.00 bits per element" in proc.stderr
+    assert "f16 KV would use 11.25 MiB" in proc.stderr
+
+
+def test_run_without_model_uses_the_embedded_default() -> None:
+    proc = pykvq_run("-p", "Hello", "-n", "4", "--temp", "0", "--no-display-prompt", "-c", "256")
+    assert proc.returncode == 0, proc.stderr
+    assert "no -m given: using SmolLM2-135M-Instruct" in proc.stderr
+    assert not proc.stdout.startswith("Hello")
+
+
+def test_chat_mode_uses_the_chat_template_and_keeps_the_conversation(smollm2: Path) -> None:
+    proc = pykvq_run("-m", str(smollm2), "-cnv", "--temp", "0", "-n", "40", "--kv-type", "kivi4", "-c", "1024",
+                     stdin="What is the capital of France?\nAnd of Germany?\n")
+    assert proc.returncode == 0, proc.stderr
+    first, second = proc.stdout.strip().splitlines()[:2]
+    assert "Paris" in first and "Berlin" in second
+
+
+def test_long_generation_with_n_minus_one_stops_at_a_full_context(smollm2: Path) -> None:
+    proc = pykvq_run("-m", str(smollm2), "-p", "Hello", "-n", "-1", "-c", "256", "--temp", "0", "--top-k", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "context full after 256 tokens" in proc.stderr
+
+
+def _truncated(smollm2: Path, tmp: Path) -> Path:
+    path = tmp / "truncated.gguf"
+    path.write_bytes(smollm2.read_bytes()[:100_000])
+    return path
+
+
+def _not_gguf(tmp: Path) -> Path:
+    path = tmp / "notes.gguf"
+    path.write_text("these are not the weights you are looking for\n" * 10)
+    return path
+
+
+LONG_PROMPT = "word " * 600
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "model file not found"),
+    ("folder", "is a folder, not a GGUF file"),
+    ("not-gguf", "invalid magic characters"),
+    ("truncated", "cannot load model"),
+    ("unknown-type", "unknown KV cache type 'kivi3'; valid: f32, f16"),
+    ("unknown-ctk", "unknown KV cache type 'q3_k'"),
+    ("prompt-too-long", "the prompt is 601 tokens, the context has 256 free cells"),
+    ("no-prompt", "give a prompt with -p or -f"),
+    ("kivi-without-fa", "use -fa on"),
+    ("context-overflow", "context full after 256 tokens, before -n 300 tokens"),
+    ("bad-window", "recent window must be 0 or more"),
+    ("ngl-without-gpu", "this pykvq build has no GPU backend"),
+])
+def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tmp_path: Path) -> None:
+    model = ["-m", str(smollm2)]
+    args = {
+        "missing": ["-m", str(tmp_path / "nope.gguf"), "-p", "hi"],
+        "folder": ["-m", str(tmp_path), "-p", "hi"],
+        "not-gguf": ["-m", str(_not_gguf(tmp_path)), "-p", "hi"],
+        "truncated": ["-m", str(_truncated(smollm2, tmp_path)), "-p", "hi"],
+        "unknown-type": [*model, "--kv-type", "kivi3", "-p", "hi"],
+        "unknown-ctk": [*model, "-ctk", "q3_k", "-p", "hi"],
+        "prompt-too-long": [*model, "-p", LONG_PROMPT, "-c", "256"],
+        "no-prompt": [*model],
+        "kivi-without-fa": [*model, "--kv-type", "kivi2", "-fa", "off", "-p", "hi"],
+        "context-overflow": [*model, "-p", "Hello", "-n", "300", "-c", "256", "--temp", "0", "--top-k", "1"],
+        "bad-window": [*model, "--kv-type", "kivi2", "--kv-window", "-4", "-p", "hi"],
+        "ngl-without-gpu": [*model, "-ngl", "99", "-p", "hi"],
+    }[case]
+    if case == "ngl-without-gpu" and gpu_offload_supported():
+        pytest.skip("this build has a GPU backend")
+    proc = pykvq_run(*args)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("pykvq: error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+    if case == "prompt-too-long":
+        assert proc.stdout == ""
