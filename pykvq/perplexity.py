@@ -165,7 +165,8 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
     p.add_argument("-f", "--file", type=Path, required=True, help="text to evaluate")
     p.add_argument("--kv-types", default="f16,q8_0,q4_0,q4_1,kivi4,kivi2,kivi1",
-                   help="comma-separated KV cache types, same for K and V; kivi types may add +rot (default: %(default)s)")
+                   help="comma-separated KV cache types, same for K and V; kivi types may add +rot "
+                        "(default: %(default)s)")
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=4, help="chunks of the text to evaluate (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")

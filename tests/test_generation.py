@@ -26,7 +26,8 @@ def hamlet_tokens(model: Model, hamlet: Path) -> list[int]:
     return model.tokenize(hamlet.read_text()[20000:26000])[:600]
 
 
-def generate(model: Model, prompt: str, sampling: SamplerSettings, kv: KvConfig = KvConfig()) -> str:
+def generate(model: Model, prompt: str, sampling: SamplerSettings, kv: KvConfig | None = None) -> str:
+    kv = kv or KvConfig()
     with model.context(ContextConfig(n_ctx=1024, n_threads=2, kv=kv)) as ctx:
         return "".join(ctx.generate_text(model.tokenize(prompt, parse_special=True), N_PREDICT, Sampler(sampling)))
 

@@ -83,7 +83,8 @@ def test_defined_outcomes_for_non_finite_input() -> None:
     restored = native.dequantize_rows(GGML_TYPE_KIVI2, native.quantize_rows(GGML_TYPE_KIVI2, inf_block), 32)[0]
     assert restored[3] == restored.max() and restored[9] == restored.min()  # saturated to the fp16 range
     assert restored[3] == pytest.approx(65504, rel=1e-3) and restored[9] == pytest.approx(-65504, rel=1e-3)
-    assert np.all(native.dequantize_rows(GGML_TYPE_KIVI1, native.quantize_rows(GGML_TYPE_KIVI1, blocks["all nan"][None, :]), 32) == 0)
+    all_nan = native.quantize_rows(GGML_TYPE_KIVI1, blocks["all nan"][None, :])
+    assert np.all(native.dequantize_rows(GGML_TYPE_KIVI1, all_nan, 32) == 0)
 
 
 def test_kivi4_shares_q4_1_byte_layout() -> None:

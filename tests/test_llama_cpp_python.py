@@ -146,7 +146,8 @@ def _load_in_subprocess(code: str, env: dict[str, str], cwd: Path) -> subprocess
                           env={**os.environ, **env}, cwd=cwd)
 
 
-LOAD = "import pykvq.llama_cpp as p\ntry:\n    p.load()\nexcept p.LlamaCppError as e:\n    print(e)\n    raise SystemExit(3)\n"
+LOAD = ("import pykvq.llama_cpp as p\ntry:\n    p.load()\nexcept p.LlamaCppError as e:\n    print(e)\n"
+        "    raise SystemExit(3)\n")
 
 
 @pytest.mark.parametrize("case, message", [
