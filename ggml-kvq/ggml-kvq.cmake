@@ -1,5 +1,6 @@
 # ggml-kvq: our sources compiled into upstream's ggml-base (formats, graph constructors) and ggml-cpu
-# (CPU kernels); the ggml patches hook them into ggml's type and op tables.
+# (CPU kernels) and, when built, ggml-cuda (CUDA kernels); the ggml patches hook them into ggml's type and op
+# tables and backends.
 set(PYKVQ_GGML_KVQ_DIR ${CMAKE_CURRENT_LIST_DIR})
 target_include_directories(ggml-base PUBLIC ${PYKVQ_GGML_KVQ_DIR}/include)
 target_sources(ggml-base PRIVATE
@@ -10,3 +11,9 @@ target_include_directories(ggml-cpu PRIVATE ${PYKVQ_GGML_KVQ_DIR}/src)
 target_sources(ggml-cpu PRIVATE
     ${PYKVQ_GGML_KVQ_DIR}/src/kvq-cpu.c
 )
+if (TARGET ggml-cuda)
+    target_include_directories(ggml-cuda PRIVATE ${PYKVQ_GGML_KVQ_DIR}/src/cuda)
+    target_sources(ggml-cuda PRIVATE
+        ${PYKVQ_GGML_KVQ_DIR}/src/cuda/kvq-cuda.cu
+    )
+endif()
