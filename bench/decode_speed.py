@@ -1,10 +1,14 @@
-"""CPU decode speed per KV cache type at long context, measured in one run with the real llama-batched-bench.
+"""Decode speed per KV cache type at long context, measured with the real llama-batched-bench.
 
-    python bench/decode_speed.py [--depth 4096 16384] [--tg 32]
+    python bench/decode_speed.py [--depth 4096 16384] [--tg 32]                       # CPU, SmolLM2-135M
+    python bench/decode_speed.py --model random:llama3-8b --ngl 99 --depth 4096 32768 131072 --npl 1 16
 
-For each depth the prompt of `depth` tokens is prefilled, then `tg` tokens are generated one at a time
-(batch 1); the decode tokens/s (S_TG) of each type is reported with its ratio to f16 KV. Writes
-bench/results/decode-speed-cpu-<depths>.json and .png and prints a table.
+For each depth the prompt of `depth` tokens is prefilled, then `tg` tokens are generated one at a time per
+sequence (`--npl` sequences at once); the decode tokens/s (S_TG) of each type is reported with its ratio to
+f16 KV. `random:SHAPE` generates a random-weight model of that shape (pykvq.random_model) first. With two or
+more depths, the growth of the per-token time between the smallest and the largest depth, against the KV
+bytes those extra cells hold, estimates the attention's achieved memory bandwidth. Writes
+bench/results/decode-speed-<device>-<depths>.json and .png and prints a table.
 """
 
 from __future__ import annotations
@@ -14,74 +18,155 @@ import json
 import os
 import platform
 import re
+import subprocess
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from pykvq import assets, llama_tools, native
+from pykvq import assets, kv_types, llama_tools, native, random_model
+from pykvq.kv_types import KvSpec
+from pykvq.llama import Model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 _ROW = re.compile(r"^\|\s*(\d+) \|\s*(\d+) \|\s*(\d+) \|\s*(\d+) \|"
                   r"\s*([0-9.]+) \|\s*([0-9.]+) \|\s*([0-9.]+) \|\s*([0-9.]+) \|",
                   re.M)
+# peak memory bandwidth, GB/s, of the cards the project measures on
+PEAK_GBS = {"H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0}
 
 
-def measure(kv_type: str, depth: int, tg: int, threads: int) -> dict:
-    n_ctx = depth + tg + 256
-    args = ["-m", str(assets.default_model()), "-c", str(n_ctx), "-b", "2048", "-ub", "512", "-npp", str(depth),
-            "-ntg", str(tg), "-npl", "1", "-t", str(threads), "-fa", "on", "-ctk", kv_type, "-ctv", kv_type]
-    output = llama_tools.run_tool("llama-batched-bench", args)
-    row = _ROW.search(output)
-    if row is None:
+def measure(model: Path, spec: KvSpec, depth: int, tg: int, npl: int, threads: int, ngl: int) -> dict:
+    row = {"kv_type": spec.label, "depth": depth, "tg": tg, "npl": npl}
+    if npl > 1 and (spec.is_kivi or spec.layers):
+        # kivi caches hold one sequence for now (the robustness issue lifts it)
+        return {**row, "prefill_tps": None, "decode_tps": None, "note": "one sequence only"}
+    n_ctx = npl * (depth + tg) + 256
+    args = ["-m", str(model), "-c", str(n_ctx), "-b", "2048", "-ub", "512", "-npp", str(depth), "-ntg", str(tg),
+            "-npl", str(npl), "-t", str(threads), "-fa", "on", "-ngl", str(ngl), "-ctk", spec.name, "-ctv", spec.name,
+            "--kv-layers", spec.layers or "none"]
+    try:
+        output = llama_tools.run_tool("llama-batched-bench", args)
+    except llama_tools.ToolError as exc:
+        return {**row, "prefill_tps": None, "decode_tps": None, "note": str(exc).splitlines()[-1][:200]}
+    found = _ROW.search(output)
+    if found is None:
         raise llama_tools.ToolError("llama-batched-bench printed no result row:\n" + output[-2000:])
-    return {"kv_type": kv_type, "depth": depth, "tg": tg, "prefill_tps": float(row.group(6)),
-            "decode_tps": float(row.group(8))}
+    return {**row, "prefill_tps": float(found.group(6)), "decode_tps": float(found.group(8))}
+
+
+def bandwidth(rows: list[dict], specs: list[KvSpec], model: Path, n_ctx: int) -> list[dict]:
+    """Per type (batch 1): extra KV bytes of the deepest run over the shallowest, over the extra per-token time."""
+    n_layer, elements_per_cell = _kv_shape(model)
+    out = []
+    for spec in specs:
+        mine = sorted((r for r in rows if r["kv_type"] == spec.label and r["npl"] == 1 and r["decode_tps"]),
+                      key=lambda r: r["depth"])
+        if len(mine) < 2:
+            continue
+        bpe_k, bpe_v = kv_types.layer_bits_per_element(spec, n_layer, n_ctx, 128, 0)
+        bytes_per_cell = elements_per_cell * (bpe_k + bpe_v) / 2 / 8
+        lo, hi = mine[0], mine[-1]
+        dt = 1.0 / hi["decode_tps"] - 1.0 / lo["decode_tps"]
+        extra = bytes_per_cell * (hi["depth"] - lo["depth"])
+        out.append({"kv_type": spec.label, "from_depth": lo["depth"], "to_depth": hi["depth"],
+                    "extra_ms_per_token": 1e3 * dt, "extra_kv_mb": extra / 1e6,
+                    "attention_gbs": extra / dt / 1e9 if dt > 0 else None})
+    return out
+
+
+def _kv_shape(model: Path) -> tuple[int, int]:
+    """Layers, and K plus V elements one cell holds over all layers."""
+    with Model(model) as m, m.context() as ctx:
+        memory = ctx.memory()
+        return m.n_layer, memory.n_elements // memory.n_cells
+
+
+def device_name() -> str:
+    try:
+        proc = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30)
+    except FileNotFoundError:
+        return f"cpu-{platform.machine()}"
+    return proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else "cpu"
+
+
+def resolve_model(text: str, workdir: Path) -> tuple[Path, str]:
+    if text == "smollm2":
+        return assets.default_model(), assets.SMOLLM2_135M_INSTRUCT.member
+    if text.startswith("random:"):
+        shape = text.split(":", 1)[1]
+        path = workdir / f"{shape}-random.gguf"
+        if not path.exists():
+            random_model.write(random_model.SHAPES[shape], path)
+        return path, f"random weights, {shape} shape"
+    return Path(text), Path(text).name
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="smollm2, random:SHAPE (llama3-8b, tiny) or a GGUF path")
     parser.add_argument("--depth", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--tg", type=int, default=32)
+    parser.add_argument("--npl", type=int, nargs="+", default=[1], help="sequences decoded at once")
     parser.add_argument("--kv-types", default="f16,q8_0,q4_0,kivi4,kivi2,kivi1")
+    parser.add_argument("--ngl", type=int, default=0, help="layers on the GPU (99: all)")
     parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args()
+    model, model_label = resolve_model(args.model, args.workdir)
+    specs = kv_types.parse_list(args.kv_types)
     rows = []
-    for depth in args.depth:
-        for kv_type in args.kv_types.split(","):
-            rows.append(measure(kv_type, depth, args.tg, args.threads))
-            print(f"depth {depth:>6} {kv_type:<6} decode {rows[-1]['decode_tps']:8.2f} t/s", flush=True)
+    for npl in args.npl:
+        for depth in args.depth:
+            for spec in specs:
+                rows.append(measure(model, spec, depth, args.tg, npl, args.threads, args.ngl))
+                print(f"npl {npl:>3} depth {depth:>7} {spec.label:<12} decode {rows[-1]['decode_tps']} t/s", flush=True)
     for r in rows:
-        base = next(b for b in rows if b["depth"] == r["depth"] and b["kv_type"] == "f16")
-        r["decode_vs_f16"] = r["decode_tps"] / base["decode_tps"]
-    print(f"\n{'depth':>6} {'KV type':<7} {'prefill t/s':>11} {'decode t/s':>10} {'decode vs f16':>13}")
+        base = next(b for b in rows if (b["depth"], b["npl"], b["kv_type"]) == (r["depth"], r["npl"], "f16"))
+        both = r["decode_tps"] and base["decode_tps"]
+        r["decode_vs_f16"] = r["decode_tps"] / base["decode_tps"] if both else None
+    device = device_name() if args.ngl else f"cpu-{platform.machine()}"
+    print(f"\n{device}\n{'npl':>3} {'depth':>7} {'KV type':<12} {'prefill t/s':>11} {'decode t/s':>10} {'vs f16':>7}")
     for r in rows:
-        print(f"{r['depth']:>6} {r['kv_type']:<7} {r['prefill_tps']:>11.1f} {r['decode_tps']:>10.2f} "
-              f"{r['decode_vs_f16']:>13.2f}")
+        cells = [f"{r[k]:>{w}.2f}" if r[k] is not None else f"{r.get('note', '-'):>{w}}"
+                 for k, w in (("prefill_tps", 11), ("decode_tps", 10), ("decode_vs_f16", 7))]
+        print(f"{r['npl']:>3} {r['depth']:>7} {r['kv_type']:<12} {' '.join(cells)}")
+    attention = bandwidth(rows, specs, model, max(args.depth) + args.tg + 256) if len(args.depth) > 1 else []
+    peak = PEAK_GBS.get(device.replace("NVIDIA ", ""))
+    for a in attention:
+        a["fraction_of_peak"] = a["attention_gbs"] / peak if peak and a["attention_gbs"] else None
+        print(f"attention {a['kv_type']:<12} +{a['extra_ms_per_token']:.3f} ms/token for {a['extra_kv_mb']:.0f} MB: "
+              f"{a['attention_gbs'] or 0:.0f} GB/s" + (f" ({a['fraction_of_peak']:.0%} of peak)" if peak else ""))
     RESULTS.mkdir(exist_ok=True)
-    record = {"machine": f"{platform.processor() or platform.machine()}, {args.threads} threads",
-              "model": assets.SMOLLM2_135M_INSTRUCT.member, "kvq_defaults": asdict(native.kvq_default_params()),
-              "rows": rows}
-    out = RESULTS / f"decode-speed-cpu-{'-'.join(str(d) for d in args.depth)}"
+    machine = device if args.ngl else f"{platform.processor() or platform.machine()}, {args.threads} threads"
+    record = {"machine": machine,
+              "model": model_label, "ngl": args.ngl, "kvq_defaults": asdict(native.kvq_default_params()),
+              "rows": rows, "attention": attention, "peak_gbs": peak}
+    tag = "cpu" if not args.ngl else device.replace("NVIDIA ", "").replace(" ", "-").lower()
+    out = RESULTS / f"decode-speed-{tag}-{'-'.join(str(d) for d in args.depth)}"
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    plot(rows, out.with_suffix(".png"))
+    plot(rows, out.with_suffix(".png"), f"{device}, {model_label}")
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r["npl"] == 1]
     depths = sorted({r["depth"] for r in rows})
     types = list(dict.fromkeys(r["kv_type"] for r in rows))
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(types)
     for i, t in enumerate(types):
-        values = [next(r["decode_vs_f16"] for r in rows if r["depth"] == d and r["kv_type"] == t) for d in depths]
+        values = [next(r["decode_vs_f16"] or 0.0 for r in rows if r["depth"] == d and r["kv_type"] == t)
+                  for d in depths]
         ax.bar([k + i * width for k in range(len(depths))], values, width, label=t)
     ax.axhline(1.0, color="black", linewidth=0.5)
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(depths))], [f"{d} tokens" for d in depths])
     ax.set_ylabel("decode tokens/s relative to f16 KV")
-    ax.set_title("CPU decode speed, SmolLM2-135M, batch 1")
+    ax.set_title(f"decode speed, batch 1: {title}", fontsize=9)
     ax.legend(ncol=3, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -35,8 +35,29 @@ def decode_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def asymkv_table(path: Path) -> str:
+    record = json.loads(path.read_text())
+    s = record["settings"]
+    cal = record["calibration"]
+    lines = [f"AsymKV splits and the allocator, {Path(s['model']).stem}, {Path(s['text']).stem}, n_ctx {s['n_ctx']}, "
+             f"{s['chunks']} chunks, window {s['window']} (allocator calibrated on {cal['text']}, "
+             f"{cal['n_tokens']} tokens):", "",
+             "| KV layers | family | code bits | K bpe | V bpe | PPL | Δ% vs f16 |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    seen = set()
+    for r in sorted(record["rows"], key=lambda r: (r["code_bits"], r["ppl"])):
+        if r["kv_type"] in seen:
+            continue
+        seen.add(r["kv_type"])
+        family = {"K": "K high", "V": "V high", "allocator": "allocator", "": ""}[r["family"]]
+        lines.append(f"| `{r['kv_type']}` | {family} | {r['code_bits']:.2f} | {r['bpe_k']:.2f} | {r['bpe_v']:.2f} | "
+                     f"{r['ppl']:.2f} | {r['delta_pct']:+.1f} |")
+    return "\n".join(lines)
+
+
 def render() -> str:
     parts = [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-c*.json"), key=lambda p: len(p.name))]
+    parts += [asymkv_table(p) for p in sorted(RESULTS.glob("asymkv-c*.json"))]
     parts += [decode_table(p) for p in sorted(RESULTS.glob("decode-speed-*.json"))]
     return "\n\n".join(parts)
 

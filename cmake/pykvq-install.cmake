@@ -20,6 +20,11 @@ foreach (tool ${PYKVQ_TOOLS})
     install(TARGETS ${tool} RUNTIME DESTINATION pykvq/bin COMPONENT pykvq)
 endforeach()
 
+# llama.cpp's own Python package for GGUF files, from the pinned tree (pykvq calibrate writes GGUF copies with
+# it); a top-level `gguf`, since its modules import themselves by that name
+install(DIRECTORY ${PYKVQ_UPSTREAM_TREE}/gguf-py/gguf DESTINATION . COMPONENT pykvq
+        PATTERN "__pycache__" EXCLUDE PATTERN "scripts" EXCLUDE)
+
 # what `pykvq info` reports about the build
 set(PYKVQ_BACKENDS CPU)
 if (GGML_CUDA)

@@ -3,6 +3,7 @@ set(PYKVQ_NATIVE_DIR ${CMAKE_CURRENT_LIST_DIR})
 target_sources(llama PRIVATE
     ${PYKVQ_NATIVE_DIR}/src/llama-kvq.cpp
     ${PYKVQ_NATIVE_DIR}/src/llama-kvq-cache.cpp
+    ${PYKVQ_NATIVE_DIR}/src/llama-kvq-layers.cpp
     ${PYKVQ_NATIVE_DIR}/src/llama-kvq-memory.cpp
 )
 target_include_directories(llama PUBLIC ${PYKVQ_NATIVE_DIR}/include)

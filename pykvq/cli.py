@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pykvq import __version__
+from pykvq.calibrate import add_calibrate_command
 from pykvq.info import add_info_command
 from pykvq.perplexity import add_perplexity_command
 from pykvq.run import add_run_command
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_command(commands)
     add_info_command(commands)
     add_perplexity_command(commands)
+    add_calibrate_command(commands)
     return parser
 
 
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="pykvq: %(message)s")
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    logging.getLogger("gguf").setLevel(logging.WARNING)
     # llama.cpp's own log only with -v: its errors reach the user as the exception's message
     logging.getLogger("pykvq.llama").setLevel(logging.DEBUG if args.verbose else logging.CRITICAL)
     try:

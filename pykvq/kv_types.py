@@ -18,12 +18,17 @@ def names() -> list[str]:
     return [t.name for t in native.kv_cache_types()]
 
 
+ASYMKV_PREFIX = "asymkv:"
+
+
 @dataclass(frozen=True)
 class KvSpec:
-    """One entry of --kv-types: a type name, and for kivi types the Hadamard rotation switch (NAME+rot)."""
+    """One entry of --kv-types: a type name (for kivi types with +rot, the Hadamard rotation), or per-layer
+    types: AsymKV's asymkv:L_K/L_V or the general --kv-layers form, on a kivi2 context."""
 
     name: str
     rotate: bool = False
+    layers: str | None = None
 
     @property
     def is_kivi(self) -> bool:
@@ -31,14 +36,24 @@ class KvSpec:
 
     @property
     def label(self) -> str:
-        return self.name + ("+rot" if self.rotate else "")
+        return self.layers or self.name + ("+rot" if self.rotate else "")
+
+    @classmethod
+    def per_layer(cls, spec: str) -> KvSpec:
+        """Per-layer types; ValueError naming the offending part when ``spec`` does not parse."""
+        native.check_layer_spec(spec)
+        return cls("kivi2", layers=spec)
 
     @classmethod
     def parse(cls, text: str) -> KvSpec:
-        name, _, suffix = text.strip().partition("+")
+        text = text.strip()
+        if text.startswith(ASYMKV_PREFIX):
+            return cls.per_layer(text)
+        name, _, suffix = text.partition("+")
         valid = names()
         if name not in valid:
-            raise KvTypeError(f"unknown KV cache type {name!r}; valid: {', '.join(valid)} (kivi types may add +rot)")
+            raise KvTypeError(f"unknown KV cache type {name!r}; valid: {', '.join(valid)} (kivi types may add +rot; "
+                              f"per-layer: asymkv:L_K/L_V)")
         if suffix not in ("", "rot") or (suffix and name not in KIVI_BITS):
             raise KvTypeError(f"bad KV type {text!r}: only kivi types take a suffix, and it is +rot")
         return cls(name, suffix == "rot")
@@ -61,3 +76,22 @@ def bits_per_element(name: str, n_ctx: int, window: int, n_sink: int) -> float:
         if t.name == name:
             return t.bits_per_element
     raise KvTypeError(f"unknown KV cache type {name!r}")
+
+
+def type_name(type_id: int) -> str:
+    return native.ggml_type(type_id).name
+
+
+def layer_bits_per_element(spec: KvSpec, n_layer: int, n_ctx: int, window: int, n_sink: int) -> tuple[float, float]:
+    """Mean bits per element of K and of V over the layers (every layer holds the same number of elements in
+    the models pykvq targets), for per-layer specs as well as single types."""
+    if spec.layers is None:
+        bpe = bits_per_element(spec.name, n_ctx, window, n_sink)
+        return bpe, bpe
+    type_id = next(t.id for t in native.kv_cache_types() if t.name == spec.name)
+    types_k, types_v = native.resolve_layer_types(spec.layers, n_layer, type_id, type_id)
+
+    def mean(types: list[int]) -> float:
+        return sum(bits_per_element(type_name(t), n_ctx, window, n_sink) for t in types) / n_layer
+
+    return mean(types_k), mean(types_v)

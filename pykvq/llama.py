@@ -46,13 +46,16 @@ def _kv_type_id(name: str) -> int:
 
 @dataclass(frozen=True)
 class KvConfig:
-    """The KV cache of a context: K and V types, and the kivi settings (None: pykvq's defaults)."""
+    """The KV cache of a context: K and V types, and the kivi settings (None: pykvq's defaults). ``layers``:
+    per-layer types (``"asymkv:16/0"``, ``"k:0-15=kivi2,16-=kivi1;v:*=kivi1"``); None lets a model's
+    kvq.kv_layers metadata apply, ``"none"`` ignores it."""
 
     type_k: str = "f16"
     type_v: str = "f16"
     window: int | None = None
     sinks: int | None = None
     rotate: bool | None = None
+    layers: str | None = None
 
     @classmethod
     def preset(cls, name: str, **settings) -> KvConfig:
@@ -61,7 +64,8 @@ class KvConfig:
 
     @property
     def is_kivi(self) -> bool:
-        return self.type_k in KIVI_BITS or self.type_v in KIVI_BITS
+        """Whether the cache may hold kivi layers (then it needs flash attention)."""
+        return self.type_k in KIVI_BITS or self.type_v in KIVI_BITS or self.layers not in (None, "none")
 
     def kvq_params(self) -> native.KvqParams:
         defaults = native.kvq_default_params()
@@ -139,12 +143,14 @@ _context_lock = threading.Lock()
 def kvq_params_applied(kv: KvConfig) -> Iterator[None]:
     """Hold ``kv``'s kivi settings in the C API while a context is created in this block."""
     with _context_lock:
-        previous = native.kvq_params()
-        native.set_kvq_params(kv.kvq_params())
+        previous, previous_layers = native.kvq_params(), native.kvq_layer_types()
         try:
+            native.set_kvq_params(kv.kvq_params())
+            native.set_kvq_layer_types(kv.layers or "")
             yield
         finally:
             native.set_kvq_params(previous)
+            native.set_kvq_layer_types(previous_layers)
 
 
 class Model:

@@ -158,6 +158,10 @@ LLAMA_CDEF = """
     void llama_perf_context_reset(struct llama_context * ctx);
 
     bool llama_kvq_set_params(struct llama_kvq_params params);
+    bool llama_kvq_set_layer_types(const char * spec);
+    const char * llama_kvq_get_layer_types(void);
+    bool llama_kvq_resolve_layer_types(const char * spec, int32_t n_layer, int type_k, int type_v, int * types_k,
+                                       int * types_v);
     struct llama_kvq_params llama_kvq_get_params(void);
     const char * llama_kvq_last_error(void);
     struct llama_kvq_memory_info {

@@ -78,11 +78,11 @@ def check_kv_type(type_id: int | None) -> None:
         raise ValueError(f"unknown KV cache type {type_id!r}; valid: {listed}")
 
 
-def _kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None,
-               rotate: bool | None = None) -> KvConfig:
+def _kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None, rotate: bool | None = None,
+               layers: str | None = None) -> KvConfig:
     names = {t.id: t.name for t in native.kv_cache_types()}
     return KvConfig(names.get(kwargs.get("type_k"), "f16"), names.get(kwargs.get("type_v"), "f16"), window, sinks,
-                    rotate)
+                    rotate, layers)
 
 
 @cache
@@ -91,7 +91,8 @@ def _llama_class() -> type:
 
     class Llama(llama_cpp.Llama):
         """llama_cpp.Llama on pykvq's libllama; kv_window, kv_sinks and kv_rotate set the kivi layers (defaults:
-        128, 0, off). Flash attention is switched on for kivi types, which are read by the fused attention only."""
+        128, 0, off), kv_layers per-layer types (e.g. "asymkv:16/0"). Flash attention is switched on for kivi
+        types, which are read by the fused attention only."""
 
         def __new__(cls, *args, **kwargs) -> Llama:
             # refused before an instance exists: upstream's __del__ fails on a half-built Llama
@@ -102,8 +103,8 @@ def _llama_class() -> type:
             return super().__new__(cls)
 
         def __init__(self, *args, kv_window: int | None = None, kv_sinks: int | None = None,
-                     kv_rotate: bool | None = None, **kwargs) -> None:
-            kv = _kv_config(kwargs, kv_window, kv_sinks, kv_rotate)
+                     kv_rotate: bool | None = None, kv_layers: str | None = None, **kwargs) -> None:
+            kv = _kv_config(kwargs, kv_window, kv_sinks, kv_rotate, kv_layers)
             if kv.is_kivi:
                 kwargs["flash_attn"] = True
             with kvq_params_applied(kv):

@@ -174,3 +174,32 @@ def set_kvq_params(params: KvqParams) -> None:
     struct = lib.ffi.new("struct llama_kvq_params *", (params.window, params.n_sink, params.rotate))
     if not lib.llama.llama_kvq_set_params(struct[0]):
         raise ValueError(lib.ffi.string(lib.llama.llama_kvq_last_error()).decode())
+
+
+def kvq_layer_types() -> str:
+    """The process-wide per-layer spec ("" when none: a model's kvq.kv_layers applies)."""
+    return _str(libs().llama.llama_kvq_get_layer_types())
+
+
+def set_kvq_layer_types(spec: str) -> None:
+    """Set the process-wide per-layer spec; ValueError naming the offending part when it does not parse."""
+    lib = libs()
+    if not lib.llama.llama_kvq_set_layer_types(spec.encode()):
+        raise ValueError(_str(lib.llama.llama_kvq_last_error()))
+
+
+def resolve_layer_types(spec: str, n_layer: int, type_k: int, type_v: int) -> tuple[list[int], list[int]]:
+    """The K and V type id of each layer under ``spec``; ValueError naming the offending part."""
+    lib = libs()
+    types_k = lib.ffi.new("int[]", n_layer)
+    types_v = lib.ffi.new("int[]", n_layer)
+    if not lib.llama.llama_kvq_resolve_layer_types(spec.encode(), n_layer, type_k, type_v, types_k, types_v):
+        raise ValueError(_str(lib.llama.llama_kvq_last_error()))
+    return list(types_k), list(types_v)
+
+
+def check_layer_spec(spec: str) -> None:
+    """ValueError naming the offending part when ``spec`` does not parse (the process-wide spec is kept)."""
+    previous = kvq_layer_types()
+    set_kvq_layer_types(spec)
+    set_kvq_layer_types(previous)

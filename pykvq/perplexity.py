@@ -10,6 +10,7 @@ import re
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cache
 from pathlib import Path
 
 from tqdm import tqdm
@@ -53,7 +54,8 @@ def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
     if spec.is_kivi:
         args += ["--kv-window", str(settings.window), "--kv-sinks", str(settings.n_sink),
                  "--kv-rotate", "on" if spec.rotate else "off"]
-    return args
+    # "none": the runs compare the named types, whatever per-layer types the model's metadata suggests
+    return [*args, "--kv-layers", spec.layers or "none"]
 
 
 def run_one(settings: Settings, spec: KvSpec, progress: tqdm) -> Run:
@@ -76,8 +78,18 @@ def run_one(settings: Settings, spec: KvSpec, progress: tqdm) -> Run:
         raise llama_tools.ToolError(f"llama-perplexity failed for KV type {spec.label}:\n{tail}")
     result = llama_tools.parse_perplexity(text)
     progress.update(settings.chunks - done)
-    bpe = kv_types.bits_per_element(spec.name, settings.n_ctx, settings.window, settings.n_sink)
-    return Run(spec.label, result.ppl, result.error, bpe, bpe, time.monotonic() - start, result.running_ppl)
+    bpe_k, bpe_v = kv_types.layer_bits_per_element(spec, model_layers(settings.model), settings.n_ctx,
+                                                   settings.window, settings.n_sink)
+    return Run(spec.label, result.ppl, result.error, bpe_k, bpe_v, time.monotonic() - start, result.running_ppl)
+
+
+@cache
+def model_layers(model: Path) -> int:
+    from pykvq.llama import Model
+
+    # weights are memory-mapped, not read: loading for the layer count is cheap
+    with Model(model) as m:
+        return m.n_layer
 
 
 def compare(settings: Settings, specs: list[KvSpec]) -> list[Run]:
@@ -141,7 +153,7 @@ def load_json(path: Path) -> tuple[Settings, list[Run]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    specs = kv_types.parse_list(args.kv_types)
+    specs = kv_types.parse_list(args.kv_types) + [KvSpec.per_layer(spec) for spec in args.kv_layers]
     for f, what in ((args.model, "model"), (args.file, "text")):
         if not f.is_file():
             raise FileNotFoundError(f"{what} file not found: {f}")
@@ -167,6 +179,8 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-types", default="f16,q8_0,q4_0,q4_1,kivi4,kivi2,kivi1",
                    help="comma-separated KV cache types, same for K and V; kivi types may add +rot "
                         "(default: %(default)s)")
+    p.add_argument("--kv-layers", action="append", default=[], metavar="SPEC",
+                   help="also run per-layer types, e.g. 'k:0-15=kivi2,16-=kivi1;v:*=kivi1' (repeatable)")
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=4, help="chunks of the text to evaluate (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")

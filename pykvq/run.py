@@ -7,10 +7,11 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
-from pykvq import assets
+from pykvq import assets, gguf_metadata, native
 from pykvq.kv_types import KvSpec
 from pykvq.llama import (FLASH_ATTN, ChatMessage, Context, ContextConfig, KvConfig, KvMemory, LlamaError, Model,
                          Timings, gpu_offload_supported)
@@ -49,7 +50,11 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-fa", "--flash-attn", choices=list(FLASH_ATTN), default="auto",
                    help="flash attention (kivi types always use it)")
     p.add_argument("--kv-type", metavar="TYPE", default="f16",
-                   help="K and V cache type, e.g. kivi2, kivi4, kivi1, q8_0, q4_0, f16 (default f16)")
+                   help="K and V cache type, e.g. kivi2, kivi4, kivi1, q8_0, q4_0, f16, or AsymKV's asymkv:L_K/L_V "
+                        "(default f16)")
+    p.add_argument("--kv-layers", metavar="SPEC",
+                   help="per-layer K and V types, e.g. 'k:0-15=kivi2,16-=kivi1;v:*=kivi1'; 'none' ignores a model's "
+                        "kvq.kv_layers")
     p.add_argument("-ctk", "--cache-type-k", metavar="TYPE", help="K cache type (overrides --kv-type)")
     p.add_argument("-ctv", "--cache-type-v", metavar="TYPE", help="V cache type (overrides --kv-type)")
     p.add_argument("--kv-window", type=int, help="kivi: recent tokens kept in fp16 (default 128)")
@@ -72,7 +77,10 @@ def kv_config(args: argparse.Namespace) -> KvConfig:
     type_k = KvSpec.parse(args.cache_type_k).name if args.cache_type_k else preset.name
     type_v = KvSpec.parse(args.cache_type_v).name if args.cache_type_v else preset.name
     rotate = args.kv_rotate if args.kv_rotate is not None else (True if preset.rotate else None)
-    return KvConfig(type_k, type_v, args.kv_window, args.kv_sinks, rotate)
+    layers = args.kv_layers if args.kv_layers is not None else preset.layers
+    if layers is not None:
+        native.check_layer_spec(layers)
+    return KvConfig(type_k, type_v, args.kv_window, args.kv_sinks, rotate, layers)
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -111,28 +119,53 @@ def run_command(args: argparse.Namespace) -> int:
         raise ValueError(f"-c must be a positive number of tokens, got {args.ctx_size}")
     if not args.conversation and args.prompt is None and args.file is None:
         raise ValueError("give a prompt with -p or -f, or chat with -cnv")
-    sampling = SamplerSettings(args.temp, args.top_k, args.top_p, args.min_p, args.seed)
-    config = ContextConfig(args.ctx_size, args.batch_size, args.ubatch_size, args.threads, args.flash_attn, kv)
-    with Model(_model_path(args), n_gpu_layers=_gpu_layers(args)) as model, model.context(config) as ctx:
-        sampler = Sampler(sampling)
-        if args.conversation:
-            _chat(model, ctx, sampler, args)
-        else:
-            prompt = _prompt_text(args)
-            tokens = model.tokenize(prompt, parse_special=True)
-            ctx.check_fits(tokens)
-            if not args.no_display_prompt:
-                sys.stdout.write(prompt)
-            _stream(ctx.generate_text(tokens, args.n_predict, sampler), sys.stdout)
-            sys.stdout.write("\n")
-        _report(ctx.timings(), ctx.memory(), kv)
-        if ctx.context_full:
-            # -n -1 asks for "until the end", and a full context is one; a count that did not fit is an error
-            if args.n_predict >= 0:
-                raise LlamaError(f"context full after {ctx.n_past} tokens, before -n {args.n_predict} tokens "
-                                 "were generated (raise -c)")
-            log.warning("context full after %d tokens: generation stopped (raise -c)", ctx.n_past)
+    with Model(_model_path(args), n_gpu_layers=_gpu_layers(args)) as model:
+        kv = with_model_layers(kv, model.path)
+        check_layers(kv, model)
+        config = ContextConfig(args.ctx_size, args.batch_size, args.ubatch_size, args.threads, args.flash_attn, kv)
+        with model.context(config) as ctx:
+            _generate(model, ctx, args, kv)
     return 0
+
+
+def with_model_layers(kv: KvConfig, model_path: Path) -> KvConfig:
+    """The model's kvq.kv_layers when the command line gives no per-layer types (it wins when it does)."""
+    if kv.layers is not None:
+        return kv
+    layers = gguf_metadata.read_kvq(model_path).get(gguf_metadata.KEY_LAYERS)
+    if layers is None:
+        return kv
+    log.info("per-layer KV types from the model's kvq.kv_layers: %s", layers)
+    return replace(kv, layers=str(layers))
+
+
+def check_layers(kv: KvConfig, model: Model) -> None:
+    """Per-layer types checked against the model's layers before the context: the message names the part."""
+    if kv.layers in (None, "none"):
+        return
+    ids = {t.name: t.id for t in native.kv_cache_types()}
+    native.resolve_layer_types(kv.layers, model.n_layer, ids[kv.type_k], ids[kv.type_v])
+
+
+def _generate(model: Model, ctx: Context, args: argparse.Namespace, kv: KvConfig) -> None:
+    sampler = Sampler(SamplerSettings(args.temp, args.top_k, args.top_p, args.min_p, args.seed))
+    if args.conversation:
+        _chat(model, ctx, sampler, args)
+    else:
+        prompt = _prompt_text(args)
+        tokens = model.tokenize(prompt, parse_special=True)
+        ctx.check_fits(tokens)
+        if not args.no_display_prompt:
+            sys.stdout.write(prompt)
+        _stream(ctx.generate_text(tokens, args.n_predict, sampler), sys.stdout)
+        sys.stdout.write("\n")
+    _report(ctx.timings(), ctx.memory(), kv)
+    if ctx.context_full:
+        # -n -1 asks for "until the end", and a full context is one; a count that did not fit is an error
+        if args.n_predict >= 0:
+            raise LlamaError(f"context full after {ctx.n_past} tokens, before -n {args.n_predict} tokens "
+                             "were generated (raise -c)")
+        log.warning("context full after %d tokens: generation stopped (raise -c)", ctx.n_past)
 
 
 def _chat(model: Model, ctx: Context, sampler: Sampler, args: argparse.Namespace) -> None:
@@ -168,6 +201,7 @@ def _report(timings: Timings, memory: KvMemory, kv: KvConfig) -> None:
     if kv.is_kivi:
         params = kv.kvq_params()
         settings = f" (window {params.window}, sinks {params.n_sink}{', rotated' if params.rotate else ''})"
-    print(f"pykvq: KV cache K {kv.type_k}, V {kv.type_v}{settings}: {memory.bytes / MIB:.2f} MiB for "
+    types = f"layers {kv.layers}" if kv.layers not in (None, "none") else f"K {kv.type_k}, V {kv.type_v}"
+    print(f"pykvq: KV cache {types}{settings}: {memory.bytes / MIB:.2f} MiB for "
           f"{memory.n_cells} cells, {memory.bits_per_element:.2f} bits per element; f16 KV would use "
           f"{memory.f16_bytes / MIB:.2f} MiB ({memory.ratio_to_f16:.2f}x)", file=sys.stderr)

@@ -83,6 +83,20 @@ def test_logits_equal_our_bindings(llm, model: Model, hamlet: Path) -> None:
     np.testing.assert_array_equal(theirs, mine)
 
 
+def test_per_layer_types_reach_the_cache(smollm2: Path, model: Model) -> None:
+    from pykvq import native
+    from pykvq.llama_cpp import Llama
+    llm = Llama(model_path=str(smollm2), n_ctx=1024, verbose=False, type_k=pykvq.GGML_TYPE_KIVI2,
+                type_v=pykvq.GGML_TYPE_KIVI2, kv_layers="asymkv:16/0")
+    lib = native.libs()
+    info = lib.ffi.new("struct llama_kvq_memory_info *")
+    assert lib.llama.llama_kvq_memory_info(lib.ffi.cast("struct llama_context *", llm._ctx.ctx), info)
+    with model.context(ContextConfig(n_ctx=1024, kv=KvConfig("kivi2", "kivi2", layers="asymkv:16/0"))) as ctx:
+        assert info.bytes == ctx.memory().bytes
+    with model.context(ContextConfig(n_ctx=1024, kv=KvConfig.preset("kivi2"))) as ctx:
+        assert info.bytes < ctx.memory().bytes
+
+
 def test_unknown_type_int_is_refused(smollm2: Path) -> None:
     from pykvq.llama_cpp import Llama
     with pytest.raises(ValueError, match=r"unknown KV cache type 99; valid: .*43 \(kivi2\)"):

@@ -75,6 +75,9 @@ LONG_PROMPT = "word " * 600
     ("context-overflow", "context full after 256 tokens, before -n 300 tokens"),
     ("bad-window", "recent window must be 0 or more"),
     ("ngl-without-gpu", "this pykvq build has no GPU backend"),
+    ("kv-layers-gap", "layer types 'k:0-15=kivi2' in 'k:': layers 16-29 have no type"),
+    ("kv-layers-type", "in '0-15=kivi9': unknown type 'kivi9'"),
+    ("asymkv-too-many", "in 'asymkv: L_K = 40': more layers than the model's 30"),
 ])
 def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tmp_path: Path) -> None:
     model = ["-m", str(smollm2)]
@@ -91,6 +94,9 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tm
         "context-overflow": [*model, "-p", "Hello", "-n", "300", "-c", "256", "--temp", "0", "--top-k", "1"],
         "bad-window": [*model, "--kv-type", "kivi2", "--kv-window", "-4", "-p", "hi"],
         "ngl-without-gpu": [*model, "-ngl", "99", "-p", "hi"],
+        "kv-layers-gap": [*model, "--kv-layers", "k:0-15=kivi2", "-p", "hi"],
+        "kv-layers-type": [*model, "--kv-layers", "k:0-15=kivi9", "-p", "hi"],
+        "asymkv-too-many": [*model, "--kv-type", "asymkv:40/0", "-p", "hi"],
     }[case]
     if case == "ngl-without-gpu" and gpu_offload_supported():
         pytest.skip("this build has a GPU backend")

@@ -33,8 +33,22 @@ LLAMA_API struct llama_kvq_params llama_kvq_get_params(void);
 LLAMA_API const char *            llama_kvq_last_error(void);
 
 // One setting by name, as the tools' command lines give it: "window" and "sinks" take a count,
-// "rotate" takes on/off. Returns false (see llama_kvq_last_error) for an unknown name or a bad value.
+// "rotate" takes on/off, "layers" a per-layer spec (llama_kvq_set_layer_types). Returns false (see llama_kvq_last_error) for an unknown name or a bad value.
 LLAMA_API bool llama_kvq_set_param(const char * name, const char * value);
+
+// Per-layer K and V types for KV caches created afterwards, e.g. "k:0-15=kivi2,16-=kivi1;v:*=kivi1" (ranges
+// inclusive, "16-" up to the last layer, "*" all) or AsymKV's "asymkv:16/0" (K kivi2 in the first 16 layers
+// and kivi1 after, V likewise with 0). A part left out keeps the context's type_k / type_v; a part given
+// must name every layer once. "" (or NULL): no spec, a model's "kvq.kv_layers" metadata applies if it has
+// one; "none": type_k / type_v everywhere, metadata ignored. Returns false (see llama_kvq_last_error) when
+// the spec does not parse; layer bounds are checked when a cache is created for a model.
+LLAMA_API bool         llama_kvq_set_layer_types(const char * spec);
+LLAMA_API const char * llama_kvq_get_layer_types(void);   // valid until the next llama_kvq_set_layer_types
+
+// A spec resolved for n_layer layers into types_k[n_layer] and types_v[n_layer]; false (see
+// llama_kvq_last_error) when it does not parse or does not fit the layers.
+LLAMA_API bool llama_kvq_resolve_layer_types(const char * spec, int32_t n_layer, enum ggml_type type_k,
+                                             enum ggml_type type_v, enum ggml_type * types_k, enum ggml_type * types_v);
 
 // What a context's KV cache holds and costs. bytes: all of its buffers (scales, fp16 window and sinks and
 // alignment included); f16_bytes: what f16 K and V for the same cells and layers would take.

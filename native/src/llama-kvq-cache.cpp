@@ -7,6 +7,7 @@
 #include "llama-kv-cache.h"
 
 #include "llama-impl.h"
+#include "llama-kvq-layers.h"
 #include "llama-model.h"
 
 #include "ggml-kvq.h"
@@ -19,15 +20,53 @@ static bool kvq_either_kivi(ggml_type type_k, ggml_type type_v) {
     return ggml_kvq_is_kivi(type_k) || ggml_kvq_is_kivi(type_v);
 }
 
-void llama_kv_cache::kvq_check(ggml_type type_k, ggml_type type_v, uint32_t n_stream_wanted) const {
-    if (!kvq_either_kivi(type_k, type_v)) {
+static std::string kvq_types_text(ggml_type type_k, ggml_type type_v) {
+    return std::string(ggml_type_name(type_k)) + "/" + ggml_type_name(type_v);
+}
+
+// the model's own per-layer types (pykvq calibrate writes them), "" when it has none
+static std::string kvq_model_layer_spec(const llama_model & model) {
+    char buf[4096];
+    if (llama_model_meta_val_str(&model, "kvq.version", buf, sizeof(buf)) >= 0 && std::string(buf) != "1") {
+        throw std::runtime_error(std::string("the model's kvq.* metadata is version ") + buf +
+                                 "; this pykvq reads version 1 (--kv-layers none ignores it)");
+    }
+    const int32_t n = llama_model_meta_val_str(&model, "kvq.kv_layers", buf, sizeof(buf));
+    if (n >= (int32_t) sizeof(buf)) {
+        throw std::runtime_error("the model's kvq.kv_layers metadata is longer than " + std::to_string(sizeof(buf)) + " bytes");
+    }
+    return n < 0 ? "" : std::string(buf, n);
+}
+
+void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_type type_v, uint32_t n_stream_wanted) {
+    std::string spec = llama_kvq_layer_spec();
+    std::string source = "--kv-layers";
+    if (spec.empty()) {
+        spec   = kvq_model_layer_spec(model);
+        source = "the model's kvq.kv_layers";
+    }
+    try {
+        llama_kvq_layer_types types = llama_kvq_resolve_layer_spec(spec, (int32_t) hparams.n_layer_all, type_k, type_v);
+        kvq_types_k = std::move(types.k);
+        kvq_types_v = std::move(types.v);
+    } catch (const std::invalid_argument & err) {
+        throw std::runtime_error(source + ": " + err.what());
+    }
+
+    bool any_kivi = false;
+    for (uint32_t il = 0; il < kvq_types_k.size(); ++il) {
+        const ggml_type tk = kvq_types_k[il];
+        const ggml_type tv = kvq_types_v[il];
+        if (ggml_kvq_is_kivi(tk) != ggml_kvq_is_kivi(tv)) {
+            throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + kvq_types_text(tk, tv) +
+                                     ": a kivi K type needs a kivi V type and the other way round (kivi4, kivi2, kivi1)");
+        }
+        any_kivi = any_kivi || kvq_either_kivi(tk, tv);
+    }
+    if (!any_kivi) {
         return;
     }
-    const std::string types = std::string(ggml_type_name(type_k)) + "/" + ggml_type_name(type_v);
-    if (!ggml_kvq_is_kivi(type_k) || !ggml_kvq_is_kivi(type_v)) {
-        throw std::runtime_error("KV cache " + types + ": a kivi K type needs a kivi V type and the other way "
-                                 "round (kivi4, kivi2, kivi1)");
-    }
+    const std::string types = kvq_types_text(type_k, type_v);
     if (v_trans) {
         throw std::runtime_error("KV cache " + types + ": kivi types need flash attention (-fa on)");
     }
@@ -38,8 +77,9 @@ void llama_kv_cache::kvq_check(ggml_type type_k, ggml_type type_v, uint32_t n_st
     if (other != nullptr || n_swa != 0) {
         throw std::runtime_error("KV cache " + types + ": kivi types do not support shared or sliding-window caches yet");
     }
-    LLAMA_LOG_INFO("%s: kivi KV cache: window = %d, sinks = %d, rotation = %s\n", __func__,
-            kvq_params.window, kvq_params.n_sink, kvq_params.rotate ? "on" : "off");
+    LLAMA_LOG_INFO("%s: kivi KV cache: window = %d, sinks = %d, rotation = %s%s%s\n", __func__,
+            kvq_params.window, kvq_params.n_sink, kvq_params.rotate ? "on" : "off",
+            spec.empty() || spec == "none" ? "" : ", layer types = ", spec == "none" ? "" : spec.c_str());
 }
 
 bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type type_k, ggml_type type_v,
@@ -51,8 +91,7 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
     const uint32_t dk = hparams.n_embd_head_k(il);
     const uint32_t dv = hparams.n_embd_head_v(il);
     if (dk % QK_KIVI != 0 || dv % QK_KIVI != 0 || dk > 512 || dv > 512) {
-        throw std::runtime_error(std::string("KV cache ") + ggml_type_name(type_k) + "/" + ggml_type_name(type_v) +
-                                 ": unsupported head size " + std::to_string(dk) + "/" + std::to_string(dv) + " in layer " +
+        throw std::runtime_error("KV cache " + kvq_types_text(type_k, type_v) + ": unsupported head size " + std::to_string(dk) + "/" + std::to_string(dv) + " in layer " +
                                  std::to_string(il) + " (kivi types need a multiple of 32, at most 512)");
     }
     const uint32_t n_embd_k = hparams.n_embd_k_gqa(il);
@@ -79,7 +118,12 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
 }
 
 bool llama_kv_cache::kvq_active() const {
-    return !layers.empty() && layers[0].k_fp16 != nullptr;
+    for (const kv_layer & layer : layers) {
+        if (layer.k_fp16 != nullptr) {
+            return true;
+        }
+    }
+    return false;
 }
 
 void llama_kv_cache::kvq_check_state() const {

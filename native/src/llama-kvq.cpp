@@ -1,11 +1,15 @@
 #include "llama-kvq.h"
 
+#include "llama-kvq-layers.h"
+
 #include "ggml.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 
 // Upstream's list (common/arg.cpp before our patch), in its order, so that upstream's tools keep
@@ -43,6 +47,8 @@ enum ggml_type llama_kvq_cache_type(size_t i) {
 static std::mutex       kvq_params_mutex;
 static llama_kvq_params kvq_params = llama_kvq_default_params();
 static std::string      kvq_error;
+static std::string      kvq_layer_spec;
+static std::string      kvq_layer_spec_out;   // what llama_kvq_get_layer_types hands out
 
 struct llama_kvq_params llama_kvq_default_params(void) {
     return { /*.window =*/ 128, /*.n_sink =*/ 0, /*.rotate =*/ false };
@@ -108,9 +114,11 @@ bool llama_kvq_set_param(const char * name, const char * value) {
         ok = kvq_parse_count(value, params.n_sink);
     } else if (std::strcmp(name, "rotate") == 0) {
         ok = kvq_parse_switch(value, params.rotate);
+    } else if (std::strcmp(name, "layers") == 0) {
+        return llama_kvq_set_layer_types(value);
     } else {
         std::lock_guard<std::mutex> lock(kvq_params_mutex);
-        kvq_error = std::string("unknown kivi setting '") + name + "' (valid: window, sinks, rotate)";
+        kvq_error = std::string("unknown kivi setting '") + name + "' (valid: window, sinks, rotate, layers)";
         return false;
     }
     if (!ok) {
@@ -120,4 +128,43 @@ bool llama_kvq_set_param(const char * name, const char * value) {
         return false;
     }
     return llama_kvq_set_params(params);
+}
+
+bool llama_kvq_set_layer_types(const char * spec) {
+    const std::string text = spec ? spec : "";
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    try {
+        llama_kvq_check_layer_spec(text);
+    } catch (const std::invalid_argument & err) {
+        kvq_error = err.what();
+        return false;
+    }
+    kvq_layer_spec = text;
+    kvq_error.clear();
+    return true;
+}
+
+const char * llama_kvq_get_layer_types(void) {
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    kvq_layer_spec_out = kvq_layer_spec;
+    return kvq_layer_spec_out.c_str();
+}
+
+std::string llama_kvq_layer_spec(void) {
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    return kvq_layer_spec;
+}
+
+bool llama_kvq_resolve_layer_types(const char * spec, int32_t n_layer, enum ggml_type type_k, enum ggml_type type_v,
+        enum ggml_type * types_k, enum ggml_type * types_v) {
+    try {
+        const llama_kvq_layer_types types = llama_kvq_resolve_layer_spec(spec ? spec : "", n_layer, type_k, type_v);
+        std::copy(types.k.begin(), types.k.end(), types_k);
+        std::copy(types.v.begin(), types.v.end(), types_v);
+    } catch (const std::invalid_argument & err) {
+        std::lock_guard<std::mutex> lock(kvq_params_mutex);
+        kvq_error = err.what();
+        return false;
+    }
+    return true;
 }

@@ -1,0 +1,227 @@
+// Per-layer KV cache types: the spec language of --kv-layers / llama_kvq_set_layer_types.
+//
+//   spec    := "asymkv:" L_K "/" L_V | part (";" part)*
+//   part    := ("k" | "v") ":" rule ("," rule)*
+//   rule    := range "=" TYPE
+//   range   := "*" | N | N "-" | N "-" M            (layers, inclusive; "N-" runs to the last layer)
+//
+// asymkv:L_K/L_V is AsymKV's notation: K is kivi2 in the first L_K layers and kivi1 after, V likewise.
+// A part must give every layer exactly one type; a part left out keeps the context's type_k or type_v.
+// Parse errors are reported when the spec is set; layer bounds once the model's layer count is known.
+
+#include "llama-kvq-layers.h"
+
+#include "ggml.h"
+#include "llama-kvq.h"
+
+#include <cstdlib>
+#include <stdexcept>
+
+namespace {
+
+struct kvq_rule {
+    int32_t     first;
+    int32_t     last;   // -1: up to the last layer
+    ggml_type   type;
+    std::string text;
+};
+
+struct kvq_part {
+    bool                  given = false;
+    std::vector<kvq_rule> rules;
+};
+
+struct kvq_spec {
+    bool     asymkv = false;
+    int32_t  l_k    = 0;
+    int32_t  l_v    = 0;
+    kvq_part k;
+    kvq_part v;
+};
+
+std::string kvq_trim(const std::string & s) {
+    const size_t b = s.find_first_not_of(" \t");
+    const size_t e = s.find_last_not_of(" \t");
+    return b == std::string::npos ? "" : s.substr(b, e - b + 1);
+}
+
+std::vector<std::string> kvq_split(const std::string & s, char sep) {
+    std::vector<std::string> out;
+    size_t start = 0;
+    for (size_t pos; (pos = s.find(sep, start)) != std::string::npos; start = pos + 1) {
+        out.push_back(kvq_trim(s.substr(start, pos - start)));
+    }
+    out.push_back(kvq_trim(s.substr(start)));
+    return out;
+}
+
+[[noreturn]] void kvq_fail(const std::string & where, const std::string & why) {
+    throw std::invalid_argument("in '" + where + "': " + why);
+}
+
+int32_t kvq_parse_layer(const std::string & text, const std::string & where) {
+    char * end = nullptr;
+    const long v = std::strtol(text.c_str(), &end, 10);
+    if (text.empty() || *end != '\0' || v < 0 || v > 1000000) {
+        kvq_fail(where, "'" + text + "' is not a layer number");
+    }
+    return (int32_t) v;
+}
+
+std::string kvq_valid_types() {
+    std::string out;
+    for (size_t i = 0; i < llama_kvq_n_cache_types(); ++i) {
+        out += (i ? ", " : "") + std::string(ggml_type_name(llama_kvq_cache_type(i)));
+    }
+    return out;
+}
+
+ggml_type kvq_parse_type(const std::string & name, const std::string & where) {
+    for (size_t i = 0; i < llama_kvq_n_cache_types(); ++i) {
+        if (name == ggml_type_name(llama_kvq_cache_type(i))) {
+            return llama_kvq_cache_type(i);
+        }
+    }
+    kvq_fail(where, "unknown type '" + name + "' (valid: " + kvq_valid_types() + ")");
+}
+
+kvq_rule kvq_parse_rule(const std::string & text) {
+    const size_t eq = text.find('=');
+    if (eq == std::string::npos) {
+        kvq_fail(text, "expected LAYERS=TYPE, e.g. 0-15=kivi2");
+    }
+    const std::string range = kvq_trim(text.substr(0, eq));
+    kvq_rule rule = { 0, -1, kvq_parse_type(kvq_trim(text.substr(eq + 1)), text), text };
+    if (range == "*") {
+        return rule;
+    }
+    const size_t dash = range.find('-');
+    rule.first = kvq_parse_layer(range.substr(0, dash), text);
+    if (dash == std::string::npos) {
+        rule.last = rule.first;
+    } else if (dash + 1 < range.size()) {
+        rule.last = kvq_parse_layer(range.substr(dash + 1), text);
+        if (rule.last < rule.first) {
+            kvq_fail(text, "the range " + range + " runs backwards");
+        }
+    }
+    return rule;
+}
+
+void kvq_parse_part(const std::string & text, kvq_spec & spec) {
+    const size_t colon = text.find(':');
+    const std::string name = kvq_trim(text.substr(0, colon));
+    if (colon == std::string::npos || (name != "k" && name != "v")) {
+        kvq_fail(text, "a part starts with k: or v:");
+    }
+    kvq_part & part = name == "k" ? spec.k : spec.v;
+    if (part.given) {
+        kvq_fail(text, "the " + name + ": part is given twice");
+    }
+    part.given = true;
+    for (const std::string & rule : kvq_split(text.substr(colon + 1), ',')) {
+        part.rules.push_back(kvq_parse_rule(rule));
+    }
+}
+
+kvq_spec kvq_parse(const std::string & text) {
+    kvq_spec spec;
+    const std::string asymkv = "asymkv:";
+    if (text.compare(0, asymkv.size(), asymkv) == 0) {
+        const std::string counts = text.substr(asymkv.size());
+        const size_t slash = counts.find('/');
+        if (slash == std::string::npos) {
+            kvq_fail(text, "expected asymkv:L_K/L_V, e.g. asymkv:16/0");
+        }
+        spec.asymkv = true;
+        spec.l_k = kvq_parse_layer(counts.substr(0, slash), text);
+        spec.l_v = kvq_parse_layer(counts.substr(slash + 1), text);
+        return spec;
+    }
+    for (const std::string & part : kvq_split(text, ';')) {
+        kvq_parse_part(part, spec);
+    }
+    return spec;
+}
+
+// AsymKV's split as the general form: high bits (kivi2) in the first l layers, kivi1 after
+kvq_part kvq_asymkv_part(int32_t l, int32_t n_layer, const char * name) {
+    if (l > n_layer) {
+        kvq_fail(std::string("asymkv: ") + name + " = " + std::to_string(l),
+                 "more layers than the model's " + std::to_string(n_layer));
+    }
+    kvq_part part;
+    part.given = true;
+    if (l > 0) {
+        part.rules.push_back({ 0, l - 1, GGML_TYPE_KIVI2, "0-" + std::to_string(l - 1) + "=kivi2" });
+    }
+    if (l < n_layer) {
+        part.rules.push_back({ l, -1, GGML_TYPE_KIVI1, std::to_string(l) + "-=kivi1" });
+    }
+    return part;
+}
+
+std::string kvq_layers_text(int32_t first, int32_t last) {
+    return first == last ? "layer " + std::to_string(first) : "layers " + std::to_string(first) + "-" + std::to_string(last);
+}
+
+std::vector<ggml_type> kvq_resolve_part(const kvq_part & part, const char * name, int32_t n_layer, ggml_type fallback) {
+    std::vector<ggml_type> types(n_layer, fallback);
+    if (!part.given) {
+        return types;
+    }
+    std::vector<const kvq_rule *> owner(n_layer, nullptr);
+    for (const kvq_rule & rule : part.rules) {
+        const int32_t last = rule.last < 0 ? n_layer - 1 : rule.last;
+        if (rule.first >= n_layer || last >= n_layer) {
+            kvq_fail(rule.text, "the model has " + std::to_string(n_layer) + " layers (0-" + std::to_string(n_layer - 1) + ")");
+        }
+        for (int32_t il = rule.first; il <= last; ++il) {
+            if (owner[il] != nullptr) {
+                kvq_fail(rule.text, std::string(name) + ": layer " + std::to_string(il) + " already has a type from '" +
+                         owner[il]->text + "'");
+            }
+            owner[il] = &rule;
+            types[il] = rule.type;
+        }
+    }
+    for (int32_t il = 0; il < n_layer; ++il) {
+        if (owner[il] == nullptr) {
+            int32_t last = il;
+            while (last + 1 < n_layer && owner[last + 1] == nullptr) {
+                ++last;
+            }
+            kvq_fail(std::string(name) + ":", kvq_layers_text(il, last) + (il == last ? " has" : " have") + " no type");
+        }
+    }
+    return types;
+}
+
+} // namespace
+
+void llama_kvq_check_layer_spec(const std::string & spec) {
+    if (spec.empty() || spec == "none") {
+        return;
+    }
+    try {
+        kvq_parse(spec);
+    } catch (const std::invalid_argument & err) {
+        throw std::invalid_argument("layer types '" + spec + "' " + err.what());
+    }
+}
+
+llama_kvq_layer_types llama_kvq_resolve_layer_spec(const std::string & spec, int32_t n_layer, ggml_type type_k, ggml_type type_v) {
+    if (spec.empty() || spec == "none") {
+        return { std::vector<ggml_type>(n_layer, type_k), std::vector<ggml_type>(n_layer, type_v) };
+    }
+    try {
+        const kvq_spec parsed = kvq_parse(spec);
+        if (parsed.asymkv) {
+            return { kvq_resolve_part(kvq_asymkv_part(parsed.l_k, n_layer, "L_K"), "k", n_layer, type_k),
+                     kvq_resolve_part(kvq_asymkv_part(parsed.l_v, n_layer, "L_V"), "v", n_layer, type_v) };
+        }
+        return { kvq_resolve_part(parsed.k, "k", n_layer, type_k), kvq_resolve_part(parsed.v, "v", n_layer, type_v) };
+    } catch (const std::invalid_argument & err) {
+        throw std::invalid_argument("layer types '" + spec + "' " + err.what());
+    }
+}

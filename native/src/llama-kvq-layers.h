@@ -1,0 +1,23 @@
+// Per-layer KV cache types (llama-kvq-layers.cpp has the spec language).
+#pragma once
+
+#include "ggml.h"
+
+#include <string>
+#include <vector>
+
+struct llama_kvq_layer_types {
+    std::vector<ggml_type> k;
+    std::vector<ggml_type> v;
+};
+
+// throws std::invalid_argument naming the part of the spec that does not parse; "" and "none" are valid
+void llama_kvq_check_layer_spec(const std::string & spec);
+
+// the K and V type of each of n_layer layers; type_k/type_v where the spec is "" or "none" or leaves a part
+// out. Throws std::invalid_argument naming the offending part (bounds, overlaps, gaps).
+llama_kvq_layer_types llama_kvq_resolve_layer_spec(const std::string & spec, int32_t n_layer, ggml_type type_k,
+                                                   ggml_type type_v);
+
+// the process-wide spec set with llama_kvq_set_layer_types ("" when none)
+std::string llama_kvq_layer_spec(void);

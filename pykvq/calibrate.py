@@ -1,0 +1,155 @@
+"""`pykvq calibrate`: measure each layer's K and V sensitivity on a text, choose per-layer widths for a
+budget (pykvq.allocation), and write them into a copy of the model as kvq.* metadata."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from pykvq import gguf_metadata
+from pykvq.allocation import BITS, PARTS, Allocation, Sensitivity, allocate
+from pykvq.llama import ContextConfig, KvConfig, Model
+
+log = logging.getLogger("pykvq.calibrate")
+
+# Each tensor is probed one width up and one down from kivi2 everywhere: budgets around 2 bits, where the
+# choice matters most, land near that point, and costs measured around it add up best there.
+PROBED = ("kivi4", "kivi1")
+REFERENCE = "kivi2"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """How the sensitivities are measured: the first n_tokens of a text, the kivi window and sinks used."""
+
+    n_tokens: int
+    window: int
+    sinks: int
+    threads: int
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+def mean_kld(reference: np.ndarray, other: np.ndarray) -> float:
+    """Mean over tokens of KL(reference || other), both given as log-probabilities."""
+    return float(np.mean(np.sum(np.exp(reference) * (reference - other), axis=1)))
+
+
+def one_layer_spec(n_layer: int, part: str, layer: int, name: str) -> str:
+    """The reference type everywhere but ``part`` of ``layer``."""
+    other = "v" if part == "k" else "k"
+    rest = [f"{r}={REFERENCE}" for r in ((f"0-{layer - 1}",) if layer > 0 else ())]
+    rest += [f"{layer}={name}"]
+    rest += [f"{layer + 1}-={REFERENCE}"] if layer + 1 < n_layer else []
+    return f"{part}:{','.join(rest)};{other}:*={REFERENCE}"
+
+
+class Calibrator:
+    """Log-probabilities of one token sequence under different KV layer mixes, against f16 KV."""
+
+    def __init__(self, model: Model, tokens: list[int], probe: Probe) -> None:
+        self.model = model
+        self.tokens = tokens
+        self.probe = probe
+        self.reference = self._log_probs(KvConfig(layers="none"))
+
+    def _log_probs(self, kv: KvConfig) -> np.ndarray:
+        config = ContextConfig(n_ctx=len(self.tokens), n_batch=len(self.tokens), n_threads=self.probe.threads,
+                               flash_attn="on", kv=kv)
+        with self.model.context(config) as ctx:
+            return log_softmax(ctx.eval(self.tokens, all_logits=True))
+
+    def kld(self, layers: str) -> float:
+        kv = KvConfig(REFERENCE, REFERENCE, self.probe.window, self.probe.sinks, layers=layers)
+        return mean_kld(self.reference, self._log_probs(kv))
+
+    def sensitivities(self) -> list[Sensitivity]:
+        n_layer = self.model.n_layer
+        base = self.kld("none")
+        out = []
+        with tqdm(total=len(PARTS) * n_layer * len(PROBED), unit="probe", desc="calibrate") as progress:
+            for part in PARTS:
+                for layer in range(n_layer):
+                    cost = {REFERENCE: 0.0}
+                    for name in PROBED:
+                        progress.set_postfix_str(f"{part}{layer} {name}")
+                        cost[name] = self.kld(one_layer_spec(n_layer, part, layer, name)) - base
+                        progress.update()
+                    out.append(Sensitivity(part, layer, cost))
+        return out
+
+
+def metadata(allocation: Allocation, budget: float, sensitivities: list[Sensitivity], text: Path,
+             probe: Probe) -> dict[str, object]:
+    record: dict[str, object] = {
+        gguf_metadata.KEY_LAYERS: allocation.spec(),
+        "kvq.kv_budget": float(budget),
+        "kvq.calibration.text": text.name,
+        "kvq.calibration.n_tokens": probe.n_tokens,
+        "kvq.calibration.window": probe.window,
+    }
+    for part in PARTS:
+        for name in PROBED:
+            record[f"kvq.calibration.kld_{part}_{name}"] = [s.cost[name] for s in sensitivities if s.part == part]
+    return record
+
+
+def format_allocation(allocation: Allocation) -> str:
+    lines = [f"{'layer':>5}  K      V"]
+    for il in range(allocation.n_layer):
+        lines.append(f"{il:>5}  {allocation.types['k', il]:<6} {allocation.types['v', il]}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    for f, what in ((args.model, "model"), (args.file, "calibration text")):
+        if not f.is_file():
+            raise FileNotFoundError(f"{what} file not found: {f}")
+    if args.output.resolve() == args.model.resolve():
+        raise ValueError("-o must name a new file: pykvq calibrate writes a copy and never touches the model")
+    if args.kv_budget < min(BITS.values()):
+        raise ValueError(f"--kv-budget {args.kv_budget:g} is below what any mix reaches (1 bit: kivi1 everywhere)")
+    probe = Probe(args.ctx_size, args.kv_window, args.kv_sinks, args.threads)
+    with Model(args.model) as model:
+        tokens = model.tokenize(args.file.read_text(encoding="utf-8", errors="replace"))[:probe.n_tokens]
+        if len(tokens) < probe.n_tokens:
+            raise ValueError(f"the calibration text has {len(tokens)} tokens; -c asks for {probe.n_tokens}")
+        calibrator = Calibrator(model, tokens, probe)
+        sensitivities = calibrator.sensitivities()
+        allocation = allocate(sensitivities, model.n_layer, args.kv_budget)
+        measured = calibrator.kld(allocation.spec())
+    print(format_allocation(allocation))
+    print(f"mean code bits {allocation.mean_bits:.3f} (budget {args.kv_budget:g}); KL divergence against f16 KV: "
+          f"predicted {allocation.predicted_cost:+.4f} from kivi2 everywhere, measured {measured:.4f}")
+    print(f"--kv-layers '{allocation.spec()}'")
+    gguf_metadata.write_copy(args.model, args.output,
+                             metadata(allocation, args.kv_budget, sensitivities, args.file, probe))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "calibrate", help="choose per-layer K/V widths for a bit budget and write them into a copy of the model",
+        description="Measures how much each layer's K and V at 4 and at 1 bits, kivi2 elsewhere, changes the "
+                    "output's KL divergence against f16 KV, picks the widths with the least total for the budget "
+                    "and writes them as kvq.kv_layers into a copy of the model, which run then uses.")
+    p.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
+    p.add_argument("-f", "--file", type=Path, required=True, help="calibration text")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the GGUF copy to write")
+    p.add_argument("--kv-budget", type=float, default=2.0,
+                   help="mean code bits per K/V element (kivi4 = 4, kivi2 = 2, kivi1 = 1; default %(default)s)")
+    p.add_argument("-c", "--ctx-size", type=int, default=512, help="calibration tokens (default %(default)s)")
+    p.add_argument("--kv-window", type=int, default=128, help="kivi window while measuring (default %(default)s)")
+    p.add_argument("--kv-sinks", type=int, default=0, help="kivi sinks while measuring (default %(default)s)")
+    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")
+    p.set_defaults(handler=run)

@@ -1,0 +1,127 @@
+"""Random-weight Llama-family GGUF files of a given shape, for speed and memory benchmarks.
+
+The weights are random Q4_0 blocks (small scales, so activations stay finite), the tokenizer a placeholder
+SentencePiece vocabulary of the right size: the model computes exactly what a real model of that shape
+computes, which is all a KV-cache speed or memory figure needs.
+
+    python -m pykvq.random_model llama3-8b /tmp/llama3-8b-random.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("pykvq.random_model")
+
+QK4_0 = 32
+Q4_0_BLOCK_BYTES = 18  # fp16 scale + 16 bytes of 4-bit codes
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    n_vocab: int
+    n_ctx_train: int
+    rope_freq_base: float
+
+
+SHAPES = {
+    "llama3-8b": Shape(32, 4096, 14336, 32, 8, 128256, 1048576, 500000.0),
+    "tiny": Shape(2, 256, 512, 4, 2, 1024, 65536, 10000.0),
+    # small models for GPU-vs-CPU tests, head sizes 64 and 128 with GQA
+    "small-h64": Shape(4, 512, 1024, 8, 2, 2048, 65536, 10000.0),
+    "small-h128": Shape(4, 1024, 2048, 8, 2, 2048, 65536, 500000.0),
+}
+
+
+def random_q4_0(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, cols] of Q4_0 as raw bytes: random codes, scales around 1/sqrt(cols)."""
+    if cols % QK4_0:
+        raise ValueError(f"Q4_0 rows need a multiple of {QK4_0} values, got {cols}")
+    blocks = rng.integers(0, 256, size=(rows, cols // QK4_0, Q4_0_BLOCK_BYTES), dtype=np.uint8)
+    scale = np.float16(2.0 / np.sqrt(cols))
+    blocks[:, :, 0:2] = np.frombuffer(scale.tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write(shape: Shape, path: Path, seed: int = 0) -> None:
+    import gguf  # installed with pykvq from the pinned llama.cpp
+
+    rng = np.random.default_rng(seed)
+    head_dim = shape.n_embd // shape.n_head
+    n_embd_kv = head_dim * shape.n_head_kv
+    writer = gguf.GGUFWriter(path, arch="llama")
+    writer.add_name(f"random {path.stem}")
+    writer.add_context_length(shape.n_ctx_train)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(shape.rope_freq_base)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(shape.n_vocab)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    # SentencePiece needs its control tokens and byte fallbacks: without them llama.cpp's tokenizer throws
+    special = [("<unk>", gguf.TokenType.UNKNOWN), ("<s>", gguf.TokenType.CONTROL), ("</s>", gguf.TokenType.CONTROL)]
+    special += [(f"<0x{b:02X}>", gguf.TokenType.BYTE) for b in range(256)]
+    tokens = special + [(f"<t{i}>", gguf.TokenType.NORMAL) for i in range(shape.n_vocab - len(special))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([text for text, _ in tokens])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([kind for _, kind in tokens])
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        writer.add_tensor(name, random_q4_0(rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+
+    def norm(name: str) -> None:
+        writer.add_tensor(name, np.ones(shape.n_embd, dtype=np.float32))
+
+    matrix("token_embd.weight", shape.n_vocab, shape.n_embd)
+    for il in range(shape.n_layer):
+        norm(f"blk.{il}.attn_norm.weight")
+        matrix(f"blk.{il}.attn_q.weight", shape.n_embd, shape.n_embd)
+        matrix(f"blk.{il}.attn_k.weight", n_embd_kv, shape.n_embd)
+        matrix(f"blk.{il}.attn_v.weight", n_embd_kv, shape.n_embd)
+        matrix(f"blk.{il}.attn_output.weight", shape.n_embd, shape.n_embd)
+        norm(f"blk.{il}.ffn_norm.weight")
+        matrix(f"blk.{il}.ffn_gate.weight", shape.n_ff, shape.n_embd)
+        matrix(f"blk.{il}.ffn_up.weight", shape.n_ff, shape.n_embd)
+        matrix(f"blk.{il}.ffn_down.weight", shape.n_embd, shape.n_ff)
+    norm("output_norm.weight")
+    matrix("output.weight", shape.n_vocab, shape.n_embd)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=True)
+    writer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pykvq.random_model", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("output", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="pykvq: %(message)s")
+    write(SHAPES[args.shape], args.output, args.seed)
+    log.info("wrote %s", args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""`pykvq calibrate`: measured sensitivities to a per-layer mix in a GGUF copy that run then uses."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pykvq import gguf_metadata, native
+from pykvq.allocation import BITS
+
+N_LAYER = 30
+
+
+def calibrate(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["pykvq", "calibrate", "-t", "2", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=900)
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
+    out = tmp_path / "calibrated.gguf"
+    proc = calibrate("-m", str(smollm2), "-f", str(hamlet), "-o", str(out), "--kv-budget", "2.0", "-c", "64",
+                     "--kv-window", "16", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    meta = gguf_metadata.read_kvq(out)
+    assert meta["kvq.kv_budget"] == pytest.approx(2.0) and meta["kvq.calibration.n_tokens"] == 64
+    assert all(len(meta[f"kvq.calibration.kld_{p}_{w}"]) == N_LAYER for p in "kv" for w in ("kivi4", "kivi1"))
+    kivi2 = next(t.id for t in native.kv_cache_types() if t.name == "kivi2")
+    types_k, types_v = native.resolve_layer_types(meta[gguf_metadata.KEY_LAYERS], N_LAYER, kivi2, kivi2)
+    bits = [BITS[native.ggml_type(t).name] for t in types_k + types_v]
+    assert sum(bits) / len(bits) <= 2.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibrated.gguf"]  # no temporary file left
+    run = subprocess.run(["pykvq", "run", "-m", str(out), "-p", "Hello", "-n", "4", "-c", "256", "-t", "2"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 0 and f"KV cache layers {meta[gguf_metadata.KEY_LAYERS]}" in run.stderr
+
+
+@pytest.mark.parametrize("case, message", [
+    ("budget", "--kv-budget 0.5 is below what any mix reaches"),
+    ("same-file", "-o must name a new file"),
+    ("no-text", "calibration text file not found"),
+    ("short-text", "the calibration text has"),
+    ("not-gguf", "invalid magic characters"),
+])
+def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
+    short = tmp_path / "short.txt"
+    short.write_text("To be, or not to be.")
+    notes = tmp_path / "notes.gguf"
+    notes.write_text("not a model\n" * 20)
+    out = str(tmp_path / "out.gguf")
+    args = {
+        "budget": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-budget", "0.5"],
+        "same-file": ["-m", str(smollm2), "-f", str(hamlet), "-o", str(smollm2)],
+        "no-text": ["-m", str(smollm2), "-f", str(tmp_path / "missing.txt"), "-o", out],
+        "short-text": ["-m", str(smollm2), "-f", str(short), "-o", out],
+        "not-gguf": ["-m", str(notes), "-f", str(hamlet), "-o", out],
+    }[case]
+    proc = calibrate(*args, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("pykvq: error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+    assert not (tmp_path / "out.gguf").exists()
