@@ -44,14 +44,18 @@ def asymkv_table(path: Path) -> str:
              f"{cal['n_tokens']} tokens):", "",
              "| KV layers | family | code bits | K bpe | V bpe | PPL | Δ% vs f16 |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    budget_of = {spec: budget for budget, spec in record["allocations"].items()}
     seen = set()
     for r in sorted(record["rows"], key=lambda r: (r["code_bits"], r["ppl"])):
         if r["kv_type"] in seen:
             continue
         seen.add(r["kv_type"])
         family = {"K": "K high", "V": "V high", "allocator": "allocator", "": ""}[r["family"]]
-        lines.append(f"| `{r['kv_type']}` | {family} | {r['code_bits']:.2f} | {r['bpe_k']:.2f} | {r['bpe_v']:.2f} | "
+        name = f"allocator, budget {budget_of[r['kv_type']]}" if r["kv_type"] in budget_of else f"`{r['kv_type']}`"
+        lines.append(f"| {name} | {family} | {r['code_bits']:.2f} | {r['bpe_k']:.2f} | {r['bpe_v']:.2f} | "
                      f"{r['ppl']:.2f} | {r['delta_pct']:+.1f} |")
+    lines += ["", "The allocator's mixes (`--kv-layers`):", ""]
+    lines += [f"- budget {budget}: `{spec}`" for budget, spec in record["allocations"].items()]
     return "\n".join(lines)
 
 

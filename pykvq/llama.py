@@ -389,6 +389,32 @@ class Context:
         if tail := decoder.decode(b"", final=True):
             yield tail
 
+    def truncate(self, n_tokens: int) -> None:
+        """Keep the first ``n_tokens`` of the sequence (chat regeneration, speculative-decoding rollback)."""
+        if not 0 <= n_tokens <= self.n_past:
+            raise ValueError(f"cannot keep {n_tokens} tokens of a sequence of {self.n_past}")
+        llama = self._lib.llama
+        if not llama.llama_memory_seq_rm(llama.llama_get_memory(self._ptr), 0, n_tokens, -1):
+            raise _fail(f"cannot remove tokens {n_tokens}.. of {self.n_past}")
+        self.n_past = n_tokens
+
+    def save_state(self) -> bytes:
+        """The context's state (KV cache, logits), as llama_state_get_data writes it."""
+        llama = self._lib.llama
+        size = llama.llama_state_get_size(self._ptr)
+        buf = self._lib.ffi.new("uint8_t[]", size)
+        written = llama.llama_state_get_data(self._ptr, buf, size)
+        if written == 0:
+            raise _fail("cannot save the context's state")
+        return self._lib.ffi.buffer(buf, written)[:]
+
+    def load_state(self, state: bytes) -> None:
+        """Restore a state saved by save_state (a context of the same model and KV settings)."""
+        llama = self._lib.llama
+        if llama.llama_state_set_data(self._ptr, state, len(state)) == 0:
+            raise _fail("cannot load the state")
+        self.n_past = llama.llama_memory_seq_pos_max(llama.llama_get_memory(self._ptr), 0) + 1
+
     def memory(self) -> KvMemory:
         info = self._lib.ffi.new("struct llama_kvq_memory_info *")
         if not self._lib.llama.llama_kvq_memory_info(self._ptr, info):

@@ -154,6 +154,14 @@ LLAMA_CDEF = """
     llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
     void    llama_sampler_free(struct llama_sampler * smpl);
 
+    typedef struct llama_memory_i * llama_memory_t;
+    llama_memory_t llama_get_memory(const struct llama_context * ctx);
+    bool      llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+    llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
+    size_t llama_state_get_size(struct llama_context * ctx);
+    size_t llama_state_get_data(struct llama_context * ctx, uint8_t * dst, size_t size);
+    size_t llama_state_set_data(struct llama_context * ctx, const uint8_t * src, size_t size);
+
     struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
     void llama_perf_context_reset(struct llama_context * ctx);
 

@@ -7,11 +7,13 @@
 #include "llama-kv-cache.h"
 
 #include "llama-impl.h"
+#include "llama-io.h"
 #include "llama-kvq-layers.h"
 #include "llama-model.h"
 
 #include "ggml-kvq.h"
 
+#include <algorithm>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -126,27 +128,118 @@ bool llama_kv_cache::kvq_active() const {
     return false;
 }
 
-void llama_kv_cache::kvq_check_state() const {
-    if (kvq_active()) {
-        throw std::runtime_error("saving or loading the state of a kivi KV cache is not supported yet");
+// Saved state of a kivi cache, after upstream's cell metadata: the settings the data depends on (checked on
+// load: data of another type, window or sink count would be read into the wrong layout), then per layer the
+// sealed K tiles, the V rows and the fp16 sinks and ring.
+static constexpr uint32_t KVQ_STATE_MAGIC = 0x3151564b; // "KVQ1"
+
+struct kvq_state_header {
+    uint32_t magic;
+    uint32_t n_layer;
+    int32_t  window;
+    int32_t  n_sink;
+    int64_t  n_fp16;
+    uint32_t n_cells;
+};
+
+static size_t kvq_tile_bytes(const ggml_tensor * tiles, uint32_t n_cells) {
+    return (size_t) (n_cells / QK_KIVI) * tiles->nb[1];
+}
+
+void llama_kv_cache::kvq_state_write_data(llama_io_write_i & io, const cell_ranges_t & cr) const {
+    // one sequence whose token at position p sits in cell p: the saved cells are 0 .. n-1
+    if (cr.data.size() != 1 || cr.data[0].first != 0) {
+        throw std::runtime_error("kivi KV cache: only a whole sequence starting at position 0 can be saved");
     }
+    const uint32_t n_cells = cr.data[0].second;
+    const kvq_state_header header = { KVQ_STATE_MAGIC, (uint32_t) layers.size(), kvq_params.window, kvq_params.n_sink,
+                                      layers.empty() ? 0 : layers[0].k_fp16->ne[1], n_cells };
+    io.write(&header, sizeof(header));
+    for (const kv_layer & layer : layers) {
+        GGML_ASSERT(layer.k_fp16 != nullptr && "a kivi cache with a non-kivi layer cannot be saved yet");
+        const int32_t types[2] = { (int32_t) layer.k->type, (int32_t) layer.v->type };
+        io.write(types, sizeof(types));
+        io.write_tensor(layer.k, 0, kvq_tile_bytes(layer.k, n_cells));
+        io.write_tensor(layer.v, 0, (size_t) n_cells * layer.v->nb[1]);
+        io.write_tensor(layer.k_fp16, 0, ggml_nbytes(layer.k_fp16));
+        io.write_tensor(layer.v_fp16, 0, ggml_nbytes(layer.v_fp16));
+    }
+}
+
+static bool kvq_state_fail(const std::string & why) {
+    LLAMA_LOG_ERROR("kivi KV cache: cannot load this state: %s\n", why.c_str());
+    return false;
+}
+
+bool llama_kv_cache::kvq_state_read_data(llama_io_read_i & io, uint32_t cell_count, const slot_info & sinfo) {
+    kvq_state_header header = {};
+    io.read(&header, sizeof(header));
+    if (header.magic != KVQ_STATE_MAGIC) {
+        return kvq_state_fail("it was not saved from a kivi KV cache");
+    }
+    const int64_t n_fp16 = layers.empty() ? 0 : layers[0].k_fp16->ne[1];
+    if (header.n_layer != layers.size() || header.window != kvq_params.window || header.n_sink != kvq_params.n_sink ||
+        header.n_fp16 != n_fp16) {
+        return kvq_state_fail("it was saved with " + std::to_string(header.n_layer) + " layers, window " +
+                              std::to_string(header.window) + ", sinks " + std::to_string(header.n_sink) +
+                              "; this cache has " + std::to_string(layers.size()) + " layers, window " +
+                              std::to_string(kvq_params.window) + ", sinks " + std::to_string(kvq_params.n_sink));
+    }
+    if (header.n_cells != cell_count) {
+        return kvq_state_fail("its cell count does not match its metadata");
+    }
+    for (uint32_t i = 0; i < cell_count; ++i) {
+        if (sinfo.idxs[0][i] != i) {
+            return kvq_state_fail("the sequence must be restored into an empty cache, starting at cell 0");
+        }
+    }
+    for (const kv_layer & layer : layers) {
+        int32_t types[2];
+        io.read(types, sizeof(types));
+        if (types[0] != (int32_t) layer.k->type || types[1] != (int32_t) layer.v->type) {
+            return kvq_state_fail("layer " + std::to_string(layer.il) + " was saved as " +
+                                  kvq_types_text((ggml_type) types[0], (ggml_type) types[1]) + ", this cache holds " +
+                                  kvq_types_text(layer.k->type, layer.v->type));
+        }
+        io.read_tensor(layer.k, 0, kvq_tile_bytes(layer.k, cell_count));
+        io.read_tensor(layer.v, 0, (size_t) cell_count * layer.v->nb[1]);
+        io.read_tensor(layer.k_fp16, 0, ggml_nbytes(layer.k_fp16));
+        io.read_tensor(layer.v_fp16, 0, ggml_nbytes(layer.v_fp16));
+    }
+    return true;
+}
+
+// The oldest cell whose fp16 value the cache must still hold once the sequence ends at cell n: the window of
+// the next query, and the cells of its own (unsealed) tile.
+static llama_pos kvq_oldest_fp16_cell(llama_pos n, int32_t window) {
+    return std::min(n - window + 1, n / QK_KIVI * QK_KIVI);
 }
 
 bool llama_kv_cache::kvq_can_remove(llama_pos p0, llama_pos p1) const {
     if (!kvq_active()) {
         return true;
     }
-    // kivi caches hold one sequence (kvq_check); a range past its end removes nothing, which callers such as
-    // llama-cpp-python ask for before every decode
-    if (p0 > v_cells[0].seq_pos_max(0)) {
+    // kivi caches hold one sequence (kvq_init), its token at position p in cell p
+    const llama_pos n = v_cells[0].seq_pos_max(0) + 1;
+    const bool to_end = p1 < 0 || p1 >= n;
+    // a range past the end removes nothing (llama-cpp-python asks for one before every decode); a whole clear
+    // leaves nothing behind
+    if (p0 >= n || (p0 <= 0 && to_end)) {
         return true;
     }
-    // removing part of a sequence would leave sealed tiles and ring slots stale: only a whole clear for now
-    if (p0 > 0 || (p1 >= 0 && p1 != std::numeric_limits<llama_pos>::max())) {
-        LLAMA_LOG_ERROR("%s: kivi KV cache: removing tokens [%d, %d) from a sequence is not supported yet\n", __func__, p0, p1);
-        return false;
+    // A suffix: sealed tiles before p0 and V rows stay valid, a tile p0 cuts goes back to fp16 (the ring still
+    // holds its cells), stale ring slots belong to removed cells. Exact as long as the ring still holds every
+    // cell the next query reads in fp16: those the removed cells' slots did not overwrite.
+    const llama_pos n_ring = layers[0].k_fp16->ne[1] - kvq_params.n_sink;
+    const llama_pos oldest = std::max(kvq_oldest_fp16_cell(p0, kvq_params.window), (llama_pos) kvq_params.n_sink);
+    if (to_end && oldest >= n - n_ring) {
+        return true;
     }
-    return true;
+    const llama_pos deepest = std::max<llama_pos>(0, n_ring + 1 - kvq_params.window);
+    LLAMA_LOG_ERROR("%s: kivi KV cache: cannot remove tokens [%d, %d) of %d: only a suffix, and with window %d only "
+                    "the last %d or fewer tokens (their fp16 window is gone beyond that) or all of them\n",
+                    __func__, p0, p1, n, kvq_params.window, deepest);
+    return false;
 }
 
 bool llama_kv_cache::kvq_is_layer(int32_t il) const {

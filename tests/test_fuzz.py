@@ -1,0 +1,76 @@
+"""Hostile input, fuzzed: the per-layer spec parser (C) and the kvq.* metadata reader never crash; they accept
+or raise the one documented error."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pykvq import gguf_metadata, native, random_model
+
+KIVI2 = 43
+SPEC_ALPHABET = "kv:;,=-*0123456789 asymkvi/fq_"
+
+
+@settings(max_examples=400, deadline=None)
+@given(spec=st.one_of(st.text(alphabet=SPEC_ALPHABET, max_size=40), st.text(max_size=40)),
+       n_layer=st.integers(min_value=1, max_value=64))
+def test_layer_spec_parser_accepts_or_explains(spec: str, n_layer: int) -> None:
+    if "\x00" in spec:
+        return  # a C string ends there: not something a command line can carry
+    try:
+        types_k, types_v = native.resolve_layer_types(spec, n_layer, KIVI2, KIVI2)
+    except ValueError as err:
+        assert str(err).startswith("layer types '")
+        return
+    assert len(types_k) == len(types_v) == n_layer
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A whole (tiny, random-weight) model with kvq.* metadata: header, metadata, tensor infos and data."""
+    folder = tmp_path_factory.mktemp("fuzz")
+    random_model.write(random_model.SHAPES["tiny"], folder / "tiny.gguf")
+    gguf_metadata.write_copy(folder / "tiny.gguf", folder / "tagged.gguf", {gguf_metadata.KEY_LAYERS: "asymkv:1/0"})
+    return (folder / "tagged.gguf").read_bytes()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_metadata_reader_refuses_corrupt_files_cleanly(small_gguf: bytes, tmp_path: Path, data: st.DataObject) -> None:
+    blob = bytearray(small_gguf)
+    # mutations land in the header and metadata (the first few KiB) more often than in the weights
+    head = min(len(blob), 32768)
+    for _ in range(data.draw(st.integers(min_value=0, max_value=8))):
+        at = data.draw(st.one_of(st.integers(0, head - 1), st.integers(0, len(blob) - 1)))
+        blob[at] = data.draw(st.integers(min_value=0, max_value=255))
+    if data.draw(st.booleans()):
+        blob = blob[:data.draw(st.integers(min_value=0, max_value=len(blob)))]
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(bytes(blob))
+    try:
+        meta = gguf_metadata.read_kvq(path)
+    except gguf_metadata.GgufError:
+        return
+    assert not meta or meta["kvq.version"] == gguf_metadata.KVQ_VERSION
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_corrupt_models_are_an_error_not_a_crash(small_gguf: bytes, tmp_path: Path, data: st.DataObject) -> None:
+    """llama.cpp's own loader on corrupted files, through `pykvq run` (a crash would take pytest down with it)."""
+    blob = bytearray(small_gguf)
+    for _ in range(data.draw(st.integers(min_value=1, max_value=4))):
+        blob[data.draw(st.integers(0, 4095))] = data.draw(st.integers(min_value=0, max_value=255))
+    if data.draw(st.booleans()):
+        blob = blob[:data.draw(st.integers(min_value=0, max_value=len(blob)))]
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(bytes(blob))
+    proc = subprocess.run(["pykvq", "run", "-m", str(path), "-p", "hello", "-n", "4", "-c", "256", "-t", "1"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

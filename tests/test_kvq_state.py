@@ -1,0 +1,85 @@
+"""The kivi cache under edits and state round-trips: removing a suffix, saving and loading, refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pykvq import ContextConfig, KvConfig, LlamaError, Model
+
+N_CTX = 1024
+
+
+@pytest.fixture(scope="module")
+def model(smollm2: Path):
+    with Model(smollm2) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def tokens(model: Model, hamlet: Path) -> list[int]:
+    return model.tokenize(hamlet.read_text()[40000:46000])[:700]
+
+
+def context(model: Model, kv: KvConfig):
+    return model.context(ContextConfig(n_ctx=N_CTX, n_threads=2, kv=kv))
+
+
+def fresh_logits(model: Model, kv: KvConfig, tokens: list[int]) -> np.ndarray:
+    with context(model, kv) as ctx:
+        return ctx.eval(tokens, all_logits=True)
+
+
+KIVI = [KvConfig.preset("kivi2", window=64, sinks=4), KvConfig.preset("kivi4", window=100),
+        KvConfig("kivi2", "kivi1", window=16, layers="asymkv:20/10")]
+
+
+@pytest.mark.parametrize("kv", KIVI, ids=["kivi2-w64-s4", "kivi4-w100", "asymkv-w16"])
+def test_state_round_trip_continues_as_if_never_saved(model: Model, tokens: list[int], kv: KvConfig) -> None:
+    split = 333  # inside a tile: the unsealed tile's fp16 cells travel in the state too
+    with context(model, kv) as first:
+        first.eval(tokens[:split])
+        state = first.save_state()
+    with context(model, kv) as second:
+        second.load_state(state)
+        assert second.n_past == split
+        resumed = second.eval(tokens[split:], all_logits=True)
+    np.testing.assert_array_equal(resumed, fresh_logits(model, kv, tokens)[split:])
+
+
+@pytest.mark.parametrize("other", [KvConfig.preset("kivi2", window=32, sinks=4),
+                                   KvConfig.preset("kivi4", window=64, sinks=4),
+                                   KvConfig.preset("kivi2", window=64, sinks=0)], ids=["window", "type", "sinks"])
+def test_a_state_of_other_settings_is_refused(model: Model, tokens: list[int], other: KvConfig) -> None:
+    with context(model, KvConfig.preset("kivi2", window=64, sinks=4)) as first:
+        first.eval(tokens[:100])
+        state = first.save_state()
+    with context(model, other) as second, pytest.raises(LlamaError, match="kivi KV cache: cannot load this state"):
+        second.load_state(state)
+
+
+@pytest.mark.parametrize("kv, removed", [(KvConfig.preset("kivi2", window=100), 20),
+                                         (KvConfig.preset("kivi2", window=128), 1),
+                                         (KvConfig.preset("kivi4", window=16, sinks=3), 10)],
+                         ids=["w100-20", "w128-1", "w16-10"])
+def test_removing_a_suffix_equals_a_fresh_context(model: Model, tokens: list[int], kv: KvConfig, removed: int) -> None:
+    """Rollback inside the ring's slack: afterwards the cache is what a context fed only the kept tokens has, so
+    continuing gives the same logits bit for bit (the cut tile goes back to fp16 and is sealed again)."""
+    keep = 333
+    with context(model, kv) as ctx:
+        ctx.eval(tokens[:keep + removed])
+        ctx.truncate(keep)
+        continued = ctx.eval(tokens[keep:600], all_logits=True)
+    np.testing.assert_array_equal(continued, fresh_logits(model, kv, tokens[:600])[keep:])
+
+
+def test_a_removal_deeper_than_the_window_slack_is_refused(model: Model, tokens: list[int]) -> None:
+    with context(model, KvConfig.preset("kivi2", window=128)) as ctx:
+        ctx.eval(tokens[:400])
+        with pytest.raises(LlamaError, match=r"with window 128 only the last 1 or fewer tokens"):
+            ctx.truncate(390)
+        ctx.truncate(0)  # everything: always possible
+        np.testing.assert_array_equal(ctx.eval(tokens[:200], all_logits=True),
+                                      fresh_logits(model, KvConfig.preset("kivi2", window=128), tokens[:200]))
