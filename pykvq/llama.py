@@ -215,7 +215,7 @@ class Model:
             if n >= 0:
                 return list(tokens[0:n])
             if n == -(2**31):
-                raise LlamaError("tokenization overflow: the text is too long")
+                raise _fail("cannot tokenize the text")
             capacity = -n
 
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
@@ -388,6 +388,12 @@ class Context:
                 yield piece
         if tail := decoder.decode(b"", final=True):
             yield tail
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether the cache supports a context shift (RoPE re-rotation of K); kivi caches do not."""
+        llama = self._lib.llama
+        return bool(llama.llama_memory_can_shift(llama.llama_get_memory(self._ptr)))
 
     def truncate(self, n_tokens: int) -> None:
         """Keep the first ``n_tokens`` of the sequence (chat regeneration, speculative-decoding rollback)."""

@@ -158,6 +158,7 @@ LLAMA_CDEF = """
     llama_memory_t llama_get_memory(const struct llama_context * ctx);
     bool      llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
     llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
+    bool      llama_memory_can_shift(llama_memory_t mem);
     size_t llama_state_get_size(struct llama_context * ctx);
     size_t llama_state_get_data(struct llama_context * ctx, uint8_t * dst, size_t size);
     size_t llama_state_set_data(struct llama_context * ctx, const uint8_t * src, size_t size);

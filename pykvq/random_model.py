@@ -54,7 +54,9 @@ def random_q4_0(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-def write(shape: Shape, path: Path, seed: int = 0) -> None:
+def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True) -> None:
+    """A random model of ``shape``; ``byte_tokens=False`` leaves SentencePiece's byte fallbacks out, a hostile
+    vocabulary for tests."""
     import gguf  # installed with pykvq from the pinned llama.cpp
 
     rng = np.random.default_rng(seed)
@@ -75,7 +77,7 @@ def write(shape: Shape, path: Path, seed: int = 0) -> None:
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     # SentencePiece needs its control tokens and byte fallbacks: without them llama.cpp's tokenizer throws
     special = [("<unk>", gguf.TokenType.UNKNOWN), ("<s>", gguf.TokenType.CONTROL), ("</s>", gguf.TokenType.CONTROL)]
-    special += [(f"<0x{b:02X}>", gguf.TokenType.BYTE) for b in range(256)]
+    special += [(f"<0x{b:02X}>", gguf.TokenType.BYTE) for b in range(256 if byte_tokens else 0)]
     tokens = special + [(f"<t{i}>", gguf.TokenType.NORMAL) for i in range(shape.n_vocab - len(special))]
     writer.add_tokenizer_model("llama")
     writer.add_token_list([text for text, _ in tokens])

@@ -74,3 +74,14 @@ def test_corrupt_models_are_an_error_not_a_crash(small_gguf: bytes, tmp_path: Pa
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_vocabulary_that_throws_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    """SentencePiece without byte tokens: llama.cpp's tokenizer throws on text it cannot map; the C API must
+    report it (patch: llama_tokenize), not terminate the program."""
+    path = tmp_path / "no-bytes.gguf"
+    random_model.write(random_model.SHAPES["tiny"], path, byte_tokens=False)
+    proc = subprocess.run(["pykvq", "run", "-m", str(path), "-p", "héllo wörld", "-n", "2", "-c", "256", "-t", "1"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "cannot tokenize the text: llama_tokenize: the model's vocabulary cannot tokenize this text" in proc.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import ContextConfig, KvConfig, LlamaError, Model
+from pykvq import ContextConfig, KvConfig, LlamaError, Model, llama_tools
 
 N_CTX = 1024
 
@@ -83,3 +83,15 @@ def test_a_removal_deeper_than_the_window_slack_is_refused(model: Model, tokens:
         ctx.truncate(0)  # everything: always possible
         np.testing.assert_array_equal(ctx.eval(tokens[:200], all_logits=True),
                                       fresh_logits(model, KvConfig.preset("kivi2", window=128), tokens[:200]))
+
+
+def test_context_shift_is_off_for_kivi_caches(model: Model, smollm2: Path) -> None:
+    """Shifting would re-rotate K, whose sealed tiles hold per-channel codes of the rotated values: not
+    supported, and llama.cpp's tools switch it off with a warning and stop at a full context instead."""
+    with context(model, KvConfig.preset("kivi2")) as kivi, context(model, KvConfig()) as f16:
+        assert not kivi.can_shift and f16.can_shift
+    out = llama_tools.run_tool("llama-completion", ["-m", str(smollm2), "-p", "Hello", "-n", "400", "-c", "256",
+                                                    "--temp", "0", "-no-cnv", "-t", "2", "-fa", "on", "-ctk", "kivi2",
+                                                    "-ctv", "kivi2", "--context-shift"])
+    assert "KV cache shifting is not supported for this context, disabling KV cache shifting" in out
+    assert "context full and context shift is disabled => stopping" in out
