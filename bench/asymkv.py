@@ -19,7 +19,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from pykvq import assets, native, perplexity
+from pykvq import assets, kv_types, native, perplexity
 from pykvq.allocation import allocate
 from pykvq.calibrate import Calibrator, Probe
 from pykvq.kv_types import KvSpec
@@ -33,10 +33,8 @@ def code_bits(spec: KvSpec, n_layer: int) -> float:
     """Mean code bits per K/V element (scales and window aside, which every kivi mix shares)."""
     if spec.layers is None:
         return CODE_BITS[spec.name]
-    type_id = next(t.id for t in native.kv_cache_types() if t.name == spec.name)
-    types_k, types_v = native.resolve_layer_types(spec.layers, n_layer, type_id, type_id)
-    names = [native.ggml_type(t).name for t in types_k + types_v]
-    return sum(CODE_BITS[n] for n in names) / len(names)
+    types_k, types_v = kv_types.layer_types(spec.layers, n_layer, spec.name, spec.name)
+    return sum(CODE_BITS[n] for n in types_k + types_v) / (2 * n_layer)
 
 
 def allocator_specs(model_path: Path, budgets: list[float], n_tokens: int, window: int,

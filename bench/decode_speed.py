@@ -57,13 +57,14 @@ def measure(model: Path, spec: KvSpec, depth: int, tg: int, npl: int, threads: i
 def bandwidth(rows: list[dict], specs: list[KvSpec], model: Path, n_ctx: int) -> list[dict]:
     """Per type (batch 1): extra KV bytes of the deepest run over the shallowest, over the extra per-token time."""
     n_layer, elements_per_cell = _kv_shape(model)
+    defaults = native.kvq_default_params()  # what measure() runs with
     out = []
     for spec in specs:
         mine = sorted((r for r in rows if r["kv_type"] == spec.label and r["npl"] == 1 and r["decode_tps"]),
                       key=lambda r: r["depth"])
         if len(mine) < 2:
             continue
-        bpe_k, bpe_v = kv_types.layer_bits_per_element(spec, n_layer, n_ctx, 128, 0)
+        bpe_k, bpe_v = kv_types.layer_bits_per_element(spec, n_layer, n_ctx, defaults.window, defaults.n_sink)
         bytes_per_cell = elements_per_cell * (bpe_k + bpe_v) / 2 / 8
         lo, hi = mine[0], mine[-1]
         dt = 1.0 / hi["decode_tps"] - 1.0 / lo["decode_tps"]

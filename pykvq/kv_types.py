@@ -78,8 +78,22 @@ def bits_per_element(name: str, n_ctx: int, window: int, n_sink: int) -> float:
     raise KvTypeError(f"unknown KV cache type {name!r}")
 
 
+def type_id(name: str) -> int:
+    for t in native.kv_cache_types():
+        if t.name == name:
+            return t.id
+    raise KvTypeError(f"unknown KV cache type {name!r}; valid: {', '.join(names())}")
+
+
 def type_name(type_id: int) -> str:
     return native.ggml_type(type_id).name
+
+
+def layer_types(layers: str, n_layer: int, type_k: str, type_v: str) -> tuple[list[str], list[str]]:
+    """The K and V type of each layer under a per-layer spec (type_k / type_v where it leaves a part out);
+    ValueError naming the offending part."""
+    types_k, types_v = native.resolve_layer_types(layers, n_layer, type_id(type_k), type_id(type_v))
+    return [type_name(t) for t in types_k], [type_name(t) for t in types_v]
 
 
 def layer_bits_per_element(spec: KvSpec, n_layer: int, n_ctx: int, window: int, n_sink: int) -> tuple[float, float]:
@@ -88,10 +102,9 @@ def layer_bits_per_element(spec: KvSpec, n_layer: int, n_ctx: int, window: int, 
     if spec.layers is None:
         bpe = bits_per_element(spec.name, n_ctx, window, n_sink)
         return bpe, bpe
-    type_id = next(t.id for t in native.kv_cache_types() if t.name == spec.name)
-    types_k, types_v = native.resolve_layer_types(spec.layers, n_layer, type_id, type_id)
+    types_k, types_v = layer_types(spec.layers, n_layer, spec.name, spec.name)
 
-    def mean(types: list[int]) -> float:
-        return sum(bits_per_element(type_name(t), n_ctx, window, n_sink) for t in types) / n_layer
+    def mean(types: list[str]) -> float:
+        return sum(bits_per_element(t, n_ctx, window, n_sink) for t in types) / n_layer
 
     return mean(types_k), mean(types_v)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pykvq import native
-from pykvq.kv_types import KIVI_BITS, KvTypeError, names as kv_type_names
+from pykvq import kv_types, native
+from pykvq.kv_types import KIVI_BITS
 from pykvq.llama_log import sink
 from pykvq.sampling import Sampler, SamplerSettings
 
@@ -35,13 +35,6 @@ class LlamaError(RuntimeError):
 def _fail(what: str) -> LlamaError:
     problems = sink().take_problems()
     return LlamaError(f"{what}: {problems[0]}" if problems else what)
-
-
-def _kv_type_id(name: str) -> int:
-    for t in native.kv_cache_types():
-        if t.name == name:
-            return t.id
-    raise KvTypeError(f"unknown KV cache type {name!r}; valid: {', '.join(kv_type_names())}")
 
 
 @dataclass(frozen=True)
@@ -153,7 +146,27 @@ def kvq_params_applied(kv: KvConfig) -> Iterator[None]:
             native.set_kvq_layer_types(previous_layers)
 
 
-class Model:
+class _Handle:
+    """An object libllama allocated: freed by close() or at the end of a with block."""
+
+    _ptr = None
+
+    def _free(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            self._free()
+            self._ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Model(_Handle):
     """A GGUF model loaded by libllama."""
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0) -> None:
@@ -176,16 +189,8 @@ class Model:
             raise _fail(f"cannot load model {self.path}")
         self._vocab = self._lib.llama.llama_model_get_vocab(self._ptr)
 
-    def close(self) -> None:
-        if self._ptr is not None:
-            self._lib.llama.llama_model_free(self._ptr)
-            self._ptr = None
-
-    def __enter__(self) -> Model:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _free(self) -> None:
+        self._lib.llama.llama_model_free(self._ptr)
 
     @property
     def n_layer(self) -> int:
@@ -269,7 +274,7 @@ class Model:
             yield from ctx.generate_text(self.tokenize(prompt), n_predict, Sampler(sampling))
 
 
-class Context:
+class Context(_Handle):
     """A llama_context: one sequence, its KV cache, its logits."""
 
     def __init__(self, model: Model, config: ContextConfig) -> None:
@@ -279,6 +284,8 @@ class Context:
         self.n_past = 0
         self.context_full = False  # generation stopped because the context filled up
         self._ptr = self._create(config)
+        # one batch for the context's life: generation decodes token by token
+        self._batch = self._lib.llama.llama_batch_init(self._lib.llama.llama_n_batch(self._ptr), 0, 1)
 
     def _create(self, config: ContextConfig):
         lib = self._lib
@@ -297,24 +304,17 @@ class Context:
         params.n_threads = params.n_threads_batch = config.n_threads
         params.flash_attn_type = FLASH_ATTN[flash_attn]
         params.no_perf = False
-        params.type_k = _kv_type_id(kv.type_k)
-        params.type_v = _kv_type_id(kv.type_v)
+        params.type_k = kv_types.type_id(kv.type_k)
+        params.type_v = kv_types.type_id(kv.type_v)
         with kvq_params_applied(kv):
             ptr = lib.llama.llama_init_from_model(self.model._ptr, params)
         if ptr == lib.ffi.NULL:
             raise _fail("cannot create the context")
         return ptr
 
-    def close(self) -> None:
-        if self._ptr is not None:
-            self._lib.llama.llama_free(self._ptr)
-            self._ptr = None
-
-    def __enter__(self) -> Context:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _free(self) -> None:
+        self._lib.llama.llama_batch_free(self._batch)
+        self._lib.llama.llama_free(self._ptr)
 
     @property
     def n_ctx(self) -> int:
@@ -332,29 +332,26 @@ class Context:
         n_vocab = self.model.n_vocab
         n_batch = lib.llama.llama_n_batch(self._ptr)
         out = np.empty((len(tokens) if all_logits else 1, n_vocab), dtype=np.float32)
-        batch = lib.llama.llama_batch_init(n_batch, 0, 1)
-        try:
-            for start in range(0, len(tokens), n_batch):
-                chunk = tokens[start:start + n_batch]
-                last_chunk = start + len(chunk) == len(tokens)
-                batch.n_tokens = len(chunk)
-                for i, token in enumerate(chunk):
-                    batch.token[i] = token
-                    batch.pos[i] = self.n_past + i
-                    batch.n_seq_id[i] = 1
-                    batch.seq_id[i][0] = 0
-                    batch.logits[i] = all_logits or (last_chunk and i == len(chunk) - 1)
-                status = lib.llama.llama_decode(self._ptr, batch)
-                if status != 0:
-                    raise _fail(f"llama_decode failed with status {status}")
-                self.n_past += len(chunk)
-                rows = range(len(chunk)) if all_logits else ([len(chunk) - 1] if last_chunk else [])
-                for i in rows:
-                    logits = lib.llama.llama_get_logits_ith(self._ptr, i)
-                    out[start + i if all_logits else 0] = np.frombuffer(
-                        lib.ffi.buffer(logits, 4 * n_vocab), dtype=np.float32)
-        finally:
-            lib.llama.llama_batch_free(batch)
+        batch = self._batch
+        for start in range(0, len(tokens), n_batch):
+            chunk = tokens[start:start + n_batch]
+            last_chunk = start + len(chunk) == len(tokens)
+            batch.n_tokens = len(chunk)
+            for i, token in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = self.n_past + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = all_logits or (last_chunk and i == len(chunk) - 1)
+            status = lib.llama.llama_decode(self._ptr, batch)
+            if status != 0:
+                raise _fail(f"llama_decode failed with status {status}")
+            self.n_past += len(chunk)
+            rows = range(len(chunk)) if all_logits else ([len(chunk) - 1] if last_chunk else [])
+            for i in rows:
+                logits = lib.llama.llama_get_logits_ith(self._ptr, i)
+                out[start + i if all_logits else 0] = np.frombuffer(
+                    lib.ffi.buffer(logits, 4 * n_vocab), dtype=np.float32)
         return out if all_logits else out[0]
 
     def check_fits(self, prompt: Sequence[int]) -> None:

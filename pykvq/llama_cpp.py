@@ -21,7 +21,7 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from pykvq import native, paths
+from pykvq import kv_types, native, paths
 from pykvq.llama import KvConfig, kvq_params_applied
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the release whose llama.cpp pykvq patches (pykvq/upstream.py)
@@ -80,9 +80,11 @@ def check_kv_type(type_id: int | None) -> None:
 
 def _kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None, rotate: bool | None = None,
                layers: str | None = None) -> KvConfig:
-    names = {t.id: t.name for t in native.kv_cache_types()}
-    return KvConfig(names.get(kwargs.get("type_k"), "f16"), names.get(kwargs.get("type_v"), "f16"), window, sinks,
-                    rotate, layers)
+    """Our view of a Llama's KV settings; the type ints are already checked (check_kv_type)."""
+    def name(type_id: int | None) -> str:
+        return "f16" if type_id is None else kv_types.type_name(type_id)
+
+    return KvConfig(name(kwargs.get("type_k")), name(kwargs.get("type_v")), window, sinks, rotate, layers)
 
 
 @cache

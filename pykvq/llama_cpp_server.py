@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 
-from pykvq import native
+from pykvq import kv_types, native
 from pykvq.kv_types import KvSpec, KvTypeError
 from pykvq.llama import KvConfig
 from pykvq.llama_cpp import LlamaCppError, check_kv_type, load
@@ -29,14 +29,18 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _type_option(rest: list[str], name: str) -> int | None:
+    """The int given to ``name`` (``--type_k 43`` or ``--type_k=43``) in llama_cpp.server's arguments."""
     for i, arg in enumerate(rest):
-        value = arg.split("=", 1)[1] if arg.startswith(f"{name}=") else rest[i + 1] if arg == name and i + 1 < len(
-            rest) else None
-        if value is not None:
-            try:
-                return int(value)
-            except ValueError:
-                raise KvTypeError(f"{name} takes a ggml type number, got {value!r}") from None
+        if arg.startswith(f"{name}="):
+            value = arg.split("=", 1)[1]
+        elif arg == name and i + 1 < len(rest):
+            value = rest[i + 1]
+        else:
+            continue
+        try:
+            return int(value)
+        except ValueError:
+            raise KvTypeError(f"{name} takes a ggml type number, got {value!r}") from None
     return None
 
 
@@ -47,7 +51,7 @@ def server_argv(argv: list[str]) -> list[str]:
         check_kv_type(_type_option(rest, option))
     if ours.kv_type is not None:
         spec = KvSpec.parse(ours.kv_type)
-        type_id = next(t.id for t in native.kv_cache_types() if t.name == spec.name)
+        type_id = kv_types.type_id(spec.name)
         rest += ["--type_k", str(type_id), "--type_v", str(type_id)]
         if spec.is_kivi:
             rest += ["--flash_attn", "true"]

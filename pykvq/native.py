@@ -199,7 +199,7 @@ def resolve_layer_types(spec: str, n_layer: int, type_k: int, type_v: int) -> tu
 
 
 def check_layer_spec(spec: str) -> None:
-    """ValueError naming the offending part when ``spec`` does not parse (the process-wide spec is kept)."""
-    previous = kvq_layer_types()
-    set_kvq_layer_types(spec)
-    set_kvq_layer_types(previous)
+    """ValueError naming the offending part when ``spec`` does not parse."""
+    lib = libs()
+    if not lib.llama.llama_kvq_check_layer_types(spec.encode()):
+        raise ValueError(_str(lib.llama.llama_kvq_last_error()))

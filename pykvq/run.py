@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
-from pykvq import assets, gguf_metadata, native
+from pykvq import assets, gguf_metadata, kv_types, native
 from pykvq.kv_types import KvSpec
 from pykvq.llama import (FLASH_ATTN, ChatMessage, Context, ContextConfig, KvConfig, KvMemory, LlamaError, Model,
                          Timings, gpu_offload_supported)
@@ -143,8 +143,7 @@ def check_layers(kv: KvConfig, model: Model) -> None:
     """Per-layer types checked against the model's layers before the context: the message names the part."""
     if kv.layers in (None, "none"):
         return
-    ids = {t.name: t.id for t in native.kv_cache_types()}
-    native.resolve_layer_types(kv.layers, model.n_layer, ids[kv.type_k], ids[kv.type_v])
+    kv_types.layer_types(kv.layers, model.n_layer, kv.type_k, kv.type_v)
 
 
 def _generate(model: Model, ctx: Context, args: argparse.Namespace, kv: KvConfig) -> None:

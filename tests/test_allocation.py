@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pykvq import native
+from pykvq import kv_types
 from pykvq.allocation import BITS, PARTS, BudgetError, Sensitivity, allocate
 
 
@@ -41,9 +41,8 @@ def test_allocation_is_optimal_and_within_budget(seed: int, budget: float) -> No
 def test_the_spec_is_what_the_cache_would_resolve() -> None:
     sens = random_sensitivities(12, random.Random(7))
     allocation = allocate(sens, 12, 2.0)
-    kivi2 = next(t.id for t in native.kv_cache_types() if t.name == "kivi2")
-    types_k, types_v = native.resolve_layer_types(allocation.spec(), 12, kivi2, kivi2)
-    names = {"k": [native.ggml_type(t).name for t in types_k], "v": [native.ggml_type(t).name for t in types_v]}
+    types_k, types_v = kv_types.layer_types(allocation.spec(), 12, "kivi2", "kivi2")
+    names = {"k": types_k, "v": types_v}
     assert all(names[part][layer] == name for (part, layer), name in allocation.types.items())
 
 

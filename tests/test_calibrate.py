@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pykvq import gguf_metadata, native
+from pykvq import gguf_metadata, kv_types
 from pykvq.allocation import BITS
 
 N_LAYER = 30
@@ -27,9 +27,8 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     meta = gguf_metadata.read_kvq(out)
     assert meta["kvq.kv_budget"] == pytest.approx(2.0) and meta["kvq.calibration.n_tokens"] == 64
     assert all(len(meta[f"kvq.calibration.kld_{p}_{w}"]) == N_LAYER for p in "kv" for w in ("kivi4", "kivi1"))
-    kivi2 = next(t.id for t in native.kv_cache_types() if t.name == "kivi2")
-    types_k, types_v = native.resolve_layer_types(meta[gguf_metadata.KEY_LAYERS], N_LAYER, kivi2, kivi2)
-    bits = [BITS[native.ggml_type(t).name] for t in types_k + types_v]
+    types_k, types_v = kv_types.layer_types(meta[gguf_metadata.KEY_LAYERS], N_LAYER, "kivi2", "kivi2")
+    bits = [BITS[t] for t in types_k + types_v]
     assert sum(bits) / len(bits) <= 2.0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calibrated.gguf"]  # no temporary file left
     run = subprocess.run(["pykvq", "run", "-m", str(out), "-p", "Hello", "-n", "4", "-c", "256", "-t", "2"],

@@ -16,12 +16,6 @@ N_PREDICT = 40
 
 
 @pytest.fixture(scope="module")
-def model(smollm2: Path):
-    with Model(smollm2) as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
 def hamlet_tokens(model: Model, hamlet: Path) -> list[int]:
     return model.tokenize(hamlet.read_text()[20000:26000])[:600]
 

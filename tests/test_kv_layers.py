@@ -8,19 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import ContextConfig, KvConfig, Model, gguf_metadata, llama_tools, native, paths
+from pykvq import ContextConfig, KvConfig, Model, gguf_metadata, kv_types, llama_tools, paths
 from pykvq.kv_types import bits_per_element
 
 N_LAYER = 30  # SmolLM2-135M
 
 
-def type_id(name: str) -> int:
-    return next(t.id for t in native.kv_cache_types() if t.name == name)
-
-
 def resolve(spec: str, n_layer: int = N_LAYER, default: str = "f16") -> tuple[list[str], list[str]]:
-    ks, vs = native.resolve_layer_types(spec, n_layer, type_id(default), type_id(default))
-    return [native.ggml_type(t).name for t in ks], [native.ggml_type(t).name for t in vs]
+    return kv_types.layer_types(spec, n_layer, default, default)
 
 
 def test_asymkv_notation() -> None:
@@ -57,12 +52,6 @@ def test_bad_specs_point_at_the_offending_part(spec: str, message: str) -> None:
         resolve(spec)
     assert message in str(err.value)
     assert str(err.value).startswith(f"layer types '{spec}'")
-
-
-@pytest.fixture(scope="module")
-def model(smollm2: Path):
-    with Model(smollm2) as m:
-        yield m
 
 
 def cache_bytes(model: Model, kv: KvConfig, n_ctx: int = 1024) -> int:

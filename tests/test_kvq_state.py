@@ -13,12 +13,6 @@ N_CTX = 1024
 
 
 @pytest.fixture(scope="module")
-def model(smollm2: Path):
-    with Model(smollm2) as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
 def tokens(model: Model, hamlet: Path) -> list[int]:
     return model.tokenize(hamlet.read_text()[40000:46000])[:700]
 

@@ -28,12 +28,6 @@ N_PREDICT = 40
 
 
 @pytest.fixture(scope="module")
-def model(smollm2: Path):
-    with Model(smollm2) as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
 def llm(smollm2: Path):
     from pykvq.llama_cpp import Llama
     return Llama(model_path=str(smollm2), n_ctx=1024, n_threads=2, verbose=False, logits_all=True,

@@ -43,6 +43,7 @@ LLAMA_API bool llama_kvq_set_param(const char * name, const char * value);
 // one; "none": type_k / type_v everywhere, metadata ignored. Returns false (see llama_kvq_last_error) when
 // the spec does not parse; layer bounds are checked when a cache is created for a model.
 LLAMA_API bool         llama_kvq_set_layer_types(const char * spec);
+LLAMA_API bool         llama_kvq_check_layer_types(const char * spec);   // parses only; sets nothing
 LLAMA_API const char * llama_kvq_get_layer_types(void);   // valid until the next llama_kvq_set_layer_types
 
 // A spec resolved for n_layer layers into types_k[n_layer] and types_v[n_layer]; false (see

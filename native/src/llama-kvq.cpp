@@ -130,17 +130,30 @@ bool llama_kvq_set_param(const char * name, const char * value) {
     return llama_kvq_set_params(params);
 }
 
-bool llama_kvq_set_layer_types(const char * spec) {
-    const std::string text = spec ? spec : "";
-    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+// kvq_params_mutex held
+static bool kvq_parses(const std::string & spec) {
     try {
-        llama_kvq_check_layer_spec(text);
+        llama_kvq_check_layer_spec(spec);
     } catch (const std::invalid_argument & err) {
         kvq_error = err.what();
         return false;
     }
-    kvq_layer_spec = text;
     kvq_error.clear();
+    return true;
+}
+
+bool llama_kvq_check_layer_types(const char * spec) {
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    return kvq_parses(spec ? spec : "");
+}
+
+bool llama_kvq_set_layer_types(const char * spec) {
+    const std::string text = spec ? spec : "";
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    if (!kvq_parses(text)) {
+        return false;
+    }
+    kvq_layer_spec = text;
     return true;
 }
 
