@@ -25,6 +25,12 @@ endforeach()
 install(DIRECTORY ${PYKVQ_UPSTREAM_TREE}/gguf-py/gguf DESTINATION . COMPONENT pykvq
         PATTERN "__pycache__" EXCLUDE PATTERN "scripts" EXCLUDE)
 
+# llama.cpp's own HF -> GGUF converter (the script and its per-architecture `conversion` package), run by
+# `pykvq convert`: every architecture upstream converts, pykvq converts
+install(FILES ${PYKVQ_UPSTREAM_TREE}/convert_hf_to_gguf.py DESTINATION pykvq/hf_converter COMPONENT pykvq)
+install(DIRECTORY ${PYKVQ_UPSTREAM_TREE}/conversion DESTINATION pykvq/hf_converter COMPONENT pykvq
+        PATTERN "__pycache__" EXCLUDE)
+
 # what `pykvq info` reports about the build
 set(PYKVQ_BACKENDS CPU)
 if (GGML_CUDA)

@@ -8,7 +8,9 @@ import sys
 
 from pykvq import __version__
 from pykvq.calibrate import add_calibrate_command
+from pykvq.convert import add_convert_command
 from pykvq.info import add_info_command
+from pykvq.model_info import add_inspect_command
 from pykvq.perplexity import add_perplexity_command
 from pykvq.run import add_run_command
 
@@ -25,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_info_command(commands)
     add_perplexity_command(commands)
     add_calibrate_command(commands)
+    add_convert_command(commands)
+    add_inspect_command(commands)
     return parser
 
 

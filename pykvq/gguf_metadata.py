@@ -1,15 +1,28 @@
 """pykvq's ``kvq.*`` metadata in GGUF files: written into a copy of a model, read back.
 
-Schema, version 1 (what the KV cache reads is ``kvq.kv_layers``; the rest documents how it was chosen):
+Schema, version 1. What the KV cache uses: ``kvq.kv_layers`` (read by the patched llama.cpp itself, and by
+pykvq run / perplexity), ``kvq.window`` and ``kvq.sinks`` (pykvq run / perplexity: the defaults when the
+command line gives none). The rest records how the types were chosen, for later methods.
 
     kvq.version                    uint32   1
     kvq.kv_layers                  string   per-layer K/V types, the --kv-layers form
+    kvq.window                     uint32   default kivi window (recent tokens kept in fp16)
+    kvq.sinks                      uint32   default kivi sinks (first tokens kept in fp16)
     kvq.kv_budget                  float32  mean code bits per element the mix was chosen for
     kvq.calibration.text           string   file name of the calibration text
     kvq.calibration.n_tokens       uint32   tokens it measured over
     kvq.calibration.window         uint32   kivi window during the measurement
+    kvq.calibration.sinks          uint32   kivi sinks during the measurement (pykvq convert)
+
+  written by pykvq calibrate (llama.cpp's logits, KL divergence against f16 KV):
     kvq.calibration.kld_{k,v}_{kivi4,kivi1}  float32[n_layer]  KL divergence that layer's K or V at that
                                                                width adds to kivi2 everywhere (< 0: a gain)
+  written by pykvq convert --calibrate (the HF model in torch, one layer quantized at a time):
+    kvq.calibration.error_{k,v}_{kivi4,kivi2,kivi1}  float32[n_layer]  relative squared error of the layer's
+                                                     attention output with its K or V at that width
+    kvq.calibration.{k,v}_absmax, {k,v}_rms          float32[n_layer]  K/V value ranges per layer
+    kvq.calibration.k_channel_absmax                 float32[n_layer * n_embd_k_gqa]  per-channel K range,
+                                                     layer-major, channels in the HF model's order
 
 The copy is written next to the output under a temporary name and renamed into place only when complete.
 """
@@ -22,12 +35,19 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 log = logging.getLogger("pykvq.gguf")
 
 KVQ_VERSION = 1
 KEY_VERSION = "kvq.version"
 KEY_LAYERS = "kvq.kv_layers"
+KEY_WINDOW = "kvq.window"
+KEY_SINKS = "kvq.sinks"
+
+
+# copies smaller than this are quick enough not to need a progress bar
+PROGRESS_BYTES = 256 << 20
 
 
 class GgufError(ValueError):
@@ -48,13 +68,47 @@ def _reader(path: Path):
         raise GgufError(f"{path} is not a readable GGUF file: {exc}") from exc
 
 
+def read_fields(path: Path) -> dict[str, object]:
+    """All metadata of a GGUF file, name -> value."""
+    return {name: f.contents() for name, f in _reader(path).fields.items()}
+
+
 def read_kvq(path: Path) -> dict[str, object]:
     """The kvq.* metadata of a GGUF file (empty when it has none); GgufError for an unknown version."""
-    fields = {name: f.contents() for name, f in _reader(path).fields.items() if name.startswith("kvq.")}
+    fields = {name: value for name, value in read_fields(path).items() if name.startswith("kvq.")}
     version = fields.get(KEY_VERSION)
     if fields and version != KVQ_VERSION:
         raise GgufError(f"{path}: kvq.* metadata version {version!r}; this pykvq reads version {KVQ_VERSION}")
     return fields
+
+
+# per-layer arrays: one value per layer; the per-channel one: every layer's K channels
+PER_CHANNEL = "kvq.calibration.k_channel_absmax"
+PER_LAYER_PREFIXES = ("kvq.calibration.kld_", "kvq.calibration.error_", "kvq.calibration.k_absmax",
+                      "kvq.calibration.v_absmax", "kvq.calibration.k_rms", "kvq.calibration.v_rms")
+
+
+def validate(kvq: dict[str, object], n_layer: int, n_embd_k_total: int) -> None:
+    """GgufError when kvq.* metadata does not fit a model of ``n_layer`` layers (``n_embd_k_total`` K channels
+    over all layers) or has values of the wrong kind."""
+    from pykvq import kv_types
+
+    layers = kvq.get(KEY_LAYERS)
+    if layers is not None:
+        if not isinstance(layers, str):
+            raise GgufError(f"{KEY_LAYERS} must be a string, not {type(layers).__name__}")
+        try:
+            kv_types.layer_types(layers, n_layer, "kivi2", "kivi2")
+        except ValueError as exc:
+            raise GgufError(f"the model's {KEY_LAYERS} does not fit its {n_layer} layers: {exc}") from exc
+    for key in (KEY_WINDOW, KEY_SINKS):
+        value = kvq.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise GgufError(f"{key} must be a whole number >= 0, not {value!r}")
+    for key, value in kvq.items():
+        wanted = n_embd_k_total if key == PER_CHANNEL else n_layer if key.startswith(PER_LAYER_PREFIXES) else None
+        if wanted is not None and (isinstance(value, (str, int, float)) or len(value) != wanted):  # type: ignore[arg-type]
+            raise GgufError(f"{key} must hold {wanted} values for this model ({n_layer} layers)")
 
 
 def write_copy(src: Path, dst: Path, metadata: dict[str, object]) -> None:
@@ -83,9 +137,16 @@ def write_copy(src: Path, dst: Path, metadata: dict[str, object]) -> None:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for tensor in reader.tensors:
-            writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
+        total = sum(int(t.data.nbytes) for t in reader.tensors)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="write", disable=total < PROGRESS_BYTES) as bar:
+            for tensor in reader.tensors:
+                writer.write_tensor_data(tensor.data, tensor_endianess=reader.endianess)
+                bar.update(int(tensor.data.nbytes))
         writer.close()
+        # mkstemp made it private: give it the permissions a new file gets
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o666 & ~umask)
         tmp.replace(dst)
     finally:
         tmp.unlink(missing_ok=True)

@@ -37,5 +37,10 @@ def tool(name: str) -> Path:
     return _built(package_dir() / "bin" / name, name)
 
 
+def hf_converter() -> Path:
+    """llama.cpp's convert_hf_to_gguf.py, installed with its `conversion` package beside it."""
+    return _built(package_dir() / "hf_converter" / "convert_hf_to_gguf.py", "llama.cpp's HF converter")
+
+
 def build_info_file() -> Path:
     return _built(package_dir() / "_build_info.json", "the build info")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pykvq import kv_types, llama_tools, native, paths
+from pykvq import gguf_metadata, kv_types, llama_tools, native, paths
 from pykvq.kv_types import KvSpec
 
 log = logging.getLogger("pykvq.perplexity")
@@ -157,9 +157,15 @@ def run(args: argparse.Namespace) -> int:
     for f, what in ((args.model, "model"), (args.file, "text")):
         if not f.is_file():
             raise FileNotFoundError(f"{what} file not found: {f}")
+    # the model's kvq.* metadata: its window and sinks are the defaults, its per-layer types one more run
+    kvq = gguf_metadata.read_kvq(args.model)
+    model_layers_spec = kvq.get(gguf_metadata.KEY_LAYERS)
+    if isinstance(model_layers_spec, str) and not args.kv_layers:
+        log.info("the model's kvq.kv_layers joins the comparison: %s", model_layers_spec)
+        specs.append(KvSpec.per_layer(model_layers_spec))
     defaults = native.kvq_default_params()
-    window = defaults.window if args.kv_window is None else args.kv_window
-    n_sink = defaults.n_sink if args.kv_sinks is None else args.kv_sinks
+    window = int(kvq.get(gguf_metadata.KEY_WINDOW, defaults.window) if args.kv_window is None else args.kv_window)
+    n_sink = int(kvq.get(gguf_metadata.KEY_SINKS, defaults.n_sink) if args.kv_sinks is None else args.kv_sinks)
     if args.ctx_size < 64 or args.chunks < 1 or args.threads < 1 or window < 0 or n_sink < 0:
         raise ValueError("need -c >= 64, --chunks >= 1, -t >= 1, --kv-window >= 0 and --kv-sinks >= 0")
     settings = Settings(args.model, args.file, args.ctx_size, args.chunks, args.threads, window, n_sink)
@@ -184,8 +190,10 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=4, help="chunks of the text to evaluate (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")
-    p.add_argument("--kv-window", type=int, help="kivi: recent tokens kept in fp16 (default: the library's, 128)")
-    p.add_argument("--kv-sinks", type=int, help="kivi: first tokens kept in fp16 for good (default: the library's, 0)")
+    p.add_argument("--kv-window", type=int,
+                   help="kivi: recent tokens kept in fp16 (default: the model's kvq.window, else 128)")
+    p.add_argument("--kv-sinks", type=int,
+                   help="kivi: first tokens kept in fp16 for good (default: the model's kvq.sinks, else 0)")
     p.add_argument("-o", "--output", default="pykvq-perplexity",
                    help="output prefix: writes PREFIX.json and PREFIX.png (default: %(default)s)")
     p.set_defaults(handler=run)

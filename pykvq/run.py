@@ -57,8 +57,10 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
                         "kvq.kv_layers")
     p.add_argument("-ctk", "--cache-type-k", metavar="TYPE", help="K cache type (overrides --kv-type)")
     p.add_argument("-ctv", "--cache-type-v", metavar="TYPE", help="V cache type (overrides --kv-type)")
-    p.add_argument("--kv-window", type=int, help="kivi: recent tokens kept in fp16 (default 128)")
-    p.add_argument("--kv-sinks", type=int, help="kivi: first tokens kept in fp16 (default 0)")
+    p.add_argument("--kv-window", type=int,
+                   help="kivi: recent tokens kept in fp16 (default: the model's kvq.window, else 128)")
+    p.add_argument("--kv-sinks", type=int,
+                   help="kivi: first tokens kept in fp16 (default: the model's kvq.sinks, else 0)")
     p.add_argument("--kv-rotate", type=_switch, help="kivi: Hadamard rotation of K/V, on or off (default off)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 or less is greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40, 0 = off)")
@@ -120,7 +122,7 @@ def run_command(args: argparse.Namespace) -> int:
     if not args.conversation and args.prompt is None and args.file is None:
         raise ValueError("give a prompt with -p or -f, or chat with -cnv")
     with Model(_model_path(args), n_gpu_layers=_gpu_layers(args)) as model:
-        kv = with_model_layers(kv, model.path)
+        kv = with_model_metadata(kv, model.path)
         check_layers(kv, model)
         config = ContextConfig(args.ctx_size, args.batch_size, args.ubatch_size, args.threads, args.flash_attn, kv)
         with model.context(config) as ctx:
@@ -128,15 +130,16 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def with_model_layers(kv: KvConfig, model_path: Path) -> KvConfig:
-    """The model's kvq.kv_layers when the command line gives no per-layer types (it wins when it does)."""
-    if kv.layers is not None:
-        return kv
-    layers = gguf_metadata.read_kvq(model_path).get(gguf_metadata.KEY_LAYERS)
-    if layers is None:
-        return kv
-    log.info("per-layer KV types from the model's kvq.kv_layers: %s", layers)
-    return replace(kv, layers=str(layers))
+def with_model_metadata(kv: KvConfig, model_path: Path) -> KvConfig:
+    """The model's kvq.* defaults (per-layer types, window, sinks) where the command line gives none: it wins."""
+    kvq = gguf_metadata.read_kvq(model_path)
+    from_model = {field: kvq[key] for field, key in (("layers", gguf_metadata.KEY_LAYERS),
+                                                    ("window", gguf_metadata.KEY_WINDOW),
+                                                    ("sinks", gguf_metadata.KEY_SINKS))
+                  if getattr(kv, field) is None and key in kvq}
+    for field, value in from_model.items():
+        log.info("KV %s from the model's kvq.* metadata: %s", field, value)
+    return replace(kv, **from_model)
 
 
 def check_layers(kv: KvConfig, model: Model) -> None:

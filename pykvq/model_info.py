@@ -1,0 +1,167 @@
+"""`pykvq inspect`: a GGUF model's architecture, KV shape, kvq.* metadata and KV memory per token per type.
+
+Read from the GGUF header alone (no weights are loaded), so it works on any size of model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pykvq import gguf_metadata, kv_types, native
+
+FP16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class KvShape:
+    """What one token costs in each layer's KV cache: K and V elements per layer."""
+
+    architecture: str
+    name: str
+    n_layer: int
+    n_ctx_train: int
+    n_head: list[int]
+    n_head_kv: list[int]
+    head_dim_k: int
+    head_dim_v: int
+
+    @property
+    def n_embd_k(self) -> list[int]:
+        return [h * self.head_dim_k for h in self.n_head_kv]
+
+    @property
+    def n_embd_v(self) -> list[int]:
+        return [h * self.head_dim_v for h in self.n_head_kv]
+
+
+def _per_layer(value: object, n_layer: int, what: str) -> list[int]:
+    values = np.atleast_1d(np.asarray(value, dtype=np.int64)).tolist()
+    if len(values) == 1:
+        return values * n_layer
+    if len(values) != n_layer:
+        raise gguf_metadata.GgufError(f"{what} has {len(values)} values for {n_layer} layers")
+    return values
+
+
+def read_shape(fields: dict[str, object]) -> KvShape:
+    """The KV shape from a GGUF's metadata (``fields``: name -> contents)."""
+    arch = fields.get("general.architecture")
+    if not isinstance(arch, str):
+        raise gguf_metadata.GgufError("no general.architecture: not a llama.cpp model")
+
+    def get(key: str, default: object = None) -> object:
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise gguf_metadata.GgufError(f"{arch} model without {arch}.{key}")
+        return value
+
+    n_layer = int(get("block_count"))  # type: ignore[arg-type]
+    n_embd = int(get("embedding_length"))  # type: ignore[arg-type]
+    n_head = _per_layer(get("attention.head_count"), n_layer, "attention.head_count")
+    n_head_kv = _per_layer(get("attention.head_count_kv", n_head), n_layer, "attention.head_count_kv")
+    head = n_embd // max(n_head[0], 1)
+    return KvShape(arch, str(fields.get("general.name", "")), n_layer, int(get("context_length", 0)),  # type: ignore[arg-type]
+                   n_head, n_head_kv, int(get("attention.key_length", head)),  # type: ignore[arg-type]
+                   int(get("attention.value_length", head)))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class KvCost:
+    """KV cache bytes per token for one choice of types; kivi types also keep a fixed fp16 window and sinks."""
+
+    kv_type: str
+    bytes_per_token: float
+    fixed_bytes: int
+
+
+def kv_cost(shape: KvShape, label: str, types_k: list[str], types_v: list[str], window: int, sinks: int) -> KvCost:
+    per_token = 0.0
+    fixed = 0
+    bpe = {t.name: t.bits_per_element for t in native.kv_cache_types()}
+    for il in range(shape.n_layer):
+        for name, n_embd in ((types_k[il], shape.n_embd_k[il]), (types_v[il], shape.n_embd_v[il])):
+            per_token += n_embd * bpe[name] / 8
+            if name in kv_types.KIVI_BITS:
+                fixed += (sinks + native.kvq_ring_size(window)) * n_embd * FP16_BYTES
+    return KvCost(label, per_token, fixed)
+
+
+def costs(shape: KvShape, kvq: dict[str, object], window: int, sinks: int) -> list[KvCost]:
+    out = [kv_cost(shape, t, [t] * shape.n_layer, [t] * shape.n_layer, window, sinks) for t in kv_types.names()]
+    layers = kvq.get(gguf_metadata.KEY_LAYERS)
+    if isinstance(layers, str):
+        types_k, types_v = kv_types.layer_types(layers, shape.n_layer, "kivi2", "kivi2")
+        out.append(kv_cost(shape, "kvq.kv_layers", types_k, types_v, window, sinks))
+    return out
+
+
+def collect(path: Path) -> dict:
+    fields = gguf_metadata.read_fields(path)
+    shape = read_shape(fields)
+    kvq = gguf_metadata.read_kvq(path)
+    gguf_metadata.validate(kvq, shape.n_layer, sum(shape.n_embd_k))
+    defaults = native.kvq_default_params()
+    window = int(kvq.get(gguf_metadata.KEY_WINDOW, defaults.window))  # type: ignore[call-overload]
+    sinks = int(kvq.get(gguf_metadata.KEY_SINKS, defaults.n_sink))  # type: ignore[call-overload]
+    return {"model": str(path), "shape": asdict(shape), "kvq": {k: _plain(v) for k, v in kvq.items()},
+            "kivi_window": window, "kivi_sinks": sinks,
+            "kv_bytes": [asdict(c) for c in costs(shape, kvq, window, sinks)]}
+
+
+def _plain(value: object) -> object:
+    return value if isinstance(value, (str, int, float, bool)) else [float(x) for x in value]  # type: ignore[union-attr]
+
+
+def _short(value: object) -> str:
+    if isinstance(value, list):
+        head = ", ".join(f"{x:.4g}" for x in value[:4])
+        return f"[{head}{', ...' if len(value) > 4 else ''}] ({len(value)} values)"
+    return str(value)
+
+
+def format_text(info: dict, n_ctx: int) -> str:
+    s = info["shape"]
+    kv_heads = sorted(set(s["n_head_kv"]))
+    lines = [
+        f"model         {info['model']}" + (f" ({s['name']})" if s["name"] else ""),
+        f"architecture  {s['architecture']}, {s['n_layer']} layers, trained context {s['n_ctx_train']}",
+        f"attention     {'/'.join(map(str, sorted(set(s['n_head']))))} query heads, "
+        f"{'/'.join(map(str, kv_heads))} KV heads, head size K {s['head_dim_k']} V {s['head_dim_v']}",
+        "kvq metadata" + ("  none" if not info["kvq"] else ":"),
+        *[f"  {k} = {_short(v)}" for k, v in sorted(info["kvq"].items())],
+        f"KV memory     per token, and for {n_ctx} tokens (kivi: window {info['kivi_window']} and sinks "
+        f"{info['kivi_sinks']} in fp16 included)",
+        f"  {'KV type':<14} {'bytes/token':>12} {f'MiB @ {n_ctx}':>14}",
+    ]
+    for c in info["kv_bytes"]:
+        total = c["bytes_per_token"] * n_ctx + c["fixed_bytes"]
+        lines.append(f"  {c['kv_type']:<14} {c['bytes_per_token']:>12.1f} {total / 2**20:>14.2f}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.model.is_file():
+        raise FileNotFoundError(f"model file not found: {args.model}")
+    info = collect(args.model)
+    n_ctx = args.ctx_size or info["shape"]["n_ctx_train"] or 4096
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        print(format_text(info, n_ctx))
+    return 0
+
+
+def add_inspect_command(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("inspect", help="a GGUF model's KV shape, kvq.* metadata and KV memory per type",
+                            description="Reads the GGUF header (no weights): architecture, KV heads and sizes, "
+                                        "pykvq's kvq.* metadata, and the KV cache memory per token for every KV "
+                                        "type (and the model's own per-layer mix).")
+    p.add_argument("model", type=Path, metavar="MODEL", help="GGUF model")
+    p.add_argument("-c", "--ctx-size", type=int, help="context for the totals (default: the trained context)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=run)

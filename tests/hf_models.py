@@ -1,0 +1,70 @@
+"""Hugging Face model folders for the convert tests: a tiny random Llama built from a config, and SmolLM2
+made from its GGUF by transformers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TINY_VOCAB = 512
+
+
+def tiny_llama(dest: Path, text: Path, n_layer: int = 3) -> Path:
+    """A random Llama (head size 32, GQA 2) with a sentencepiece tokenizer trained on ``text``; the weights
+    are fp16-representable, so an f16 GGUF holds exactly the same model."""
+    import sentencepiece as spm
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dest.mkdir(parents=True, exist_ok=True)
+    lines = [line for line in text.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines[:4000]), model_prefix=str(dest / "tokenizer"),
+                                   vocab_size=TINY_VOCAB, model_type="bpe", byte_fallback=True,
+                                   minloglevel=2)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=n_layer,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            # larger than the default init, so that attention is not uniform and logits are not all ~0
+            p.copy_((p * 4).half().float())
+    model.save_pretrained(dest)
+    return dest
+
+
+# transformers loads GGUF files only when it finds a `gguf` distribution >= 0.10; pykvq installs upstream's
+# gguf package as a plain module, so the test gives it the metadata of the version it is
+_GGUF_DIST = """Metadata-Version: 2.1
+Name: gguf
+Version: 0.19.0
+"""
+
+_FROM_GGUF = """
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+folder, name, dest = sys.argv[1:]
+tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+config = loaded.config
+# the dequantized weights, as a plain model: one loaded from GGUF refuses to be saved
+del config.quantization_config
+plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+plain.load_state_dict(loaded.state_dict())
+plain.save_pretrained(dest)
+tokenizer.save_pretrained(dest)
+"""
+
+
+def from_gguf(gguf: Path, dest: Path, scratch: Path) -> Path:
+    """The HF form of a GGUF model, made by transformers (gguf_file=) and save_pretrained."""
+    dist = scratch / "gguf-0.19.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text(_GGUF_DIST)
+    proc = subprocess.run([sys.executable, "-c", _FROM_GGUF, str(gguf.parent), gguf.name, str(dest)],
+                          env={**os.environ, "PYTHONPATH": str(scratch)}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dest

@@ -1,0 +1,66 @@
+"""The calibration's torch model of the kivi cache against the independent numpy oracle of DESIGN.md §5."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvq_oracle
+
+torch = pytest.importorskip("torch")
+
+from pykvq.kv_calibration import Calibration, CalibrationSettings, LayerProbe, fake_quantize, kivi_attention  # noqa: E402
+
+
+def random_qkv(n_tokens: int, n_head: int = 4, n_head_kv: int = 2, dim: int = 64, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n_head, n_tokens, dim)).astype(np.float32)
+    k = rng.standard_normal((n_head_kv, n_tokens, dim)).astype(np.float32)
+    # outlier channels in K, as real models have (SKVQ §3.1): per-channel quantization must handle them
+    k[:, :, 3] *= 8
+    v = rng.standard_normal((n_head_kv, n_tokens, dim)).astype(np.float32)
+    return q, k, v
+
+
+@pytest.mark.parametrize("bits", [4, 2, 1])
+def test_fake_quantize_is_the_format(bits: int) -> None:
+    rows = np.random.default_rng(bits).standard_normal((5, 96)).astype(np.float32)
+    ours = fake_quantize(torch.from_numpy(rows), bits, dim=1).numpy()
+    oracle = kvq_oracle.dequantize_rows(kvq_oracle.quantize_rows(rows, bits), bits, 96)
+    # codes agree except where a value sits on a rounding boundary (x/d here, x*(1/d) in ggml)
+    assert np.mean(np.isclose(ours, oracle, rtol=0, atol=1e-6)) > 0.995
+
+
+@pytest.mark.parametrize("k_bits, v_bits, window, sinks", [(2, 2, 40, 0), (1, 4, 32, 4), (4, 1, 0, 3), (2, 1, 0, 0)])
+def test_attention_follows_the_cache_semantics(k_bits: int, v_bits: int, window: int, sinks: int) -> None:
+    n = 150
+    q, k, v = random_qkv(n)
+    scale = 64 ** -0.5
+    ours = kivi_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), scale, window, sinks,
+                          k_bits, v_bits).numpy()
+
+    def oracle(window: int) -> np.ndarray:
+        # the oracle takes [tokens, heads, dim]
+        return kvq_oracle.kivi_attention(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2),
+                                         np.arange(n), window=window, n_sink=sinks, k_bits=k_bits, v_bits=v_bits,
+                                         scale=scale).transpose(1, 0, 2)
+
+    expected = oracle(window)
+    quantization_error = np.abs(expected - oracle(n)).max()    # a window of n: nothing quantized
+    assert quantization_error > 1e-2
+    assert np.abs(ours - expected).max() < 0.02 * quantization_error
+
+
+def test_errors_grow_as_bits_shrink_and_k_outliers_are_recorded() -> None:
+    q, k, v = random_qkv(200)
+    calibration = Calibration(1, 200, CalibrationSettings(window=32, sinks=0, device="cpu"))
+    probe = LayerProbe(calibration)
+    probe.measure(0, torch.from_numpy(q)[None], torch.from_numpy(k)[None], torch.from_numpy(v)[None], 64 ** -0.5)
+    for part in ("k", "v"):
+        e = {name: calibration.errors[part, name][0] for name in ("kivi4", "kivi2", "kivi1")}
+        assert 0 < e["kivi4"] < e["kivi2"] < e["kivi1"]
+    stats = calibration.stats[0]
+    channels = np.asarray(stats.k_channel_absmax).reshape(2, 64)
+    assert (channels[:, 3] > 4 * np.delete(channels, 3, axis=1).max(axis=1)).all()
+    costs = {s.part: s.cost for s in calibration.sensitivities()}
+    assert costs["k"]["kivi2"] == 0 and costs["k"]["kivi4"] < 0 < costs["k"]["kivi1"]
