@@ -259,3 +259,16 @@ def test_smollm2_from_transformers_converts_and_generates(smollm2: Path, tmp_pat
     gen = pykvq("run", "-m", str(out), "-p", prompt, "-n", "12", "--temp", "0", "-t", "2", cwd=tmp_path)
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert gen.stdout.startswith(prompt) and len(gen.stdout.strip()) > len(prompt) + 5
+
+
+def test_perplexity_compares_the_model_mix(calibrated: tuple[Path, subprocess.CompletedProcess], hamlet: Path,
+                                           tmp_path: Path) -> None:
+    out, _ = calibrated
+    spec = str(gguf_metadata.read_kvq(out)[gguf_metadata.KEY_LAYERS])
+    proc = pykvq("perplexity", "-m", str(out), "-f", str(hamlet), "--kv-types", "f16", "-c", "256", "--chunks", "1",
+                 "-t", "2", "-o", str(tmp_path / "ppl"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads((tmp_path / "ppl.json").read_text())
+    assert [r["kv_type"] for r in record["runs"]] == ["f16", spec]
+    # the model's kvq.window (64), not the library's 128
+    assert record["settings"]["window"] == 64
