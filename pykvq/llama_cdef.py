@@ -167,7 +167,8 @@ LLAMA_CDEF = """
     size_t llama_state_set_data(struct llama_context * ctx, const uint8_t * src, size_t size);
     size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
     size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
-    size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id);
+    size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size,
+                                    llama_seq_id dest_seq_id);
 
     struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
     void llama_perf_context_reset(struct llama_context * ctx);
