@@ -8,7 +8,12 @@ sequence (`--npl` sequences at once); the decode tokens/s (S_TG) of each type is
 f16 KV. `random:SHAPE` generates a random-weight model of that shape (pykvq.random_model) first. With two or
 more depths, the growth of the per-token time between the smallest and the largest depth, against the KV
 bytes those extra cells hold, estimates the attention's achieved memory bandwidth. Writes
-bench/results/decode-speed-<device>-<depths>.json and .png and prints a table.
+bench/results/decode-speed-<device>-<depths>.json and .png and prints a table. With several --npl (batched
+decoding: the sequences sit in per-sequence streams, kivi types included) the record is
+bench/results/batched-speed-<device>-<depths>-npl<npl...>.json, and decode_tps is the throughput of all
+sequences together (llama-batched-bench's S_TG):
+
+    python bench/decode_speed.py --depth 512 --tg 32 --npl 1 4 8 --kv-types f16,q8_0,q4_0,kivi4,kivi2
 """
 
 from __future__ import annotations
@@ -143,7 +148,13 @@ def main() -> None:
               "model": model_label, "ngl": args.ngl, "kvq_defaults": asdict(native.kvq_default_params()),
               "rows": rows, "attention": attention, "peak_gbs": peak}
     tag = "cpu" if not args.ngl else device.replace("NVIDIA ", "").replace(" ", "-").lower()
-    out = RESULTS / f"decode-speed-{tag}-{'-'.join(str(d) for d in args.depth)}"
+    depths = '-'.join(str(d) for d in args.depth)
+    if args.npl != [1]:
+        record["tg"] = args.tg
+        out = RESULTS / f"batched-speed-{tag}-{depths}-npl{'-'.join(str(n) for n in args.npl)}"
+        out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+        return
+    out = RESULTS / f"decode-speed-{tag}-{depths}"
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     plot(rows, out.with_suffix(".png"), f"{device}, {model_label}")
 

@@ -155,6 +155,19 @@ def test_one_sequence_state_round_trip(model: Model, texts: list[list[int]], kv:
     assert_same(got[1], alone(model, kv, a[:40])[0])
 
 
+def test_whole_state_of_several_sequences_round_trips(model: Model, texts: list[list[int]]) -> None:
+    a, b = texts[0], texts[1]
+    with multi(model, ASYMKV, 2) as ctx:
+        ctx.eval_seqs({0: a[:60], 1: b[:111]})
+        state = ctx.save_state()
+    with multi(model, ASYMKV, 2) as ctx:
+        ctx.load_state(state)
+        assert (ctx.seq_len(0), ctx.seq_len(1)) == (60, 111)
+        got = ctx.eval_seqs({0: a[60:70], 1: b[111:120]})
+    assert_same(got[0], alone(model, ASYMKV, a[:70])[0])
+    assert_same(got[1], alone(model, ASYMKV, b[:120])[0])
+
+
 def test_a_unified_cache_with_several_sequences_is_refused(model: Model) -> None:
     config = ContextConfig(n_ctx=512, n_threads=2, kv=KIVI2, n_seq_max=2, kv_unified=True)
     with pytest.raises(LlamaError, match="per-sequence streams: drop --kv-unified"):
