@@ -155,6 +155,52 @@ def test_one_sequence_state_round_trip(model: Model, texts: list[list[int]], kv:
     assert_same(got[1], alone(model, kv, a[:40])[0])
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_edits_of_three_sequences_equal_fresh_runs(model: Model, texts: list[list[int]], seed: int) -> None:
+    """Random feeds (to random subsets of the sequences, in the same batches), suffix removals within the
+    slack, clears and copies; after each feed every fed sequence's logits equal a fresh run of its history."""
+    kv = ASYMKV
+    rng = np.random.default_rng(seed)
+    history: list[list[int]] = [[], [], []]
+    checks = []  # (history, logits)
+    with multi(model, kv, 3) as ctx:
+        for _ in range(14):
+            op = rng.choice(["feed", "feed", "feed", "remove", "clear", "copy"])
+            if op == "feed":
+                fed = [s for s in range(3) if rng.random() < 0.7] or [0]
+                feeds = {}
+                for s in fed:
+                    n = int(rng.choice([1, 3, 17, 40]))
+                    if len(history[s]) + n > 180:
+                        continue
+                    start = int(rng.integers(0, len(texts[s]) - n))
+                    feeds[s] = texts[(s + start) % 4][start:start + n]
+                for s, logits in ctx.eval_seqs(feeds).items():
+                    history[s] += feeds[s]
+                    checks.append((list(history[s]), logits))
+            elif op == "remove":
+                s = int(rng.integers(0, 3))
+                n = len(history[s])
+                ok = [r for r in range(1, n) if removable_suffix(kv, n, r)]
+                if ok:
+                    r = int(rng.choice(ok))
+                    ctx.seq_rm(s, n - r)
+                    history[s] = history[s][:n - r]
+            elif op == "clear":
+                s = int(rng.integers(0, 3))
+                ctx.seq_rm(s)
+                history[s] = []
+            else:
+                src, dst = (int(x) for x in rng.choice(3, 2, replace=False))
+                if history[src]:
+                    ctx.seq_cp(src, dst)
+                    history[dst] = list(history[src])
+            assert [ctx.seq_len(s) for s in range(3)] == [len(h) for h in history]
+    assert len(checks) >= 5
+    for tokens, logits in checks:
+        assert_same(logits, alone(model, kv, tokens)[0])
+
+
 def test_whole_state_of_several_sequences_round_trips(model: Model, texts: list[list[int]]) -> None:
     a, b = texts[0], texts[1]
     with multi(model, ASYMKV, 2) as ctx:
