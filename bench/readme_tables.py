@@ -35,6 +35,23 @@ def decode_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def batched_table(path: Path) -> str:
+    record = json.loads(path.read_text())
+    depths = sorted({r["depth"] for r in record["rows"]})
+    lines = [f"Batched decoding ({record['machine']}), {record['model']}, prompt {', '.join(map(str, depths))} tokens "
+             f"per sequence, then {record.get('tg', '?')} tokens per sequence (llama-batched-bench; decode t/s is all "
+             "sequences together):", "",
+             "| sequences | KV type | prefill t/s | decode t/s | decode vs f16 |",
+             "| ---: | --- | ---: | ---: | ---: |"]
+    for r in sorted(record["rows"], key=lambda r: (r["depth"], r["npl"])):
+        if r["decode_tps"] is None:
+            lines.append(f"| {r['npl']} | {r['kv_type']} | - | - | {r.get('note', '-')} |")
+            continue
+        lines.append(f"| {r['npl']} | {r['kv_type']} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | "
+                     f"{r['decode_vs_f16']:.2f} |")
+    return "\n".join(lines)
+
+
 def asymkv_table(path: Path) -> str:
     record = json.loads(path.read_text())
     s = record["settings"]
@@ -63,6 +80,7 @@ def render() -> str:
     parts = [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-c*.json"), key=lambda p: len(p.name))]
     parts += [asymkv_table(p) for p in sorted(RESULTS.glob("asymkv-c*.json"))]
     parts += [decode_table(p) for p in sorted(RESULTS.glob("decode-speed-*.json"))]
+    parts += [batched_table(p) for p in sorted(RESULTS.glob("batched-speed-*.json"))]
     return "\n\n".join(parts)
 
 

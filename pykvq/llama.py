@@ -13,7 +13,7 @@ from __future__ import annotations
 import codecs
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +78,9 @@ class ContextConfig:
     n_threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     flash_attn: str = "auto"
     kv: KvConfig = KvConfig()
+    # sequences the context holds (-np); kivi caches need per-sequence streams (kv_unified False, the default)
+    n_seq_max: int = 1
+    kv_unified: bool = False
 
 
 @dataclass(frozen=True)
@@ -275,7 +278,8 @@ class Model(_Handle):
 
 
 class Context(_Handle):
-    """A llama_context: one sequence, its KV cache, its logits."""
+    """A llama_context: its KV cache and its logits. ``eval``, ``generate_*``, ``truncate`` and the whole-state
+    methods work on sequence 0; with ``n_seq_max`` > 1, ``eval_seqs`` and the ``seq_*`` methods reach the others."""
 
     def __init__(self, model: Model, config: ContextConfig) -> None:
         self.model = model
@@ -302,6 +306,8 @@ class Context(_Handle):
         params.n_batch = min(config.n_batch, config.n_ctx)
         params.n_ubatch = min(config.n_ubatch, params.n_batch)
         params.n_threads = params.n_threads_batch = config.n_threads
+        params.n_seq_max = config.n_seq_max
+        params.kv_unified = config.kv_unified
         params.flash_attn_type = FLASH_ATTN[flash_attn]
         params.no_perf = False
         params.type_k = kv_types.type_id(kv.type_k)
@@ -400,6 +406,83 @@ class Context(_Handle):
         if not llama.llama_memory_seq_rm(llama.llama_get_memory(self._ptr), 0, n_tokens, -1):
             raise _fail(f"cannot remove tokens {n_tokens}.. of {self.n_past}")
         self.n_past = n_tokens
+
+    # several sequences
+
+    @property
+    def _mem(self):
+        return self._lib.llama.llama_get_memory(self._ptr)
+
+    def seq_len(self, seq: int) -> int:
+        """Tokens of sequence ``seq`` in the cache (its last position + 1)."""
+        return self._lib.llama.llama_memory_seq_pos_max(self._mem, seq) + 1
+
+    def _sync_n_past(self) -> None:
+        self.n_past = self.seq_len(0)
+
+    def eval_seqs(self, feeds: Mapping[int, Sequence[int]]) -> dict[int, np.ndarray]:
+        """Append ``feeds[seq]`` to each sequence, all in the same batches (sequence after sequence, split at
+        n_batch); returns the logits of each sequence's last new token."""
+        lib = self._lib
+        n_vocab = self.model.n_vocab
+        n_batch = lib.llama.llama_n_batch(self._ptr)
+        items = []  # (seq, position, token, wants its logits)
+        for seq, tokens in feeds.items():
+            start = self.seq_len(seq)
+            if start + len(tokens) > self.n_ctx // (1 if self.config.kv_unified else self.config.n_seq_max):
+                raise LlamaError(f"sequence {seq}: {len(tokens)} more tokens do not fit its {start} used cells")
+            items += [(seq, start + i, token, i == len(tokens) - 1) for i, token in enumerate(tokens)]
+        out: dict[int, np.ndarray] = {}
+        batch = self._batch
+        for start in range(0, len(items), n_batch):
+            chunk = items[start:start + n_batch]
+            batch.n_tokens = len(chunk)
+            for i, (seq, pos, token, last) in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = pos
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq
+                batch.logits[i] = last
+            status = lib.llama.llama_decode(self._ptr, batch)
+            if status != 0:
+                raise _fail(f"llama_decode failed with status {status}")
+            for i, (seq, _, _, last) in enumerate(chunk):
+                if last:
+                    logits = lib.llama.llama_get_logits_ith(self._ptr, i)
+                    out[seq] = np.frombuffer(lib.ffi.buffer(logits, 4 * n_vocab), dtype=np.float32).copy()
+        self._sync_n_past()
+        return out
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Remove positions [p0, p1) of sequence ``seq`` (-1: from the start, to the end; ``seq`` -1: all)."""
+        if not self._lib.llama.llama_memory_seq_rm(self._mem, seq, p0, p1):
+            raise _fail(f"cannot remove positions [{p0}, {p1}) of sequence {seq}")
+        self._sync_n_past()
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Make sequence ``dst`` a copy of the whole sequence ``src``."""
+        self._lib.llama.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        self._sync_n_past()
+
+    def seq_keep(self, seq: int) -> None:
+        self._lib.llama.llama_memory_seq_keep(self._mem, seq)
+        self._sync_n_past()
+
+    def save_seq_state(self, seq: int) -> bytes:
+        """The state of one sequence, as llama_state_seq_get_data writes it."""
+        llama = self._lib.llama
+        size = llama.llama_state_seq_get_size(self._ptr, seq)
+        buf = self._lib.ffi.new("uint8_t[]", size)
+        written = llama.llama_state_seq_get_data(self._ptr, buf, size, seq)
+        if written == 0:
+            raise _fail(f"cannot save sequence {seq}")
+        return self._lib.ffi.buffer(buf, written)[:]
+
+    def load_seq_state(self, state: bytes, seq: int) -> None:
+        """Restore a sequence saved by save_seq_state into sequence ``seq`` (replacing it)."""
+        if self._lib.llama.llama_state_seq_set_data(self._ptr, state, len(state), seq) == 0:
+            raise _fail(f"cannot load the state into sequence {seq}")
+        self._sync_n_past()
 
     def save_state(self) -> bytes:
         """The context's state (KV cache, logits), as llama_state_get_data writes it."""

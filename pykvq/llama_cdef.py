@@ -157,11 +157,18 @@ LLAMA_CDEF = """
     typedef struct llama_memory_i * llama_memory_t;
     llama_memory_t llama_get_memory(const struct llama_context * ctx);
     bool      llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+    void      llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0,
+                                  llama_pos p1);
+    void      llama_memory_seq_keep(llama_memory_t mem, llama_seq_id seq_id);
     llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
     bool      llama_memory_can_shift(llama_memory_t mem);
     size_t llama_state_get_size(struct llama_context * ctx);
     size_t llama_state_get_data(struct llama_context * ctx, uint8_t * dst, size_t size);
     size_t llama_state_set_data(struct llama_context * ctx, const uint8_t * src, size_t size);
+    size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
+    size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
+    size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size,
+                                    llama_seq_id dest_seq_id);
 
     struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
     void llama_perf_context_reset(struct llama_context * ctx);

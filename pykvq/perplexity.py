@@ -47,7 +47,7 @@ class Run:
 
 
 def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
-    # -b = -c: one sequence per pass, so that every type (kivi needs it) sees the same chunks the same way
+    # -b = -c: one sequence per pass, so that every type sees the same chunks the same way
     args = ["-m", str(settings.model), "-f", str(settings.text), "-c", str(settings.n_ctx), "-b", str(settings.n_ctx),
             "--chunks", str(settings.chunks), "-t", str(settings.threads), "-fa", "on",
             "-ctk", spec.name, "-ctv", spec.name]

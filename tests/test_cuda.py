@@ -84,3 +84,13 @@ def test_batching_does_not_change_gpu_logits(kv_type: str, model: Path, text: Pa
     for ubatch in ("37", "1"):
         other = _log_probs(model, text, kv_type, tmp_path / f"ub{ubatch}.bin", "-ngl", "99", "-ub", ubatch)
         assert np.array_equal(other, whole), f"-ub {ubatch} changed the logits"
+
+
+@pytest.mark.parametrize("kv_type", KIVI)
+def test_sequences_in_one_batch_give_the_logits_of_one_on_gpu(kv_type: str, model: Path, text: Path,
+                                                               tmp_path: Path) -> None:
+    """-b 2*c: llama-perplexity decodes two chunks as two sequences (per-sequence streams) in the same batches;
+    each chunk's logits must equal those of the chunk decoded alone."""
+    one = _log_probs(model, text, kv_type, tmp_path / "seq1.bin", "-ngl", "99")
+    two = _log_probs(model, text, kv_type, tmp_path / "seq2.bin", "-ngl", "99", "-b", str(2 * CTX))
+    assert np.array_equal(two, one), "two sequences per batch changed the logits"

@@ -74,17 +74,22 @@ static inline bool ggml_kvq_is_kivi(enum ggml_type type) {
 }
 
 //
-// GGML_OP_KVQ: the ops of a kivi KV cache layer (one sequence, token cell == position).
+// GGML_OP_KVQ: the ops of a kivi KV cache layer. The cache holds n_stream streams of kv_size cells, one
+// sequence per stream, whose token at position p sits in cell p of its stream.
 //
 // Storage of one layer, n_embd = n_head_kv*head_dim channels:
-//   k_tiles  kivi type, [n_embd*QK_KIVI, n_tiles]: row T is tile T (cells T*32 .. T*32+31), one block per
-//            channel, channel-major; a tile is written ("sealed") once all of its cells exist
-//   v_rows   kivi type, [n_embd, n_cells]: one row per cell, quantized on write (ggml_set_rows)
-//   k_fp16,  F16, [n_embd, n_sink + n_ring]: rows 0 .. n_sink-1 hold the sink cells for good; cell c
-//   v_fp16   also sits in ring slot n_sink + c % n_ring while it is among the n_ring most recent cells
-// The current batch: k_cur, v_cur F32 [head_dim, n_head_kv, n_tokens]; k_idxs I64 [n_tokens], its cells,
-// consecutive. K from the batch is rounded to fp16 wherever it is read, so that results do not depend
-// on how tokens were batched.
+//   k_tiles  kivi type, [n_embd*QK_KIVI, kv_size/QK_KIVI, n_stream]: row T of a stream is its tile T (cells
+//            T*32 .. T*32+31), one block per channel, channel-major; a tile is written ("sealed") once all
+//            of its cells exist
+//   v_rows   kivi type, [n_embd, kv_size*n_stream] (or [n_embd, kv_size, n_stream]), contiguous: one row per
+//            cell, quantized on write (ggml_set_rows)
+//   k_fp16,  F16, [n_embd, n_sink + n_ring, n_stream]: rows 0 .. n_sink-1 hold a stream's sink cells for good;
+//   v_fp16   cell c also sits in ring slot n_sink + c % n_ring while it is among the n_ring most recent cells
+// The current batch: k_cur, v_cur F32 [head_dim, n_head_kv, n_tokens]; k_idxs I64 [n_tokens], its global
+// cells stream*kv_size + cell. The batch is n_seq equal segments (upstream's split_equal), one per stream,
+// each in consecutive cells of its stream; for the attention n_seq is the mask's ne[3], the mask being
+// [n_kv, n_tokens/n_seq, 1, n_seq]. K from the batch is rounded to fp16 wherever it is read, so that
+// results do not depend on how tokens were batched.
 //
 
 enum ggml_kvq_op {
@@ -103,9 +108,10 @@ GGML_API struct ggml_tensor * ggml_kvq_seal_k(
         struct ggml_tensor  * k_fp16,
         struct ggml_tensor  * k_cur,
         struct ggml_tensor  * k_idxs,
-        int32_t               n_sink);
+        int32_t               n_sink,
+        int32_t               n_seq);
 
-// attention of q [head_dim, n_head, n_tokens] over cells 0 .. n_kv-1 (n_kv = mask->ne[0]), reading the
+// attention of q [head_dim, n_head, n_tokens] over cells 0 .. n_kv-1 of its stream (n_kv = mask->ne[0]), reading the
 // quantized tiles and rows directly. Query at cell i attends cell j through its fp16 value when
 // i - j < window, j < n_sink, or (K only) j lies in i's own tile; through the quantized value otherwise.
 // Returns F32 [head_dim_v, n_head, n_tokens].
@@ -132,7 +138,9 @@ GGML_API struct ggml_tensor * ggml_kvq_ring_put(
         struct ggml_tensor  * cur,
         struct ggml_tensor  * k_idxs,
         struct ggml_tensor  * after,
-        int32_t               n_sink);
+        int32_t               n_sink,
+        int32_t               n_seq,
+        int64_t               kv_size);
 
 #ifdef __cplusplus
 }

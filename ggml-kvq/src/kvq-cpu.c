@@ -11,24 +11,54 @@
 
 #define KVQ_MAX_HEAD 512
 
-// the current batch and where its cells sit
+// One segment of the batch: the tokens of one stream (sequence), in consecutive cells of that stream. A batch
+// holds n_seq segments of equal length, one per stream, in stream order (upstream's split_equal); its
+// cell indices are global, stream*kv_size + cell.
 typedef struct {
-    const struct ggml_tensor * fp16;   // sinks + ring
-    const struct ggml_tensor * cur;    // F32 [head_dim, n_head_kv, n_tokens]
-    int64_t first;                     // cell of the batch's first token
-    int64_t n_tokens;
-    int32_t n_sink;
-    int32_t n_ring;
+    char       * fp16;                 // this stream's sinks + ring
+    size_t       fp16_nb1;
+    const char * cur;                  // F32 [head_dim, n_head_kv, n_tokens] from the segment's first token
+    size_t       cur_nb1;
+    size_t       cur_nb2;
+    int64_t      head_dim;
+    int64_t      stream;
+    int64_t      first;                // cell (within the stream) of the segment's first token
+    int64_t      n_tokens;             // of the segment
+    int32_t      n_sink;
+    int32_t      n_ring;
 } kvq_source;
 
+static int64_t kvq_seg_tokens(const struct ggml_tensor * cur, int32_t n_seq) {
+    GGML_ASSERT(n_seq >= 1 && cur->ne[2] % n_seq == 0);
+    return cur->ne[2] / n_seq;
+}
+
 static kvq_source kvq_make_source(const struct ggml_tensor * fp16, const struct ggml_tensor * cur,
-                                  const struct ggml_tensor * k_idxs, int32_t n_sink) {
-    const int64_t * cells = (const int64_t *) k_idxs->data;
-    kvq_source src = { fp16, cur, cells[0], cur->ne[2], n_sink, (int32_t) (fp16->ne[1] - n_sink) };
-    for (int64_t t = 1; t < src.n_tokens; ++t) {
-        // the kivi cache places a batch in consecutive cells (llama-kvq-cache); anything else is a bug
-        GGML_ASSERT(cells[t] == src.first + t);
+                                  const struct ggml_tensor * k_idxs, int32_t n_sink, int32_t n_seq, int64_t kv_size,
+                                  int64_t seg) {
+    const int64_t   n_tps = kvq_seg_tokens(cur, n_seq);
+    const int64_t * cells = (const int64_t *) k_idxs->data + seg*n_tps;
+    const int64_t   strm  = cells[0] / kv_size;
+    GGML_ASSERT(strm < fp16->ne[2]);
+    kvq_source src = {
+        /*.fp16     =*/ (char *) fp16->data + strm*fp16->nb[2],
+        /*.fp16_nb1 =*/ fp16->nb[1],
+        /*.cur      =*/ (const char *) cur->data + seg*n_tps*cur->nb[2],
+        /*.cur_nb1  =*/ cur->nb[1],
+        /*.cur_nb2  =*/ cur->nb[2],
+        /*.head_dim =*/ cur->ne[0],
+        /*.stream   =*/ strm,
+        /*.first    =*/ cells[0] % kv_size,
+        /*.n_tokens =*/ n_tps,
+        /*.n_sink   =*/ n_sink,
+        /*.n_ring   =*/ (int32_t) (fp16->ne[1] - n_sink),
+    };
+    for (int64_t t = 1; t < n_tps; ++t) {
+        // the kivi cache places a sequence's tokens in consecutive cells of its stream (llama-kvq-cache);
+        // anything else is a bug
+        GGML_ASSERT(cells[t] == cells[0] + t);
     }
+    GGML_ASSERT(src.first + n_tps <= kv_size);
     return src;
 }
 
@@ -37,11 +67,11 @@ static float kvq_round_fp16(float x) {
 }
 
 static const float * kvq_cur_row(const kvq_source * src, int64_t cell, int64_t head) {
-    return (const float *) ((const char *) src->cur->data + (cell - src->first)*src->cur->nb[2] + head*src->cur->nb[1]);
+    return (const float *) (src->cur + (cell - src->first)*src->cur_nb2 + head*src->cur_nb1);
 }
 
 static ggml_fp16_t * kvq_fp16_slot(const kvq_source * src, int64_t slot, int64_t offset) {
-    return (ggml_fp16_t *) ((char *) src->fp16->data + slot*src->fp16->nb[1]) + offset;
+    return (ggml_fp16_t *) (src->fp16 + slot*src->fp16_nb1) + offset;
 }
 
 // fp16 value of `cell`, channels [head*n, head*n + n): from the batch when it is in it (rounded to fp16),
@@ -89,30 +119,41 @@ static float kvq_block_m(const uint8_t * block) {
 // fp16 value of one channel of a cell that is in the batch or in the ring (never a sink row: sealing
 // only reads the ring, which holds every recent cell, sinks included)
 static float kvq_read_channel(const kvq_source * src, int64_t cell, int64_t channel) {
-    const int64_t head_dim = src->cur->ne[0];
     if (cell >= src->first) {
-        return kvq_round_fp16(kvq_cur_row(src, cell, channel / head_dim)[channel % head_dim]);
+        return kvq_round_fp16(kvq_cur_row(src, cell, channel / src->head_dim)[channel % src->head_dim]);
     }
     return GGML_CPU_FP16_TO_FP32(*kvq_fp16_slot(src, src->n_sink + cell % src->n_ring, channel));
 }
 
+// op params: { op, window, n_sink, scale, n_seq (streams in the batch), kv_size (cells per stream) }
+static int32_t kvq_n_seq(const struct ggml_tensor * dst) {
+    return ggml_get_op_params_i32(dst, 4);
+}
+
+static int64_t kvq_kv_size(const struct ggml_tensor * dst) {
+    return ggml_get_op_params_i32(dst, 5);
+}
+
 static void kvq_seal_k(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * k_tiles = dst->src[0];
-    const kvq_source src = kvq_make_source(dst->src[1], dst->src[2], dst->src[3], ggml_get_op_params_i32(dst, 2));
     const ggml_from_float_t quantize = ggml_get_type_traits(k_tiles->type)->from_float_ref;
     const size_t  bb     = ggml_kvq_block_bytes(ggml_kvq_bits(k_tiles->type));
-    const int64_t n_embd = src.cur->ne[0]*src.cur->ne[1];
-    const int64_t last   = src.first + src.n_tokens - 1;
+    const int64_t n_embd = dst->src[2]->ne[0]*dst->src[2]->ne[1];
 
-    // every tile ending inside the batch; the first candidate always ends at or after `first`
-    for (int64_t tile = src.first/QK_KIVI; tile*QK_KIVI + QK_KIVI - 1 <= last; ++tile) {
-        uint8_t * row = (uint8_t *) k_tiles->data + tile*k_tiles->nb[1];
-        for (int64_t c = params->ith; c < n_embd; c += params->nth) {
-            float x[QK_KIVI];
-            for (int u = 0; u < QK_KIVI; ++u) {
-                x[u] = kvq_read_channel(&src, tile*QK_KIVI + u, c);
+    for (int64_t seg = 0; seg < kvq_n_seq(dst); ++seg) {
+        const kvq_source src = kvq_make_source(dst->src[1], dst->src[2], dst->src[3], ggml_get_op_params_i32(dst, 2),
+                                               kvq_n_seq(dst), kvq_kv_size(dst), seg);
+        const int64_t last = src.first + src.n_tokens - 1;
+        // every tile ending inside the segment; the first candidate always ends at or after `first`
+        for (int64_t tile = src.first/QK_KIVI; tile*QK_KIVI + QK_KIVI - 1 <= last; ++tile) {
+            uint8_t * row = (uint8_t *) k_tiles->data + (src.stream*(kvq_kv_size(dst)/QK_KIVI) + tile)*k_tiles->nb[1];
+            for (int64_t c = params->ith; c < n_embd; c += params->nth) {
+                float x[QK_KIVI];
+                for (int u = 0; u < QK_KIVI; ++u) {
+                    x[u] = kvq_read_channel(&src, tile*QK_KIVI + u, c);
+                }
+                quantize(x, row + c*bb, QK_KIVI);
             }
-            quantize(x, row + c*bb, QK_KIVI);
         }
     }
 }
@@ -129,21 +170,24 @@ static void kvq_store_fp16(const kvq_source * src, int64_t slot, int64_t offset,
 }
 
 static void kvq_ring_put(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    const kvq_source src = kvq_make_source(dst->src[0], dst->src[1], dst->src[2], ggml_get_op_params_i32(dst, 2));
-    const int64_t head_dim = src.cur->ne[0];
-    const int64_t n_head   = src.cur->ne[1];
-    const int64_t last     = src.first + src.n_tokens - 1;
+    const int64_t head_dim = dst->src[1]->ne[0];
+    const int64_t n_head   = dst->src[1]->ne[1];
 
-    for (int64_t t = params->ith; t < src.n_tokens; t += params->nth) {
-        const int64_t cell = src.first + t;
-        for (int64_t h = 0; h < n_head; ++h) {
-            const float * x = kvq_cur_row(&src, cell, h);
-            // only the n_ring most recent cells keep a ring slot: distinct slots, so threads never collide
-            if (cell > last - src.n_ring) {
-                kvq_store_fp16(&src, src.n_sink + cell % src.n_ring, h*head_dim, x, head_dim);
-            }
-            if (cell < src.n_sink) {
-                kvq_store_fp16(&src, cell, h*head_dim, x, head_dim);
+    for (int64_t seg = 0; seg < kvq_n_seq(dst); ++seg) {
+        const kvq_source src = kvq_make_source(dst->src[0], dst->src[1], dst->src[2], ggml_get_op_params_i32(dst, 2),
+                                               kvq_n_seq(dst), kvq_kv_size(dst), seg);
+        const int64_t last = src.first + src.n_tokens - 1;
+        for (int64_t t = params->ith; t < src.n_tokens; t += params->nth) {
+            const int64_t cell = src.first + t;
+            for (int64_t h = 0; h < n_head; ++h) {
+                const float * x = kvq_cur_row(&src, cell, h);
+                // only the n_ring most recent cells keep a ring slot: distinct slots, so threads never collide
+                if (cell > last - src.n_ring) {
+                    kvq_store_fp16(&src, src.n_sink + cell % src.n_ring, h*head_dim, x, head_dim);
+                }
+                if (cell < src.n_sink) {
+                    kvq_store_fp16(&src, cell, h*head_dim, x, head_dim);
+                }
             }
         }
     }
@@ -153,11 +197,17 @@ static void kvq_ring_put(const struct ggml_compute_params * params, struct ggml_
 // ATTN
 //
 
+// the attention of one segment (one stream's queries)
 typedef struct {
     const struct ggml_tensor * q;
-    const struct ggml_tensor * k_tiles;
-    const struct ggml_tensor * v_rows;
     const struct ggml_tensor * mask;
+    const char * k_tiles;              // this stream's tiles
+    size_t       k_tiles_nb1;
+    const char * v_rows;               // this stream's rows
+    size_t       v_rows_nb1;
+    const char * mask_plane;           // this segment's mask rows
+    int64_t      t0;                   // the segment's first token in the batch
+    int64_t      n_head_kv;
     kvq_source k;
     kvq_source v;
     int32_t window;
@@ -166,9 +216,9 @@ typedef struct {
     int     v_bits;
 } kvq_attn_args;
 
-static float kvq_mask_value(const struct ggml_tensor * mask, int64_t t, int64_t j) {
-    const char * row = (const char *) mask->data + t*mask->nb[1];
-    return mask->type == GGML_TYPE_F16 ? GGML_CPU_FP16_TO_FP32(((const ggml_fp16_t *) row)[j]) : ((const float *) row)[j];
+static float kvq_mask_value(const kvq_attn_args * a, int64_t t, int64_t j) {
+    const char * row = a->mask_plane + t*a->mask->nb[1];
+    return a->mask->type == GGML_TYPE_F16 ? GGML_CPU_FP16_TO_FP32(((const ggml_fp16_t *) row)[j]) : ((const float *) row)[j];
 }
 
 // Codes 8g .. 8g+7 of a block as floats (layout in ggml-kvq.h: code u in byte u % nbytes at bit
@@ -295,9 +345,9 @@ static void kvq_softmax_add(kvq_softmax * sm, float s, float * acc, int64_t n, f
 }
 
 static void kvq_attn_row(const kvq_attn_args * a, int64_t t, int64_t h, float * out) {
-    const int64_t head_dim   = a->k.cur->ne[0];
-    const int64_t head_dim_v = a->v.cur->ne[0];
-    const int64_t hk         = h / (a->q->ne[1] / a->k.cur->ne[1]);
+    const int64_t head_dim   = a->k.head_dim;
+    const int64_t head_dim_v = a->v.head_dim;
+    const int64_t hk         = h / (a->q->ne[1] / a->n_head_kv);
     const int64_t n_kv       = a->mask->ne[0];
     const int64_t i          = a->k.first + t;
     const int64_t lim_v      = i - a->window + 1;                     // V below this is quantized
@@ -306,7 +356,7 @@ static void kvq_attn_row(const kvq_attn_args * a, int64_t t, int64_t h, float * 
     const int64_t n_sink     = a->k.n_sink;
     const size_t  k_bb       = ggml_kvq_block_bytes(a->k_bits);
     const size_t  v_bb       = ggml_kvq_block_bytes(a->v_bits);
-    const float * q_row = (const float *) ((const char *) a->q->data + t*a->q->nb[2] + h*a->q->nb[1]);
+    const float * q_row = (const float *) ((const char *) a->q->data + (a->t0 + t)*a->q->nb[2] + h*a->q->nb[1]);
 
     // Q in fp16, as upstream's flash attention takes it for f16 K: a window covering the whole context
     // then reproduces f16 KV, and ΔPPL against f16 measures the quantization alone
@@ -325,11 +375,11 @@ static void kvq_attn_row(const kvq_attn_args * a, int64_t t, int64_t h, float * 
         const int64_t q_lo = j0 > n_sink ? j0 : n_sink;
         const int64_t q_hi = j1 < lim_k ? j1 : lim_k;
         if (q_lo < q_hi) {
-            const uint8_t * tile = (const uint8_t *) a->k_tiles->data + (j0/QK_KIVI)*a->k_tiles->nb[1] + hk*head_dim*k_bb;
+            const uint8_t * tile = (const uint8_t *) a->k_tiles + (j0/QK_KIVI)*a->k_tiles_nb1 + hk*head_dim*k_bb;
             kvq_tile_scores(tile, a->k_bits, q, head_dim, tile_scores);
         }
         for (int64_t j = j0; j < j1; ++j) {
-            const float mv = kvq_mask_value(a->mask, t, j);
+            const float mv = kvq_mask_value(a, t, j);
             if (mv == -INFINITY) {
                 continue;
             }
@@ -348,7 +398,7 @@ static void kvq_attn_row(const kvq_attn_args * a, int64_t t, int64_t h, float * 
             float w;
             kvq_softmax_add(&sm, s, acc, head_dim_v, &w);
             if (j >= n_sink && j < lim_v) {
-                const uint8_t * row = (const uint8_t *) a->v_rows->data + j*a->v_rows->nb[1] + hk*head_dim_v/QK_KIVI*v_bb;
+                const uint8_t * row = (const uint8_t *) a->v_rows + j*a->v_rows_nb1 + hk*head_dim_v/QK_KIVI*v_bb;
                 kvq_accumulate_row(row, a->v_bits, w, head_dim_v, acc);
             } else {
                 kvq_read_fp16(&a->v, j, hk, head_dim_v, vbuf);
@@ -365,28 +415,47 @@ static void kvq_attn_row(const kvq_attn_args * a, int64_t t, int64_t h, float * 
 }
 
 static void kvq_attn(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    const int32_t n_sink = ggml_get_op_params_i32(dst, 2);
-    kvq_attn_args a = {
-        /*.q       =*/ dst->src[0],
-        /*.k_tiles =*/ dst->src[1],
-        /*.v_rows  =*/ dst->src[2],
-        /*.mask    =*/ dst->src[7],
-        /*.k       =*/ kvq_make_source(dst->src[3], dst->src[5], dst->src[8], n_sink),
-        /*.v       =*/ kvq_make_source(dst->src[4], dst->src[6], dst->src[8], n_sink),
-        /*.window  =*/ ggml_get_op_params_i32(dst, 1),
-        /*.scale   =*/ 0.0f,
-        /*.k_bits  =*/ ggml_kvq_bits(dst->src[1]->type),
-        /*.v_bits  =*/ ggml_kvq_bits(dst->src[2]->type),
-    };
-    memcpy(&a.scale, (const int32_t *) dst->op_params + 3, sizeof(float));
-    GGML_ASSERT(a.k.cur->ne[0] <= KVQ_MAX_HEAD && a.v.cur->ne[0] <= KVQ_MAX_HEAD);
+    const int32_t n_sink  = ggml_get_op_params_i32(dst, 2);
+    const int32_t n_seq   = kvq_n_seq(dst);
+    const int64_t kv_size = kvq_kv_size(dst);
+    const struct ggml_tensor * k_tiles = dst->src[1];
+    const struct ggml_tensor * v_rows  = dst->src[2];
+    const struct ggml_tensor * mask    = dst->src[7];
+    const int64_t n_tps  = kvq_seg_tokens(dst->src[5], n_seq);
+    const int64_t n_head = dst->src[0]->ne[1];
+    GGML_ASSERT(dst->src[5]->ne[0] <= KVQ_MAX_HEAD && dst->src[6]->ne[0] <= KVQ_MAX_HEAD);
+    GGML_ASSERT(mask->ne[3] == n_seq || (n_seq == 1 && mask->ne[3] == 1));
 
-    const int64_t n_head = a.q->ne[1];
-    const int64_t n_rows = a.q->ne[2]*n_head;
-    for (int64_t r = params->ith; r < n_rows; r += params->nth) {
-        const int64_t t = r / n_head;
-        const int64_t h = r % n_head;
-        kvq_attn_row(&a, t, h, (float *) dst->data + r*dst->ne[0]);
+    for (int64_t seg = 0; seg < n_seq; ++seg) {
+        kvq_attn_args a = {
+            /*.q           =*/ dst->src[0],
+            /*.mask        =*/ mask,
+            /*.k_tiles     =*/ NULL,
+            /*.k_tiles_nb1 =*/ k_tiles->nb[1],
+            /*.v_rows      =*/ NULL,
+            /*.v_rows_nb1  =*/ v_rows->nb[1],
+            /*.mask_plane  =*/ (const char *) mask->data + seg*mask->nb[3],
+            /*.t0          =*/ seg*n_tps,
+            /*.n_head_kv   =*/ dst->src[5]->ne[1],
+            /*.k           =*/ kvq_make_source(dst->src[3], dst->src[5], dst->src[8], n_sink, n_seq, kv_size, seg),
+            /*.v           =*/ kvq_make_source(dst->src[4], dst->src[6], dst->src[8], n_sink, n_seq, kv_size, seg),
+            /*.window      =*/ ggml_get_op_params_i32(dst, 1),
+            /*.scale       =*/ ggml_get_op_params_f32(dst, 3),
+            /*.k_bits      =*/ ggml_kvq_bits(k_tiles->type),
+            /*.v_bits      =*/ ggml_kvq_bits(v_rows->type),
+        };
+        // tiles [n_embd*QK_KIVI, kv_size/QK_KIVI, n_stream]; V rows contiguous, kv_size per stream
+        a.k_tiles = (const char *) k_tiles->data + a.k.stream*(kv_size/QK_KIVI)*k_tiles->nb[1];
+        a.v_rows  = (const char *) v_rows->data + a.k.stream*kv_size*v_rows->nb[1];
+
+        const int64_t r0 = seg*n_tps*n_head;
+        const int64_t r1 = r0 + n_tps*n_head;
+        // rows are dealt to threads over the whole batch, as with one segment
+        for (int64_t r = r0 + ((params->ith - r0) % params->nth + params->nth) % params->nth; r < r1; r += params->nth) {
+            const int64_t t = r / n_head - seg*n_tps;
+            const int64_t h = r % n_head;
+            kvq_attn_row(&a, t, h, (float *) dst->data + r*dst->ne[0]);
+        }
     }
 }
 

@@ -13,16 +13,20 @@ static int32_t kvq_n_embd(const struct ggml_tensor * cur) {
 }
 
 static void kvq_check_batch(const struct ggml_tensor * fp16, const struct ggml_tensor * cur,
-                            const struct ggml_tensor * k_idxs, int32_t n_sink) {
-    GGML_ASSERT(fp16->type == GGML_TYPE_F16 && ggml_is_contiguous(fp16));
+                            const struct ggml_tensor * k_idxs, int32_t n_sink, int32_t n_seq) {
+    GGML_ASSERT(fp16->type == GGML_TYPE_F16 && ggml_is_contiguous(fp16) && fp16->ne[3] == 1);
+    GGML_ASSERT(n_seq >= 1 && n_seq <= fp16->ne[2] && cur->ne[2] % n_seq == 0);
     GGML_ASSERT(cur->type == GGML_TYPE_F32 && cur->nb[0] == sizeof(float));
     GGML_ASSERT(k_idxs->type == GGML_TYPE_I64 && k_idxs->ne[0] == cur->ne[2]);
     GGML_ASSERT(fp16->ne[0] == kvq_n_embd(cur));
     GGML_ASSERT(n_sink >= 0 && fp16->ne[1] > n_sink && (fp16->ne[1] - n_sink) % QK_KIVI == 0);
 }
 
-static void kvq_set_params(struct ggml_tensor * t, enum ggml_kvq_op op, int32_t window, int32_t n_sink, float scale) {
-    int32_t params[4] = { op, window, n_sink, 0 };
+// op params: { op, window, n_sink, scale, n_seq, kv_size }
+static void kvq_set_params(struct ggml_tensor * t, enum ggml_kvq_op op, int32_t window, int32_t n_sink, float scale,
+                           int32_t n_seq, int64_t kv_size) {
+    GGML_ASSERT(kv_size > 0 && kv_size <= INT32_MAX && kv_size % QK_KIVI == 0);
+    int32_t params[6] = { op, window, n_sink, 0, n_seq, (int32_t) kv_size };
     memcpy(&params[3], &scale, sizeof(float));
     ggml_set_op_params(t, params, sizeof(params));
     t->op = GGML_OP_KVQ;
@@ -34,13 +38,15 @@ struct ggml_tensor * ggml_kvq_seal_k(
         struct ggml_tensor  * k_fp16,
         struct ggml_tensor  * k_cur,
         struct ggml_tensor  * k_idxs,
-        int32_t               n_sink) {
+        int32_t               n_sink,
+        int32_t               n_seq) {
     GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_is_contiguous(k_tiles));
     GGML_ASSERT(k_tiles->ne[0] == (int64_t) kvq_n_embd(k_cur)*QK_KIVI);
-    kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink);
+    GGML_ASSERT(k_tiles->ne[2] == k_fp16->ne[2] && k_tiles->ne[3] == 1);
+    kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink, n_seq);
 
     struct ggml_tensor * result = ggml_view_tensor(ctx, k_tiles);
-    kvq_set_params(result, GGML_KVQ_OP_SEAL_K, 0, n_sink, 0.0f);
+    kvq_set_params(result, GGML_KVQ_OP_SEAL_K, 0, n_sink, 0.0f, n_seq, k_tiles->ne[1]*QK_KIVI);
     result->src[0] = k_tiles;
     result->src[1] = k_fp16;
     result->src[2] = k_cur;
@@ -68,15 +74,20 @@ struct ggml_tensor * ggml_kvq_attn(
     GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_kvq_is_kivi(v_rows->type));
     GGML_ASSERT(k_tiles->ne[0] == (int64_t) kvq_n_embd(k_cur)*QK_KIVI && v_rows->ne[0] == kvq_n_embd(v_cur));
     GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
-    GGML_ASSERT(mask->ne[1] >= q->ne[2] && mask->ne[0] <= v_rows->ne[1] && mask->ne[0] <= k_tiles->ne[1]*QK_KIVI);
+    // several streams: the batch is mask->ne[3] equal segments, one per stream (ggml-kvq.h)
+    const int32_t n_seq   = (int32_t) mask->ne[3];
+    const int64_t kv_size = k_tiles->ne[1]*QK_KIVI;
+    GGML_ASSERT(ggml_is_contiguous(k_tiles) && ggml_is_contiguous(v_rows) && mask->ne[2] == 1);
+    GGML_ASSERT(k_tiles->ne[2] == k_fp16->ne[2] && ggml_nrows(v_rows) == kv_size*k_fp16->ne[2]);
+    GGML_ASSERT(mask->ne[1] >= q->ne[2]/n_seq && mask->ne[0] <= kv_size);
     GGML_ASSERT(window >= 0);
-    kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink);
-    kvq_check_batch(v_fp16, v_cur, k_idxs, n_sink);
+    kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink, n_seq);
+    kvq_check_batch(v_fp16, v_cur, k_idxs, n_sink, n_seq);
     GGML_ASSERT(k_fp16->ne[1] - n_sink >= ggml_kvq_ring_size(window));
-    GGML_ASSERT(v_fp16->ne[1] == k_fp16->ne[1]);
+    GGML_ASSERT(v_fp16->ne[1] == k_fp16->ne[1] && v_fp16->ne[2] == k_fp16->ne[2]);
 
     struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, v_cur->ne[0], q->ne[1], q->ne[2]);
-    kvq_set_params(result, GGML_KVQ_OP_ATTN, window, n_sink, scale);
+    kvq_set_params(result, GGML_KVQ_OP_ATTN, window, n_sink, scale, n_seq, kv_size);
     result->src[0] = q;
     result->src[1] = k_tiles;
     result->src[2] = v_rows;
@@ -95,11 +106,13 @@ struct ggml_tensor * ggml_kvq_ring_put(
         struct ggml_tensor  * cur,
         struct ggml_tensor  * k_idxs,
         struct ggml_tensor  * after,
-        int32_t               n_sink) {
-    kvq_check_batch(fp16, cur, k_idxs, n_sink);
+        int32_t               n_sink,
+        int32_t               n_seq,
+        int64_t               kv_size) {
+    kvq_check_batch(fp16, cur, k_idxs, n_sink, n_seq);
 
     struct ggml_tensor * result = ggml_view_tensor(ctx, fp16);
-    kvq_set_params(result, GGML_KVQ_OP_RING_PUT, 0, n_sink, 0.0f);
+    kvq_set_params(result, GGML_KVQ_OP_RING_PUT, 0, n_sink, 0.0f, n_seq, kv_size);
     result->src[0] = fp16;
     result->src[1] = cur;
     result->src[2] = k_idxs;

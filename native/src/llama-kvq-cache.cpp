@@ -1,8 +1,10 @@
 // The kivi layers of llama_kv_cache (members declared by native/patches, defined here).
 //
 // A kivi layer keeps K as sealed per-channel tiles, V as per-token rows, and the sinks and the recent
-// window in fp16 (ggml-kvq.h). One sequence whose token at position p sits in cell p: the attention
-// contract is judged on positions, and the cells stand in for them.
+// window in fp16 (ggml-kvq.h). One sequence per stream, whose token at position p sits in cell p of the
+// stream: the attention contract is judged on positions, and the cells stand in for them. Several
+// sequences therefore need per-sequence streams (kv_unified = false, llama.cpp's default); a unified cache
+// holds one sequence.
 
 #include "llama-kv-cache.h"
 
@@ -72,10 +74,12 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
     if (v_trans) {
         throw std::runtime_error("KV cache " + types + ": kivi types need flash attention (-fa on)");
     }
-    if (n_seq_max != 1 || n_stream_wanted != 1) {
-        throw std::runtime_error("KV cache " + types + ": kivi types support one sequence per context for now "
-                                 "(n_seq_max = " + std::to_string(n_seq_max) + "); for llama-perplexity use -b equal to -c");
+    if (n_seq_max > 1 && n_stream_wanted == 1) {
+        throw std::runtime_error("KV cache " + types + ": kivi types hold several sequences (n_seq_max = " +
+                                 std::to_string(n_seq_max) + ") only in per-sequence streams: drop --kv-unified "
+                                 "(kv_unified = false)");
     }
+    GGML_ASSERT(n_stream_wanted == n_seq_max || n_stream_wanted == 1);
     if (other != nullptr || n_swa != 0) {
         throw std::runtime_error("KV cache " + types + ": kivi types do not support shared or sliding-window caches yet");
     }
@@ -89,7 +93,10 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
     if (!kvq_either_kivi(type_k, type_v)) {
         return false;
     }
-    GGML_ASSERT(kv_size % QK_KIVI == 0);
+    if (kv_size % QK_KIVI != 0) {
+        throw std::runtime_error("KV cache " + kvq_types_text(type_k, type_v) + ": the cache size per sequence (" +
+                                 std::to_string(kv_size) + " cells) must be a multiple of 32");
+    }
     const uint32_t dk = hparams.n_embd_head_k(il);
     const uint32_t dv = hparams.n_embd_head_v(il);
     if (dk % QK_KIVI != 0 || dv % QK_KIVI != 0 || dk > 512 || dv > 512) {
@@ -102,21 +109,35 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
 
     kv_layer layer = {};
     layer.il     = il;
-    layer.k      = ggml_new_tensor_2d(ctx, type_k, (int64_t) n_embd_k*QK_KIVI, kv_size/QK_KIVI);
-    layer.v      = ggml_new_tensor_2d(ctx, type_v, n_embd_v, kv_size);
-    layer.k_fp16 = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_embd_k, n_fp16);
-    layer.v_fp16 = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_embd_v, n_fp16);
+    layer.k      = ggml_new_tensor_3d(ctx, type_k, (int64_t) n_embd_k*QK_KIVI, kv_size/QK_KIVI, n_stream);
+    layer.v      = ggml_new_tensor_3d(ctx, type_v, n_embd_v, kv_size, n_stream);
+    layer.k_fp16 = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, n_embd_k, n_fp16, n_stream);
+    layer.v_fp16 = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, n_embd_v, n_fp16, n_stream);
     ggml_format_name(layer.k,      "cache_%sk_tiles_l%d", name_tag, il);
     ggml_format_name(layer.v,      "cache_%sv_l%d",       name_tag, il);
     ggml_format_name(layer.k_fp16, "cache_%sk_fp16_l%d",  name_tag, il);
     ggml_format_name(layer.v_fp16, "cache_%sv_fp16_l%d",  name_tag, il);
-    // one stream: the stream views are the tensors themselves
-    layer.k_stream = { layer.k };
-    layer.v_stream = { layer.v };
+    // per stream: its tiles and V rows (upstream copies these views in update() for seq_cp across streams)
+    for (uint32_t s = 0; s < n_stream; ++s) {
+        layer.k_stream.push_back(ggml_view_2d(ctx, layer.k, layer.k->ne[0], layer.k->ne[1], layer.k->nb[1], s*layer.k->nb[2]));
+        layer.v_stream.push_back(ggml_view_2d(ctx, layer.v, layer.v->ne[0], layer.v->ne[1], layer.v->nb[1], s*layer.v->nb[2]));
+    }
 
     map_layer_ids[il] = layers.size();
     layers.push_back(layer);
     return true;
+}
+
+// seq_cp across streams: update() copies the tiles and V rows (k_stream, v_stream), this the fp16 sinks and ring
+void llama_kv_cache::kvq_copy_stream(const kv_layer & layer, uint32_t ssrc, uint32_t sdst) const {
+    for (ggml_tensor * t : { layer.k_fp16, layer.v_fp16 }) {
+        if (t == nullptr) {
+            continue;
+        }
+        std::vector<uint8_t> buf(t->nb[2]);
+        ggml_backend_tensor_get(t, buf.data(), ssrc*t->nb[2], buf.size());
+        ggml_backend_tensor_set(t, buf.data(), sdst*t->nb[2], buf.size());
+    }
 }
 
 bool llama_kv_cache::kvq_active() const {
@@ -147,7 +168,7 @@ static size_t kvq_tile_bytes(const ggml_tensor * tiles, uint32_t n_cells) {
 }
 
 void llama_kv_cache::kvq_state_write_data(llama_io_write_i & io, const cell_ranges_t & cr) const {
-    // one sequence whose token at position p sits in cell p: the saved cells are 0 .. n-1
+    // one sequence per stream whose token at position p sits in cell p: the saved cells are 0 .. n-1
     if (cr.data.size() != 1 || cr.data[0].first != 0) {
         throw std::runtime_error("kivi KV cache: only a whole sequence starting at position 0 can be saved");
     }
@@ -159,10 +180,10 @@ void llama_kv_cache::kvq_state_write_data(llama_io_write_i & io, const cell_rang
         GGML_ASSERT(layer.k_fp16 != nullptr && "a kivi cache with a non-kivi layer cannot be saved yet");
         const int32_t types[2] = { (int32_t) layer.k->type, (int32_t) layer.v->type };
         io.write(types, sizeof(types));
-        io.write_tensor(layer.k, 0, kvq_tile_bytes(layer.k, n_cells));
-        io.write_tensor(layer.v, 0, (size_t) n_cells * layer.v->nb[1]);
-        io.write_tensor(layer.k_fp16, 0, ggml_nbytes(layer.k_fp16));
-        io.write_tensor(layer.v_fp16, 0, ggml_nbytes(layer.v_fp16));
+        io.write_tensor(layer.k,      cr.strm*layer.k->nb[2],      kvq_tile_bytes(layer.k, n_cells));
+        io.write_tensor(layer.v,      cr.strm*layer.v->nb[2],      (size_t) n_cells * layer.v->nb[1]);
+        io.write_tensor(layer.k_fp16, cr.strm*layer.k_fp16->nb[2], layer.k_fp16->nb[2]);
+        io.write_tensor(layer.v_fp16, cr.strm*layer.v_fp16->nb[2], layer.v_fp16->nb[2]);
     }
 }
 
@@ -171,7 +192,7 @@ static bool kvq_state_fail(const std::string & why) {
     return false;
 }
 
-bool llama_kv_cache::kvq_state_read_data(llama_io_read_i & io, uint32_t cell_count, const slot_info & sinfo) {
+bool llama_kv_cache::kvq_state_read_data(llama_io_read_i & io, uint32_t strm, uint32_t cell_count, const slot_info & sinfo) {
     kvq_state_header header = {};
     io.read(&header, sizeof(header));
     if (header.magic != KVQ_STATE_MAGIC) {
@@ -201,10 +222,10 @@ bool llama_kv_cache::kvq_state_read_data(llama_io_read_i & io, uint32_t cell_cou
                                   kvq_types_text((ggml_type) types[0], (ggml_type) types[1]) + ", this cache holds " +
                                   kvq_types_text(layer.k->type, layer.v->type));
         }
-        io.read_tensor(layer.k, 0, kvq_tile_bytes(layer.k, cell_count));
-        io.read_tensor(layer.v, 0, (size_t) cell_count * layer.v->nb[1]);
-        io.read_tensor(layer.k_fp16, 0, ggml_nbytes(layer.k_fp16));
-        io.read_tensor(layer.v_fp16, 0, ggml_nbytes(layer.v_fp16));
+        io.read_tensor(layer.k,      strm*layer.k->nb[2],      kvq_tile_bytes(layer.k, cell_count));
+        io.read_tensor(layer.v,      strm*layer.v->nb[2],      (size_t) cell_count * layer.v->nb[1]);
+        io.read_tensor(layer.k_fp16, strm*layer.k_fp16->nb[2], layer.k_fp16->nb[2]);
+        io.read_tensor(layer.v_fp16, strm*layer.v_fp16->nb[2], layer.v_fp16->nb[2]);
     }
     return true;
 }
@@ -215,12 +236,27 @@ static llama_pos kvq_oldest_fp16_cell(llama_pos n, int32_t window) {
     return std::min(n - window + 1, n / QK_KIVI * QK_KIVI);
 }
 
-bool llama_kv_cache::kvq_can_remove(llama_pos p0, llama_pos p1) const {
+bool llama_kv_cache::kvq_can_remove(llama_seq_id seq_id, llama_pos p0, llama_pos p1) const {
     if (!kvq_active()) {
         return true;
     }
-    // kivi caches hold one sequence (kvq_init), its token at position p in cell p
-    const llama_pos n = v_cells[0].seq_pos_max(0) + 1;
+    // kivi caches hold one sequence per stream (kvq_init), its token at position p in cell p; seq_id -1
+    // removes the range from every sequence
+    for (uint32_t s = 0; s < n_stream; ++s) {
+        if (seq_id >= 0 && s != seq_to_stream[seq_id]) {
+            continue;
+        }
+        // a unified (one-stream) cache holds sequence 0; stream s of a per-sequence cache holds sequence s
+        const llama_seq_id seq = n_stream == 1 ? (seq_id >= 0 ? seq_id : 0) : (llama_seq_id) s;
+        if (!kvq_can_remove_stream(v_cells[s].seq_pos_max(seq) + 1, p0, p1, seq)) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// the suffix rule for one stream whose sequence ends at cell n
+bool llama_kv_cache::kvq_can_remove_stream(llama_pos n, llama_pos p0, llama_pos p1, llama_seq_id seq_id) const {
     const bool to_end = p1 < 0 || p1 >= n;
     // a range past the end removes nothing (llama-cpp-python asks for one before every decode); a whole clear
     // leaves nothing behind
@@ -236,9 +272,9 @@ bool llama_kv_cache::kvq_can_remove(llama_pos p0, llama_pos p1) const {
         return true;
     }
     const llama_pos deepest = std::max<llama_pos>(0, n_ring + 1 - kvq_params.window);
-    LLAMA_LOG_ERROR("%s: kivi KV cache: cannot remove tokens [%d, %d) of %d: only a suffix, and with window %d only "
-                    "the last %d or fewer tokens (their fp16 window is gone beyond that) or all of them\n",
-                    __func__, p0, p1, n, kvq_params.window, deepest);
+    LLAMA_LOG_ERROR("%s: kivi KV cache: cannot remove tokens [%d, %d) of %d from sequence %d: only a suffix, and with "
+                    "window %d only the last %d or fewer tokens (their fp16 window is gone beyond that) or all of them\n",
+                    __func__, p0, p1, n, seq_id, kvq_params.window, deepest);
     return false;
 }
 
@@ -252,7 +288,11 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     const kv_layer & layer = layers[map_layer_ids.at(il)];
     const int32_t n_sink = kvq_params.n_sink;
 
-    ggml_tensor * k_sealed = ggml_kvq_seal_k(ctx, layer.k, layer.k_fp16, k_cur, k_idxs, n_sink);
+    // the ubatch holds kq_mask->ne[3] sequences (streams), equally many tokens each
+    const int32_t n_seq   = (int32_t) kq_mask->ne[3];
+    const int64_t kv_size = layer.v->ne[1];
+
+    ggml_tensor * k_sealed = ggml_kvq_seal_k(ctx, layer.k, layer.k_fp16, k_cur, k_idxs, n_sink, n_seq);
     ggml_build_forward_expand(gf, k_sealed);
     ggml_build_forward_expand(gf, v_stored);
 
@@ -261,8 +301,8 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     ggml_build_forward_expand(gf, out);
 
     // the ring changes only after the attention has read it
-    ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.k_fp16, k_cur, k_idxs, out, n_sink));
-    ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.v_fp16, v_cur, k_idxs, out, n_sink));
+    ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.k_fp16, k_cur, k_idxs, out, n_sink, n_seq, kv_size));
+    ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.v_fp16, v_cur, k_idxs, out, n_sink, n_seq, kv_size));
 
     return ggml_reshape_2d(ctx, out, out->ne[0]*out->ne[1], out->ne[2]);
 }

@@ -22,16 +22,21 @@ static_assert(sizeof(block_kivi2) == kvq_block_bytes(2), "wrong kivi2 block size
 static_assert(sizeof(block_kivi4) == kvq_block_bytes(4), "wrong kivi4 block size");
 
 // the fp16 side of K or V (kvq_source in kvq-cpu.c): sink rows and ring slots, and the current batch
+// The batch is n_tokens/n_tps segments of n_tps tokens, one per stream (ggml-kvq.h); kvq_segment narrows a
+// source to one segment: its stream's fp16 rows, its own tokens
 struct kvq_source {
-    char       * fp16;      // F16 [n_embd, n_sink + n_ring]
+    char       * fp16;      // F16 [n_embd, n_sink + n_ring, n_stream]
     const char * cur;       // F32 [head_dim, n_head_kv, n_tokens]
     size_t       fp16_nb1;
+    size_t       fp16_nb2;
     size_t       cur_nb1;
     size_t       cur_nb2;
     int          head_dim;
-    int          n_tokens;
+    int          n_tokens;  // of the batch, of the segment after kvq_segment
+    int          n_tps;     // tokens per segment
     int          n_sink;
     int          n_ring;
+    int64_t      kv_size;   // cells per stream
 };
 
 //
@@ -42,13 +47,21 @@ static __device__ __forceinline__ float kvq_round_fp16(float x) {
     return __half2float(__float2half_rn(x));
 }
 
-// The batch's first cell. The cells live on the device, so the CPU's check that a batch sits in
-// consecutive cells (anything else is a bug of the cache) becomes a trap, as loud as GGML_ASSERT.
-static __device__ __forceinline__ int64_t kvq_batch_first(const int64_t * cells, int64_t t) {
-    const int64_t first = cells[0];
-    if (cells[t] != first + t) {
+// Segment of batch token t: its first cell within its stream (returned), the stream, and the source narrowed
+// to it. The cells live on the device, so the CPU's check that a segment sits in consecutive cells of one
+// stream (anything else is a bug of the cache) becomes a trap, as loud as GGML_ASSERT.
+static __device__ __forceinline__ int64_t kvq_segment(kvq_source & src, const int64_t * cells, int64_t t, int64_t * stream) {
+    const int64_t seg   = t / src.n_tps;
+    const int64_t t0    = seg*src.n_tps;
+    const int64_t g     = cells[t0];
+    const int64_t first = g % src.kv_size;
+    if (cells[t] != g + (t - t0) || first + src.n_tps > src.kv_size) {
         __trap();
     }
+    *stream      = g / src.kv_size;
+    src.fp16    += *stream*src.fp16_nb2;
+    src.cur     += t0*src.cur_nb2;
+    src.n_tokens = src.n_tps;
     return first;
 }
 
@@ -179,14 +192,17 @@ static __device__ void kvq_quantize_block(const float * x, uint32_t * block) {
 //
 
 template <int bits>
-static __global__ void kvq_seal_k_kernel(char * k_tiles, const size_t k_tiles_nb1, const kvq_source src,
+static __global__ void kvq_seal_k_kernel(char * k_tiles, const size_t k_tiles_nb1, kvq_source src,
                                          const int64_t * cells, const int n_embd) {
     const int c = blockIdx.x*blockDim.x + threadIdx.x;
     if (c >= n_embd) {
         return;
     }
-    const int64_t first = kvq_batch_first(cells, src.n_tokens - 1);
+    // grid z: the segments; checked up to their last token
+    int64_t       strm;
+    const int64_t first = kvq_segment(src, cells, (int64_t) blockIdx.z*src.n_tps + src.n_tps - 1, &strm);
     const int64_t tile  = first/QK_KIVI + blockIdx.y;
+    k_tiles += strm*(src.kv_size/QK_KIVI)*k_tiles_nb1;
     if (tile*QK_KIVI + QK_KIVI - 1 > first + src.n_tokens - 1) {
         return;
     }
@@ -209,13 +225,14 @@ static __global__ void kvq_seal_k_kernel(char * k_tiles, const size_t k_tiles_nb
 // RING_PUT: the batch's values into sink rows and ring slots, as fp16 (kvq_ring_put in kvq-cpu.c)
 //
 
-static __global__ void kvq_ring_put_kernel(const kvq_source src, const int64_t * cells, const int n_embd) {
+static __global__ void kvq_ring_put_kernel(kvq_source src, const int64_t * cells, const int n_embd) {
     const int c = blockIdx.x*blockDim.x + threadIdx.x;
-    const int t = blockIdx.y;
     if (c >= n_embd) {
         return;
     }
-    const int64_t first = kvq_batch_first(cells, t);
+    int64_t       strm;
+    const int64_t first = kvq_segment(src, cells, blockIdx.y, &strm);
+    const int     t     = blockIdx.y % src.n_tps;  // within the segment
     const int64_t cell  = first + t;
     const half    x     = __float2half_rn(kvq_cur_row(src, t, c / src.head_dim)[c % src.head_dim]);
 
@@ -286,7 +303,7 @@ struct kvq_attn_params {
     const char    * q;
     const char    * k_tiles;
     const char    * v_rows;
-    const char    * mask;
+    const char    * mask;       // [n_kv, n_tps, 1, n_seq]
     const int64_t * cells;
     char          * dst;
     float         * part;     // split-K: [token*n_head + head][split][head_dim_v] unnormalised outputs
@@ -298,6 +315,7 @@ struct kvq_attn_params {
     size_t k_tiles_nb1;
     size_t v_rows_nb1;
     size_t mask_nb1;
+    size_t mask_nb3;
     size_t dst_nb1;
     size_t dst_nb2;
     int    n_head;
@@ -367,8 +385,9 @@ static __device__ __forceinline__ void kvq_load_cols(const float * src, float (&
     }
 }
 
-static __device__ __forceinline__ float kvq_mask_value(const kvq_attn_params & p, int t, int64_t j) {
-    const char * row = p.mask + t*p.mask_nb1;
+// t: the query's token within its segment, seg: the segment
+static __device__ __forceinline__ float kvq_mask_value(const kvq_attn_params & p, int64_t seg, int t, int64_t j) {
+    const char * row = p.mask + seg*p.mask_nb3 + t*p.mask_nb1;
     return p.mask_f16 ? __half2float(((const half *) row)[j]) : ((const float *) row)[j];
 }
 
@@ -532,9 +551,18 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
 
     // what query i reads how: V below lim_v and K below lim_k (also fp16: the query's own tile) are
     // quantized unless sinks; cells from `end` on have no value (the batch ends there)
-    const int64_t first = kvq_batch_first(p.cells, t);
-    const int64_t i     = first + t;
-    const int64_t end   = min((int64_t) p.n_kv, first + p.k.n_tokens);
+    // the query's segment: its stream's tiles, V rows and fp16 rows
+    kvq_source    ks    = p.k;
+    kvq_source    vs    = p.v;
+    int64_t       strm;
+    const int64_t first = kvq_segment(ks, p.cells, t, &strm);
+    kvq_segment(vs, p.cells, t, &strm);
+    const int64_t seg   = t / p.k.n_tps;
+    const int     tl    = t % p.k.n_tps;                  // the query's token within its segment
+    const char  * k_tiles = p.k_tiles + strm*(p.k.kv_size/QK_KIVI)*p.k_tiles_nb1;
+    const char  * v_rows  = p.v_rows + strm*p.k.kv_size*p.v_rows_nb1;
+    const int64_t i     = first + tl;
+    const int64_t end   = min((int64_t) p.n_kv, first + ks.n_tokens);
     const int64_t lim_v = i - p.window + 1;
     const int64_t lim_k = min(lim_v, i/QK_KIVI*QK_KIVI);
 
@@ -569,7 +597,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
     for (int tile = split*p.tiles_per_split + warp; tile < tile_end; tile += KVQ_NWARPS) {
         const int64_t  j0             = (int64_t) tile*QK_KIVI;
         const int64_t  j              = j0 + lane;
-        const float    mv             = j < end ? kvq_mask_value(p, t, j) : -INFINITY;
+        const float    mv             = j < end ? kvq_mask_value(p, seg, tl, j) : -INFINITY;
         const bool     attended       = mv != -INFINITY;
         const uint32_t attended_cells = __ballot_sync(0xFFFFFFFF, attended);
         if (attended_cells == 0) {
@@ -579,10 +607,10 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
         float score[ncols];
         const bool quant_k = attended && j >= n_sink && j < lim_k;
         if (__any_sync(0xFFFFFFFF, quant_k)) {
-            kvq_tile_scores(p.k_tiles + tile*p.k_tiles_nb1 + (size_t) hk*D*k_bb, p.k_bits, D, k_quad, q_s, my_slice_s, score);
+            kvq_tile_scores(k_tiles + tile*p.k_tiles_nb1 + (size_t) hk*D*k_bb, p.k_bits, D, k_quad, q_s, my_slice_s, score);
         }
         if (attended && !quant_k) {
-            kvq_with_fp16_row(p.k, first, j, hk, [&](const auto * row) { kvq_dot_fp16(row, q_s, D, score); });
+            kvq_with_fp16_row(ks, first, j, hk, [&](const auto * row) { kvq_dot_fp16(row, q_s, D, score); });
         }
 
 #pragma unroll
@@ -611,9 +639,9 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
             const int64_t cell = j0 + u;
             float4 v[nvq];
             if (cell >= n_sink && cell < lim_v) {
-                kvq_dequant_v(p.v_rows + cell*p.v_rows_nb1 + (size_t) hk*(Dv/QK_KIVI)*v_bb, v_bb, v_quad, n_quad, v);
+                kvq_dequant_v(v_rows + cell*p.v_rows_nb1 + (size_t) hk*(Dv/QK_KIVI)*v_bb, v_bb, v_quad, n_quad, v);
             } else {
-                kvq_with_fp16_row(p.v, first, cell, hk, [&](const auto * row) { kvq_load_v(row, n_quad, v); });
+                kvq_with_fp16_row(vs, first, cell, hk, [&](const auto * row) { kvq_load_v(row, n_quad, v); });
             }
             float w[ncols];
             kvq_load_cols(my_w_s + u*ncols, w);
@@ -682,22 +710,30 @@ static bool kvq_head_dim_ok(int64_t n) {
     return n > 0 && n % QK_KIVI == 0 && n <= KVQ_MAX_HEAD;
 }
 
-static kvq_source kvq_make_source(const ggml_tensor * fp16, const ggml_tensor * cur, int32_t n_sink) {
+// op params: { op, window, n_sink, scale, n_seq (streams in the batch), kv_size (cells per stream) }
+static kvq_source kvq_make_source(const ggml_tensor * dst, const ggml_tensor * fp16, const ggml_tensor * cur) {
+    const int32_t n_sink  = ggml_get_op_params_i32(dst, 2);
+    const int32_t n_seq   = ggml_get_op_params_i32(dst, 4);
+    const int32_t kv_size = ggml_get_op_params_i32(dst, 5);
     GGML_ASSERT(fp16->type == GGML_TYPE_F16 && ggml_is_contiguous(fp16));
     GGML_ASSERT(cur->type == GGML_TYPE_F32 && cur->nb[0] == sizeof(float));
     GGML_ASSERT(fp16->ne[0] == cur->ne[0]*cur->ne[1]);
     GGML_ASSERT(n_sink >= 0 && fp16->ne[1] > n_sink && (fp16->ne[1] - n_sink) % QK_KIVI == 0);
     GGML_ASSERT(cur->ne[2] > 0 && cur->ne[2] <= KVQ_MAX_GRID_YZ);
+    GGML_ASSERT(n_seq >= 1 && cur->ne[2] % n_seq == 0 && kv_size > 0 && kv_size % QK_KIVI == 0);
     return {
         /*.fp16     =*/ (char *) fp16->data,
         /*.cur      =*/ (const char *) cur->data,
         /*.fp16_nb1 =*/ fp16->nb[1],
+        /*.fp16_nb2 =*/ fp16->nb[2],
         /*.cur_nb1  =*/ cur->nb[1],
         /*.cur_nb2  =*/ cur->nb[2],
         /*.head_dim =*/ (int) cur->ne[0],
         /*.n_tokens =*/ (int) cur->ne[2],
+        /*.n_tps    =*/ (int) (cur->ne[2]/n_seq),
         /*.n_sink   =*/ n_sink,
         /*.n_ring   =*/ (int) (fp16->ne[1] - n_sink),
+        /*.kv_size  =*/ kv_size,
     };
 }
 
@@ -714,15 +750,15 @@ static void kvq_assert_words(const ggml_tensor * t) {
 
 static void kvq_seal_k(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * k_tiles = dst->src[0];
-    const kvq_source    src     = kvq_make_source(dst->src[1], dst->src[2], ggml_get_op_params_i32(dst, 2));
+    const kvq_source    src     = kvq_make_source(dst, dst->src[1], dst->src[2]);
     const int64_t     * cells   = kvq_cells(dst->src[3], dst->src[2]);
     const int           n_embd  = src.head_dim*(int) dst->src[2]->ne[1];
     GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_is_contiguous(k_tiles));
     GGML_ASSERT(k_tiles->ne[0] == (int64_t) n_embd*QK_KIVI);
     kvq_assert_words(k_tiles);
 
-    // the tiles ending inside the batch are among the first ceil(n_tokens/32) from first/32 on
-    const dim3 grid((n_embd + KVQ_BLOCK_SIZE - 1)/KVQ_BLOCK_SIZE, (src.n_tokens + QK_KIVI - 1)/QK_KIVI);
+    // the tiles ending inside a segment are among the first ceil(n_tps/32) from its first/32 on
+    const dim3 grid((n_embd + KVQ_BLOCK_SIZE - 1)/KVQ_BLOCK_SIZE, (src.n_tps + QK_KIVI - 1)/QK_KIVI, src.n_tokens/src.n_tps);
     char * data = (char *) k_tiles->data;
     cudaStream_t stream = ctx.stream();
     switch (ggml_kvq_bits(k_tiles->type)) {
@@ -734,7 +770,7 @@ static void kvq_seal_k(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 }
 
 static void kvq_ring_put(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    const kvq_source src    = kvq_make_source(dst->src[0], dst->src[1], ggml_get_op_params_i32(dst, 2));
+    const kvq_source src    = kvq_make_source(dst, dst->src[0], dst->src[1]);
     const int64_t  * cells  = kvq_cells(dst->src[2], dst->src[1]);
     const int        n_embd = src.head_dim*(int) dst->src[1]->ne[1];
 
@@ -783,11 +819,10 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * v_rows  = dst->src[2];
     const ggml_tensor * k_cur   = dst->src[5];
     const ggml_tensor * mask    = dst->src[7];
-    const int32_t       n_sink  = ggml_get_op_params_i32(dst, 2);
 
     kvq_attn_params p = {};
-    p.k = kvq_make_source(dst->src[3], k_cur,       n_sink);
-    p.v = kvq_make_source(dst->src[4], dst->src[6], n_sink);
+    p.k = kvq_make_source(dst, dst->src[3], k_cur);
+    p.v = kvq_make_source(dst, dst->src[4], dst->src[6]);
     p.cells = kvq_cells(dst->src[8], k_cur);
 
     const int n_head    = (int) q->ne[1];
@@ -799,8 +834,9 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_kvq_is_kivi(v_rows->type));
     GGML_ASSERT(k_tiles->ne[0] == (int64_t) p.k.head_dim*n_head_kv*QK_KIVI && v_rows->ne[0] == (int64_t) p.v.head_dim*n_head_kv);
     GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
-    GGML_ASSERT(mask->ne[0] > 0 && mask->ne[1] >= n_tokens);
-    GGML_ASSERT(mask->ne[0] <= v_rows->ne[1] && mask->ne[0] <= k_tiles->ne[1]*QK_KIVI);
+    GGML_ASSERT(mask->ne[0] > 0 && mask->ne[1] >= p.k.n_tps && mask->ne[3]*p.k.n_tps == n_tokens);
+    GGML_ASSERT(mask->ne[0] <= p.k.kv_size && k_tiles->ne[1]*QK_KIVI == p.k.kv_size);
+    GGML_ASSERT(ggml_is_contiguous(v_rows) && ggml_is_contiguous(k_tiles));
     GGML_ASSERT(p.k.n_ring == p.v.n_ring && p.k.n_ring >= ggml_kvq_ring_size(ggml_get_op_params_i32(dst, 1)));
     GGML_ASSERT(dst->type == GGML_TYPE_F32 && dst->nb[0] == sizeof(float));
     kvq_assert_words(k_tiles);
@@ -816,6 +852,7 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     p.k_tiles_nb1 = k_tiles->nb[1];
     p.v_rows_nb1  = v_rows->nb[1];
     p.mask_nb1    = mask->nb[1];
+    p.mask_nb3    = mask->nb[3];
     p.dst_nb1     = dst->nb[1];
     p.dst_nb2     = dst->nb[2];
     p.n_head      = n_head;

@@ -1,0 +1,239 @@
+"""Several sequences in one kivi context (per-sequence streams): each sequence decodes exactly as it would
+alone, never disturbs the others, and survives per-sequence edits (suffix removal, copy, clear, keep, state)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pykvq import ContextConfig, KvConfig, LlamaError, Model, llama_tools, paths
+
+N_CTX_SEQ = 256  # cells per sequence
+
+KIVI2 = KvConfig.preset("kivi2", window=32, sinks=4)
+ASYMKV = KvConfig("kivi2", "kivi1", window=16, layers="asymkv:20/10")
+KVS = [KIVI2, ASYMKV]
+KV_IDS = ["kivi2-w32-s4", "asymkv-w16"]
+
+# The kivi kernels compute a query's row from its own sequence's data alone, in the same order whatever else
+# is in the batch, and the model's other ops are row-wise: a sequence decoded next to others gives the bits
+# it gives alone (measured: max |difference| 0.0 for all of the cases below).
+RTOL = 0.0
+
+
+@pytest.fixture(scope="module")
+def texts(model: Model, hamlet: Path) -> list[list[int]]:
+    """Four different token streams of 200 tokens."""
+    text = hamlet.read_text()
+    return [model.tokenize(text[start:start + 3000], add_special=False)[:200]
+            for start in (20000, 40000, 60000, 80000)]
+
+
+def multi(model: Model, kv: KvConfig, n_seq: int):
+    return model.context(ContextConfig(n_ctx=N_CTX_SEQ * n_seq, n_threads=2, kv=kv, n_seq_max=n_seq))
+
+
+def alone(model: Model, kv: KvConfig, tokens: list[int], steps: int = 0) -> list[np.ndarray]:
+    """Logits of the last prompt token, then of each of the next `steps` tokens fed one by one, in a
+    one-sequence context; tokens[:len(tokens) - steps] is the prompt."""
+    prompt, rest = tokens[:len(tokens) - steps], tokens[len(tokens) - steps:]
+    with model.context(ContextConfig(n_ctx=N_CTX_SEQ, n_threads=2, kv=kv)) as ctx:
+        out = [ctx.eval(prompt)]
+        out += [ctx.eval([t]) for t in rest]
+    return out
+
+
+def assert_same(got: np.ndarray, want: np.ndarray) -> None:
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=0.0)
+
+
+@pytest.mark.parametrize("n_seq", [2, 3, 4])
+@pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
+def test_sequences_decoded_together_equal_each_alone(model: Model, texts: list[list[int]], kv: KvConfig,
+                                                     n_seq: int) -> None:
+    # prompts of different lengths (so that ubatches hold changing subsets of the streams), then 40 steps of
+    # decoding all sequences in one batch: past the window, sealing tiles on the way
+    prompts = [70, 45, 101, 33][:n_seq]
+    steps = 40
+    with multi(model, kv, n_seq) as ctx:
+        got = [[v] for v in ctx.eval_seqs({s: texts[s][:prompts[s]] for s in range(n_seq)}).values()]
+        for i in range(steps):
+            step = ctx.eval_seqs({s: [texts[s][prompts[s] + i]] for s in range(n_seq)})
+            for s in range(n_seq):
+                got[s].append(step[s])
+        assert [ctx.seq_len(s) for s in range(n_seq)] == [p + steps for p in prompts]
+    for s in range(n_seq):
+        want = alone(model, kv, texts[s][:prompts[s] + steps], steps)
+        for g, w in zip(got[s], want, strict=True):
+            assert_same(g, w)
+
+
+@pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
+def test_decoding_b_never_changes_a(model: Model, texts: list[list[int]], kv: KvConfig) -> None:
+    a, b = texts[0], texts[1]
+    with multi(model, kv, 2) as ctx:
+        got = [ctx.eval_seqs({0: a[:50]})[0]]
+        for i in range(3):
+            ctx.eval_seqs({1: b[i * 60:(i + 1) * 60]})  # B alone: prefill, seals its own tiles
+            got.append(ctx.eval_seqs({0: [a[50 + i]]})[0])
+    for g, w in zip(got, alone(model, kv, a[:53], 3), strict=True):
+        assert_same(g, w)
+
+
+def removable_suffix(kv: KvConfig, n: int, r: int) -> bool:
+    """Whether the last r of n tokens can be removed (llama-kvq-cache's rule): the ring (32 cells for these
+    windows) must still hold every cell the next query reads in fp16, its window and its own tile."""
+    p0 = n - r
+    oldest = max(min(p0 - kv.window + 1, p0 // 32 * 32), kv.sinks or 0)
+    return oldest >= n - 32
+
+
+@pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
+def test_suffix_removal_of_one_sequence_equals_a_fresh_context(model: Model, texts: list[list[int]],
+                                                               kv: KvConfig) -> None:
+    a, b = texts[0], texts[1]
+    removable = max(r for r in range(1, 100) if removable_suffix(kv, 100, r))
+    with multi(model, kv, 2) as ctx:
+        ctx.eval_seqs({0: a[:100], 1: b[:90]})
+        ctx.seq_rm(0, 100 - removable)
+        assert (ctx.seq_len(0), ctx.seq_len(1)) == (100 - removable, 90)
+        # re-fed with other tokens (a regenerated reply), together with B
+        new = texts[2][:10]
+        got = ctx.eval_seqs({0: new, 1: b[90:95]})
+        with pytest.raises(LlamaError, match="cannot remove"):
+            ctx.seq_rm(1, 50)  # deeper than the slack: refused, B untouched
+        got_b = ctx.eval_seqs({1: b[95:97]})[1]
+    assert_same(got[0], alone(model, kv, a[:100 - removable] + new)[0])
+    assert_same(got[1], alone(model, kv, b[:95])[0])
+    assert_same(got_b, alone(model, kv, b[:97])[0])
+
+
+@pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
+def test_copied_sequences_diverge_as_fresh_runs(model: Model, texts: list[list[int]], kv: KvConfig) -> None:
+    prompt = texts[0][:77]  # inside a tile: the copy carries the unsealed tile's fp16 cells
+    conts = [texts[1][:40], texts[2][:40], texts[3][:40]]
+    with multi(model, kv, 3) as ctx:
+        ctx.eval_seqs({0: prompt})
+        ctx.seq_cp(0, 1)
+        ctx.seq_cp(0, 2)
+        assert [ctx.seq_len(s) for s in range(3)] == [77, 77, 77]
+        got = ctx.eval_seqs({s: conts[s] for s in range(3)})
+    for s in range(3):
+        assert_same(got[s], alone(model, kv, prompt + conts[s])[0])
+
+
+@pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
+def test_a_cleared_sequence_reuses_its_stream(model: Model, texts: list[list[int]], kv: KvConfig) -> None:
+    a, b, c = texts[0], texts[1], texts[2]
+    with multi(model, kv, 2) as ctx:
+        ctx.eval_seqs({0: a[:80], 1: b[:150]})
+        ctx.seq_rm(1)  # the whole of B
+        assert ctx.seq_len(1) == 0
+        got = ctx.eval_seqs({0: a[80:90], 1: c[:60]})
+        ctx.seq_keep(1)  # keeps C (per-sequence streams: the other streams are untouched)
+        got_c = ctx.eval_seqs({1: c[60:64]})[1]
+    assert_same(got[0], alone(model, kv, a[:90])[0])
+    assert_same(got[1], alone(model, kv, c[:60])[0])
+    assert_same(got_c, alone(model, kv, c[:64])[0])
+
+
+@pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
+def test_one_sequence_state_round_trip(model: Model, texts: list[list[int]], kv: KvConfig) -> None:
+    a, b = texts[0], texts[1]
+    with multi(model, kv, 2) as ctx:
+        ctx.eval_seqs({0: a[:60], 1: b[:111]})
+        state = ctx.save_seq_state(1)
+    with multi(model, kv, 2) as ctx:
+        ctx.eval_seqs({1: a[:30]})
+        ctx.load_seq_state(state, 0)  # B's state into the other stream, next to another sequence
+        assert (ctx.seq_len(0), ctx.seq_len(1)) == (111, 30)
+        got = ctx.eval_seqs({0: b[111:120], 1: a[30:40]})
+    assert_same(got[0], alone(model, kv, b[:120])[0])
+    assert_same(got[1], alone(model, kv, a[:40])[0])
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_edits_of_three_sequences_equal_fresh_runs(model: Model, texts: list[list[int]], seed: int) -> None:
+    """Random feeds (to random subsets of the sequences, in the same batches), suffix removals within the
+    slack, clears and copies; after each feed every fed sequence's logits equal a fresh run of its history."""
+    kv = ASYMKV
+    rng = np.random.default_rng(seed)
+    history: list[list[int]] = [[], [], []]
+    checks = []  # (history, logits)
+    with multi(model, kv, 3) as ctx:
+        for _ in range(14):
+            op = rng.choice(["feed", "feed", "feed", "remove", "clear", "copy"])
+            if op == "feed":
+                fed = [s for s in range(3) if rng.random() < 0.7] or [0]
+                feeds = {}
+                for s in fed:
+                    n = int(rng.choice([1, 3, 17, 40]))
+                    if len(history[s]) + n > 180:
+                        continue
+                    start = int(rng.integers(0, len(texts[s]) - n))
+                    feeds[s] = texts[(s + start) % 4][start:start + n]
+                for s, logits in ctx.eval_seqs(feeds).items():
+                    history[s] += feeds[s]
+                    checks.append((list(history[s]), logits))
+            elif op == "remove":
+                s = int(rng.integers(0, 3))
+                n = len(history[s])
+                ok = [r for r in range(1, n) if removable_suffix(kv, n, r)]
+                if ok:
+                    r = int(rng.choice(ok))
+                    ctx.seq_rm(s, n - r)
+                    history[s] = history[s][:n - r]
+            elif op == "clear":
+                s = int(rng.integers(0, 3))
+                ctx.seq_rm(s)
+                history[s] = []
+            else:
+                src, dst = (int(x) for x in rng.choice(3, 2, replace=False))
+                if history[src]:
+                    ctx.seq_cp(src, dst)
+                    history[dst] = list(history[src])
+            assert [ctx.seq_len(s) for s in range(3)] == [len(h) for h in history]
+    assert len(checks) >= 5
+    for tokens, logits in checks:
+        assert_same(logits, alone(model, kv, tokens)[0])
+
+
+def test_whole_state_of_several_sequences_round_trips(model: Model, texts: list[list[int]]) -> None:
+    a, b = texts[0], texts[1]
+    with multi(model, ASYMKV, 2) as ctx:
+        ctx.eval_seqs({0: a[:60], 1: b[:111]})
+        state = ctx.save_state()
+    with multi(model, ASYMKV, 2) as ctx:
+        ctx.load_state(state)
+        assert (ctx.seq_len(0), ctx.seq_len(1)) == (60, 111)
+        got = ctx.eval_seqs({0: a[60:70], 1: b[111:120]})
+    assert_same(got[0], alone(model, ASYMKV, a[:70])[0])
+    assert_same(got[1], alone(model, ASYMKV, b[:120])[0])
+
+
+def test_a_unified_cache_with_several_sequences_is_refused(model: Model) -> None:
+    config = ContextConfig(n_ctx=512, n_threads=2, kv=KIVI2, n_seq_max=2, kv_unified=True)
+    with pytest.raises(LlamaError, match="per-sequence streams: drop --kv-unified"):
+        model.context(config)
+
+
+def test_perplexity_of_four_sequences_per_batch_equals_one(smollm2: Path, hamlet: Path) -> None:
+    base = ["-m", str(smollm2), "-f", str(hamlet), "-c", "256", "-t", "2", "--chunks", "4", "-fa", "on",
+            "-ctk", "kivi2", "-ctv", "kivi2", "--kv-window", "32", "--kv-sinks", "4"]
+    one = llama_tools.parse_perplexity(llama_tools.run_tool("llama-perplexity", [*base, "-b", "256"]))
+    four = llama_tools.parse_perplexity(llama_tools.run_tool("llama-perplexity", [*base, "-b", "1024"]))
+    assert four.running_ppl == one.running_ppl
+
+
+@pytest.mark.parametrize("kv_type", ["kivi2", "kivi4"])
+def test_batched_bench_runs_several_sequences(smollm2: Path, kv_type: str) -> None:
+    assert paths.tool("llama-batched-bench").exists()
+    output = llama_tools.run_tool("llama-batched-bench", [
+        "-m", str(smollm2), "-c", "2048", "-b", "512", "-ub", "256", "-npp", "64", "-ntg", "8", "-npl", "1,4",
+        "-t", "2", "-fa", "on", "-ctk", kv_type, "-ctv", kv_type, "--kv-window", "32", "--kv-sinks", "4"],
+        timeout=300)
+    rows = re.findall(r"^\|\s*64 \|\s*8 \|\s*(\d+) \|", output, re.M)
+    assert rows == ["1", "4"], output[-2000:]
