@@ -70,7 +70,11 @@ def _reader(path: Path):
 
 def read_fields(path: Path) -> dict[str, object]:
     """All metadata of a GGUF file, name -> value."""
-    return {name: f.contents() for name, f in _reader(path).fields.items()}
+    fields = _reader(path).fields
+    try:
+        return {name: f.contents() for name, f in fields.items()}
+    except (ValueError, IndexError) as exc:     # UnicodeDecodeError included: a corrupt string
+        raise GgufError(f"{path} has corrupt metadata: {exc}") from exc
 
 
 def read_kvq(path: Path) -> dict[str, object]:

@@ -60,14 +60,21 @@ def read_shape(fields: dict[str, object]) -> KvShape:
             raise gguf_metadata.GgufError(f"{arch} model without {arch}.{key}")
         return value
 
-    n_layer = int(get("block_count"))  # type: ignore[arg-type]
-    n_embd = int(get("embedding_length"))  # type: ignore[arg-type]
-    n_head = _per_layer(get("attention.head_count"), n_layer, "attention.head_count")
-    n_head_kv = _per_layer(get("attention.head_count_kv", n_head), n_layer, "attention.head_count_kv")
-    head = n_embd // max(n_head[0], 1)
-    return KvShape(arch, str(fields.get("general.name", "")), n_layer, int(get("context_length", 0)),  # type: ignore[arg-type]
-                   n_head, n_head_kv, int(get("attention.key_length", head)),  # type: ignore[arg-type]
-                   int(get("attention.value_length", head)))  # type: ignore[arg-type]
+    try:
+        n_layer = int(get("block_count"))  # type: ignore[arg-type]
+        n_embd = int(get("embedding_length"))  # type: ignore[arg-type]
+        n_head = _per_layer(get("attention.head_count"), n_layer, "attention.head_count")
+        n_head_kv = _per_layer(get("attention.head_count_kv", n_head), n_layer, "attention.head_count_kv")
+        head = n_embd // max(n_head[0], 1)
+        shape = KvShape(arch, str(fields.get("general.name", "")), n_layer, int(get("context_length", 0)),  # type: ignore[arg-type]
+                        n_head, n_head_kv, int(get("attention.key_length", head)),  # type: ignore[arg-type]
+                        int(get("attention.value_length", head)))  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise gguf_metadata.GgufError(f"{arch} model with unusable hyperparameters: {exc}") from exc
+    if not 0 < shape.n_layer <= 1 << 16 or min(n_head_kv) < 0 or shape.head_dim_k < 0 or shape.head_dim_v < 0:
+        raise gguf_metadata.GgufError(f"{arch} model with impossible sizes: {shape.n_layer} layers, KV heads "
+                                      f"{sorted(set(n_head_kv))}, head size {shape.head_dim_k}/{shape.head_dim_v}")
+    return shape
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ or raise the one documented error."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pykvq import gguf_metadata, native, random_model
+from pykvq import gguf_metadata, model_info, native, random_model
 
 KIVI2 = 43
 SPEC_ALPHABET = "kv:;,=-*0123456789 asymkvi/fq_"
@@ -57,6 +58,10 @@ def test_metadata_reader_refuses_corrupt_files_cleanly(small_gguf: bytes, tmp_pa
     except gguf_metadata.GgufError:
         return
     assert not meta or meta["kvq.version"] == gguf_metadata.KVQ_VERSION
+    # pykvq inspect reads the rest of the header: a corrupt value is a GgufError (or a ValueError of the
+    # kv_layers check), never another exception
+    with contextlib.suppress(ValueError):
+        model_info.collect(path)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -85,3 +90,13 @@ def test_a_vocabulary_that_throws_is_an_error_not_a_crash(tmp_path: Path) -> Non
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "cannot tokenize the text: llama_tokenize: the model's vocabulary cannot tokenize this text" in proc.stderr
+
+
+def test_a_string_that_is_not_utf8_is_corrupt_metadata(small_gguf: bytes, tmp_path: Path) -> None:
+    """Found by the fuzz test above: one byte of general.name made the reader raise UnicodeDecodeError."""
+    blob = bytearray(small_gguf)
+    blob[blob.index(b"random tiny")] = 0x80
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(bytes(blob))
+    with pytest.raises(gguf_metadata.GgufError, match="corrupt metadata"):
+        gguf_metadata.read_kvq(path)
