@@ -66,11 +66,11 @@ def parse_list(text: str) -> list[KvSpec]:
     return specs
 
 
-def bits_per_element(name: str, n_ctx: int, window: int, n_sink: int) -> float:
-    """Bits per cached element of K or V for a context of n_ctx cells, scales, fp16 window and sinks included:
-    what the cache allocates, divided by what it holds."""
+def bits_per_element(name: str, n_ctx: int, window: int, n_sink: int, rollback: int = 0) -> float:
+    """Bits per cached element of K or V for a context of n_ctx cells, scales, fp16 window (its ring widened by
+    ``rollback`` cells) and sinks included: what the cache allocates, divided by what it holds."""
     if name in KIVI_BITS:
-        fp16_cells = n_sink + native.kvq_ring_size(window)
+        fp16_cells = n_sink + native.kvq_ring_size(window + rollback)
         return (n_ctx * (KIVI_BITS[name] + 1) + fp16_cells * FP16_BITS) / n_ctx
     for t in native.kv_cache_types():
         if t.name == name:

@@ -41,7 +41,8 @@ def _fail(what: str) -> LlamaError:
 class KvConfig:
     """The KV cache of a context: K and V types, and the kivi settings (None: pykvq's defaults). ``layers``:
     per-layer types (``"asymkv:16/0"``, ``"k:0-15=kivi2,16-=kivi1;v:*=kivi1"``); None lets a model's
-    kvq.kv_layers metadata apply, ``"none"`` ignores it."""
+    kvq.kv_layers metadata apply, ``"none"`` ignores it. ``rollback``: how many of a sequence's last tokens can
+    be removed exactly (Context.truncate, speculative decoding), at the cost of that many more fp16 cells."""
 
     type_k: str = "f16"
     type_v: str = "f16"
@@ -49,6 +50,7 @@ class KvConfig:
     sinks: int | None = None
     rotate: bool | None = None
     layers: str | None = None
+    rollback: int | None = None
 
     @classmethod
     def preset(cls, name: str, **settings) -> KvConfig:
@@ -65,7 +67,8 @@ class KvConfig:
         return native.KvqParams(
             defaults.window if self.window is None else self.window,
             defaults.n_sink if self.sinks is None else self.sinks,
-            defaults.rotate if self.rotate is None else self.rotate)
+            defaults.rotate if self.rotate is None else self.rotate,
+            defaults.n_rollback if self.rollback is None else self.rollback)
 
 
 @dataclass(frozen=True)

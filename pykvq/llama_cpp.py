@@ -79,12 +79,12 @@ def check_kv_type(type_id: int | None) -> None:
 
 
 def _kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None, rotate: bool | None = None,
-               layers: str | None = None) -> KvConfig:
+               layers: str | None = None, rollback: int | None = None) -> KvConfig:
     """Our view of a Llama's KV settings; the type ints are already checked (check_kv_type)."""
     def name(type_id: int | None) -> str:
         return "f16" if type_id is None else kv_types.type_name(type_id)
 
-    return KvConfig(name(kwargs.get("type_k")), name(kwargs.get("type_v")), window, sinks, rotate, layers)
+    return KvConfig(name(kwargs.get("type_k")), name(kwargs.get("type_v")), window, sinks, rotate, layers, rollback)
 
 
 @cache
@@ -93,8 +93,9 @@ def _llama_class() -> type:
 
     class Llama(llama_cpp.Llama):
         """llama_cpp.Llama on pykvq's libllama; kv_window, kv_sinks and kv_rotate set the kivi layers (defaults:
-        128, 0, off), kv_layers per-layer types (e.g. "asymkv:16/0"). Flash attention is switched on for kivi
-        types, which are read by the fused attention only."""
+        128, 0, off), kv_layers per-layer types (e.g. "asymkv:16/0"), kv_rollback how many last tokens can be
+        removed exactly (speculative decoding's rejected drafts; default 0). Flash attention is switched on for
+        kivi types, which are read by the fused attention only."""
 
         def __new__(cls, *args, **kwargs) -> Llama:
             # refused before an instance exists: upstream's __del__ fails on a half-built Llama
@@ -105,8 +106,9 @@ def _llama_class() -> type:
             return super().__new__(cls)
 
         def __init__(self, *args, kv_window: int | None = None, kv_sinks: int | None = None,
-                     kv_rotate: bool | None = None, kv_layers: str | None = None, **kwargs) -> None:
-            kv = _kv_config(kwargs, kv_window, kv_sinks, kv_rotate, kv_layers)
+                     kv_rotate: bool | None = None, kv_layers: str | None = None, kv_rollback: int | None = None,
+                     **kwargs) -> None:
+            kv = _kv_config(kwargs, kv_window, kv_sinks, kv_rotate, kv_layers, kv_rollback)
             if kv.is_kivi:
                 kwargs["flash_attn"] = True
             with kvq_params_applied(kv):

@@ -3,8 +3,8 @@
     python -m pykvq.llama_cpp_server --model model.gguf --kv-type kivi2 [--kv-window 64] [llama_cpp.server options]
 
 takes every option of ``python -m llama_cpp.server`` plus pykvq's: ``--kv-type`` sets --type_k, --type_v and
---flash_attn true; ``--kv-window``, ``--kv-sinks`` and ``--kv-rotate`` set the kivi layers of every model
-the server loads.
+--flash_attn true; ``--kv-window``, ``--kv-sinks``, ``--kv-rollback`` and ``--kv-rotate`` set the kivi layers
+of every model the server loads.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--kv-type", help="K and V cache type by name, e.g. kivi2")
     parser.add_argument("--kv-window", type=int, help="kivi: recent tokens kept in fp16 (default 128)")
     parser.add_argument("--kv-sinks", type=int, help="kivi: first tokens kept in fp16 (default 0)")
+    parser.add_argument("--kv-rollback", type=int, help="kivi: last tokens removable exactly (default 0)")
     parser.add_argument("--kv-rotate", choices=["on", "off"], help="kivi: Hadamard rotation (default off)")
     return parser.parse_known_args(argv)
 
@@ -56,7 +57,8 @@ def server_argv(argv: list[str]) -> list[str]:
         if spec.is_kivi:
             rest += ["--flash_attn", "true"]
     rotate = None if ours.kv_rotate is None else ours.kv_rotate == "on"
-    native.set_kvq_params(KvConfig(window=ours.kv_window, sinks=ours.kv_sinks, rotate=rotate).kvq_params())
+    native.set_kvq_params(KvConfig(window=ours.kv_window, sinks=ours.kv_sinks, rotate=rotate,
+                                   rollback=ours.kv_rollback).kvq_params())
     return rest
 
 

@@ -14,7 +14,7 @@ from pykvq.llama_cdef import LLAMA_CDEF
 # enum ggml_type is passed as int: same size and calling convention on every platform we build for
 _CDEF = """
     const char * llama_kvq_version(void);
-    struct llama_kvq_params { int32_t window; int32_t n_sink; bool rotate; };
+    struct llama_kvq_params { int32_t window; int32_t n_sink; bool rotate; int32_t n_rollback; };
     struct llama_kvq_params llama_kvq_default_params(void);
     size_t       llama_kvq_n_cache_types(void);
     int          llama_kvq_cache_type(size_t i);
@@ -153,6 +153,7 @@ class KvqParams:
     window: int
     n_sink: int
     rotate: bool
+    n_rollback: int = 0
 
 
 def kvq_default_params() -> KvqParams:
@@ -160,7 +161,7 @@ def kvq_default_params() -> KvqParams:
 
 
 def _kvq_params(p) -> KvqParams:
-    return KvqParams(p.window, p.n_sink, bool(p.rotate))
+    return KvqParams(p.window, p.n_sink, bool(p.rotate), p.n_rollback)
 
 
 def kvq_params() -> KvqParams:
@@ -171,7 +172,7 @@ def kvq_params() -> KvqParams:
 def set_kvq_params(params: KvqParams) -> None:
     """Set the process-wide kivi settings; ValueError with the C API's reason when they are invalid."""
     lib = libs()
-    struct = lib.ffi.new("struct llama_kvq_params *", (params.window, params.n_sink, params.rotate))
+    struct = lib.ffi.new("struct llama_kvq_params *", (params.window, params.n_sink, params.rotate, params.n_rollback))
     if not lib.llama.llama_kvq_set_params(struct[0]):
         raise ValueError(lib.ffi.string(lib.llama.llama_kvq_last_error()).decode())
 

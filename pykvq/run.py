@@ -61,6 +61,8 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
                    help="kivi: recent tokens kept in fp16 (default: the model's kvq.window, else 128)")
     p.add_argument("--kv-sinks", type=int,
                    help="kivi: first tokens kept in fp16 (default: the model's kvq.sinks, else 0)")
+    p.add_argument("--kv-rollback", type=int,
+                   help="kivi: the last N tokens can be removed exactly, e.g. on regeneration (default 0)")
     p.add_argument("--kv-rotate", type=_switch, help="kivi: Hadamard rotation of K/V, on or off (default off)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 or less is greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40, 0 = off)")
@@ -82,7 +84,7 @@ def kv_config(args: argparse.Namespace) -> KvConfig:
     layers = args.kv_layers if args.kv_layers is not None else preset.layers
     if layers is not None:
         native.check_layer_spec(layers)
-    return KvConfig(type_k, type_v, args.kv_window, args.kv_sinks, rotate, layers)
+    return KvConfig(type_k, type_v, args.kv_window, args.kv_sinks, rotate, layers, args.kv_rollback)
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -202,7 +204,8 @@ def _report(timings: Timings, memory: KvMemory, kv: KvConfig) -> None:
     settings = ""
     if kv.is_kivi:
         params = kv.kvq_params()
-        settings = f" (window {params.window}, sinks {params.n_sink}{', rotated' if params.rotate else ''})"
+        rollback = f", rollback {params.n_rollback}" if params.n_rollback else ""
+        settings = f" (window {params.window}, sinks {params.n_sink}{rollback}{', rotated' if params.rotate else ''})"
     types = f"layers {kv.layers}" if kv.layers not in (None, "none") else f"K {kv.type_k}, V {kv.type_v}"
     print(f"pykvq: KV cache {types}{settings}: {memory.bytes / MIB:.2f} MiB for "
           f"{memory.n_cells} cells, {memory.bits_per_element:.2f} bits per element; f16 KV would use "

@@ -56,8 +56,9 @@ def test_a_state_of_other_settings_is_refused(model: Model, tokens: list[int], o
 
 @pytest.mark.parametrize("kv, removed", [(KvConfig.preset("kivi2", window=100), 20),
                                          (KvConfig.preset("kivi2", window=128), 1),
-                                         (KvConfig.preset("kivi4", window=16, sinks=3), 10)],
-                         ids=["w100-20", "w128-1", "w16-10"])
+                                         (KvConfig.preset("kivi4", window=16, sinks=3), 10),
+                                         (KvConfig.preset("kivi2", window=128, rollback=16), 16)],
+                         ids=["w100-20", "w128-1", "w16-10", "w128-rollback16-16"])
 def test_removing_a_suffix_equals_a_fresh_context(model: Model, tokens: list[int], kv: KvConfig, removed: int) -> None:
     """Rollback inside the ring's slack: afterwards the cache is what a context fed only the kept tokens has, so
     continuing gives the same logits bit for bit (the cut tile goes back to fp16 and is sealed again)."""
@@ -77,6 +78,46 @@ def test_a_removal_deeper_than_the_window_slack_is_refused(model: Model, tokens:
         ctx.truncate(0)  # everything: always possible
         np.testing.assert_array_equal(ctx.eval(tokens[:200], all_logits=True),
                                       fresh_logits(model, KvConfig.preset("kivi2", window=128), tokens[:200]))
+
+
+def test_rollback_widens_what_can_be_removed(model: Model, tokens: list[int]) -> None:
+    """--kv-rollback 16 at window 128: the ring grows from 128 to 160 cells, so 33 tokens can go, 34 cannot."""
+    kv = KvConfig.preset("kivi2", window=128, rollback=16)
+    with context(model, kv) as ctx:
+        ctx.eval(tokens[:400])
+        with pytest.raises(LlamaError, match=r"with window 128 only the last 33 or fewer tokens"):
+            ctx.truncate(400 - 34)
+        ctx.truncate(400 - 33)
+        continued = ctx.eval(tokens[367:450], all_logits=True)
+    np.testing.assert_array_equal(continued, fresh_logits(model, kv, tokens[:450])[367:])
+
+
+def test_rollback_costs_its_fp16_cells(model: Model) -> None:
+    def cache_bytes(rollback: int) -> int:
+        with context(model, KvConfig.preset("kivi2", window=128, rollback=rollback)) as ctx:
+            return ctx.memory().bytes
+
+    # 32 more ring cells (160 instead of 128), in K and V (192 channels each) of 30 layers, 2 bytes each
+    assert cache_bytes(16) - cache_bytes(0) == 32 * 30 * 2 * 192 * 2
+
+
+def test_speculative_decoding_pattern_is_exact(model: Model, tokens: list[int], hamlet: Path) -> None:
+    """Draft 8 tokens, keep a few, drop the rest, again and again (what a draft model or prompt-lookup decoding
+    does): the cache ends up exactly as a context fed only the accepted tokens."""
+    drafts = model.tokenize(hamlet.read_text()[90000:93000])
+    kv = KvConfig.preset("kivi2", window=64, sinks=4, rollback=8)
+    rng = np.random.default_rng(0)
+    accepted, used = 150, 0
+    with context(model, kv) as ctx:
+        ctx.eval(tokens[:accepted])
+        while accepted < 500:
+            ctx.eval(drafts[used:used + 8])
+            used += 8
+            ctx.truncate(accepted)
+            step = int(rng.integers(1, 8))
+            last = ctx.eval(tokens[accepted:accepted + step])
+            accepted += step
+    np.testing.assert_array_equal(last, fresh_logits(model, kv, tokens[:accepted])[-1])
 
 
 def test_context_shift_is_off_for_kivi_caches(model: Model, smollm2: Path) -> None:

@@ -22,6 +22,8 @@ struct llama_kvq_params {
     int32_t window;   // W: the most recent tokens kept (and attended) in fp16, default 128
     int32_t n_sink;   // S: the first tokens of a sequence kept in fp16 for good, default 0
     bool    rotate;   // apply upstream's Hadamard rotation to kivi K/V (mixes channels), default false
+    int32_t n_rollback; // extra fp16 ring cells: the last n_rollback tokens of a sequence can be removed exactly
+                        // (speculative decoding, regeneration), default 0
 };
 
 LLAMA_API struct llama_kvq_params llama_kvq_default_params(void);
@@ -32,7 +34,7 @@ LLAMA_API bool                    llama_kvq_set_params(struct llama_kvq_params p
 LLAMA_API struct llama_kvq_params llama_kvq_get_params(void);
 LLAMA_API const char *            llama_kvq_last_error(void);
 
-// One setting by name, as the tools' command lines give it: "window" and "sinks" take a count,
+// One setting by name, as the tools' command lines give it: "window", "sinks" and "rollback" take a count,
 // "rotate" takes on/off, "layers" a per-layer spec (llama_kvq_set_layer_types). Returns false (see llama_kvq_last_error) for an unknown name or a bad value.
 LLAMA_API bool llama_kvq_set_param(const char * name, const char * value);
 

@@ -83,8 +83,8 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
     if (other != nullptr || n_swa != 0) {
         throw std::runtime_error("KV cache " + types + ": kivi types do not support shared or sliding-window caches yet");
     }
-    LLAMA_LOG_INFO("%s: kivi KV cache: window = %d, sinks = %d, rotation = %s%s%s\n", __func__,
-            kvq_params.window, kvq_params.n_sink, kvq_params.rotate ? "on" : "off",
+    LLAMA_LOG_INFO("%s: kivi KV cache: window = %d, sinks = %d, rollback = %d, rotation = %s%s%s\n", __func__,
+            kvq_params.window, kvq_params.n_sink, kvq_params.n_rollback, kvq_params.rotate ? "on" : "off",
             spec.empty() || spec == "none" ? "" : ", layer types = ", spec == "none" ? "" : spec.c_str());
 }
 
@@ -105,7 +105,8 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
     }
     const uint32_t n_embd_k = hparams.n_embd_k_gqa(il);
     const uint32_t n_embd_v = hparams.n_embd_v_gqa(il);
-    const int64_t  n_fp16   = kvq_params.n_sink + ggml_kvq_ring_size(kvq_params.window);
+    // the ring holds the window, and n_rollback more cells so that that many tokens can be removed exactly
+    const int64_t  n_fp16   = kvq_params.n_sink + ggml_kvq_ring_size(kvq_params.window + kvq_params.n_rollback);
 
     kv_layer layer = {};
     layer.il     = il;
@@ -202,9 +203,11 @@ bool llama_kv_cache::kvq_state_read_data(llama_io_read_i & io, uint32_t strm, ui
     if (header.n_layer != layers.size() || header.window != kvq_params.window || header.n_sink != kvq_params.n_sink ||
         header.n_fp16 != n_fp16) {
         return kvq_state_fail("it was saved with " + std::to_string(header.n_layer) + " layers, window " +
-                              std::to_string(header.window) + ", sinks " + std::to_string(header.n_sink) +
+                              std::to_string(header.window) + ", sinks " + std::to_string(header.n_sink) + ", " +
+                              std::to_string(header.n_fp16) + " fp16 cells (sinks + ring, --kv-rollback widens it)" +
                               "; this cache has " + std::to_string(layers.size()) + " layers, window " +
-                              std::to_string(kvq_params.window) + ", sinks " + std::to_string(kvq_params.n_sink));
+                              std::to_string(kvq_params.window) + ", sinks " + std::to_string(kvq_params.n_sink) +
+                              ", " + std::to_string(n_fp16) + " fp16 cells");
     }
     if (header.n_cells != cell_count) {
         return kvq_state_fail("its cell count does not match its metadata");
@@ -273,7 +276,8 @@ bool llama_kv_cache::kvq_can_remove_stream(llama_pos n, llama_pos p0, llama_pos 
     }
     const llama_pos deepest = std::max<llama_pos>(0, n_ring + 1 - kvq_params.window);
     LLAMA_LOG_ERROR("%s: kivi KV cache: cannot remove tokens [%d, %d) of %d from sequence %d: only a suffix, and with "
-                    "window %d only the last %d or fewer tokens (their fp16 window is gone beyond that) or all of them\n",
+                    "window %d only the last %d or fewer tokens (their fp16 window is gone beyond that; --kv-rollback N "
+                    "keeps N more) or all of them\n",
                     __func__, p0, p1, n, seq_id, kvq_params.window, deepest);
     return false;
 }

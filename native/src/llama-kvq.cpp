@@ -51,7 +51,7 @@ static std::string      kvq_layer_spec;
 static std::string      kvq_layer_spec_out;   // what llama_kvq_get_layer_types hands out
 
 struct llama_kvq_params llama_kvq_default_params(void) {
-    return { /*.window =*/ 128, /*.n_sink =*/ 0, /*.rotate =*/ false };
+    return { /*.window =*/ 128, /*.n_sink =*/ 0, /*.rotate =*/ false, /*.n_rollback =*/ 0 };
 }
 
 bool llama_kvq_set_params(struct llama_kvq_params params) {
@@ -62,6 +62,11 @@ bool llama_kvq_set_params(struct llama_kvq_params params) {
     }
     if (params.n_sink < 0) {
         kvq_error = "the sink count must be 0 or more tokens, got " + std::to_string(params.n_sink);
+        return false;
+    }
+    // the ring is held in memory for every layer and sequence: a bound keeps a typo from asking for gigabytes
+    if (params.n_rollback < 0 || params.n_rollback > 4096) {
+        kvq_error = "the rollback depth must be 0 to 4096 tokens, got " + std::to_string(params.n_rollback);
         return false;
     }
     kvq_params = params;
@@ -112,13 +117,15 @@ bool llama_kvq_set_param(const char * name, const char * value) {
         ok = kvq_parse_count(value, params.window);
     } else if (std::strcmp(name, "sinks") == 0) {
         ok = kvq_parse_count(value, params.n_sink);
+    } else if (std::strcmp(name, "rollback") == 0) {
+        ok = kvq_parse_count(value, params.n_rollback);
     } else if (std::strcmp(name, "rotate") == 0) {
         ok = kvq_parse_switch(value, params.rotate);
     } else if (std::strcmp(name, "layers") == 0) {
         return llama_kvq_set_layer_types(value);
     } else {
         std::lock_guard<std::mutex> lock(kvq_params_mutex);
-        kvq_error = std::string("unknown kivi setting '") + name + "' (valid: window, sinks, rotate, layers)";
+        kvq_error = std::string("unknown kivi setting '") + name + "' (valid: window, sinks, rollback, rotate, layers)";
         return false;
     }
     if (!ok) {
