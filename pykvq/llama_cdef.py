@@ -160,6 +160,9 @@ LLAMA_CDEF = """
     void      llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0,
                                   llama_pos p1);
     void      llama_memory_seq_keep(llama_memory_t mem, llama_seq_id seq_id);
+    void      llama_memory_seq_add(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1,
+                                   llama_pos delta);
+    void      llama_memory_seq_div(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d);
     llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
     bool      llama_memory_can_shift(llama_memory_t mem);
     size_t llama_state_get_size(struct llama_context * ctx);

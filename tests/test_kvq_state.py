@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -130,3 +132,37 @@ def test_context_shift_is_off_for_kivi_caches(model: Model, smollm2: Path) -> No
                                                     "-ctv", "kivi2", "--context-shift"])
     assert "KV cache shifting is not supported for this context, disabling KV cache shifting" in out
     assert "context full and context shift is disabled => stopping" in out
+
+
+SHIFT_THEN_DECODE = """
+import sys
+import numpy as np
+from pykvq import ContextConfig, KvConfig, Model
+model_path, op = sys.argv[1:]
+tokens = list(range(1000, 1300))
+with Model(model_path) as model:
+    config = ContextConfig(n_ctx=512, n_threads=2, kv=KvConfig.preset("kivi2", window=64))
+    with model.context(config) as ctx:
+        ctx.eval(tokens[:200])
+        llama = ctx._lib.llama
+        if op == "add":
+            llama.llama_memory_seq_add(ctx._mem, 0, 100, -1, -50)
+        else:
+            llama.llama_memory_seq_div(ctx._mem, 0, 100, -1, 2)
+        shifted = ctx.eval(tokens[200:210])
+    with model.context(config) as ctx:
+        ctx.eval(tokens[:200])
+        assert np.array_equal(shifted, ctx.eval(tokens[200:210])), "the refused edit changed the cache"
+print("unchanged")
+"""
+
+
+@pytest.mark.parametrize("op", ["add", "div"])
+def test_position_shifts_are_refused_not_a_crash(smollm2: Path, tmp_path: Path, op: str) -> None:
+    """llama_memory_seq_add / seq_div (context shift, self-extend) on a kivi cache: upstream aborted at the next
+    decode (a cache that cannot re-rotate K with shifted cells); now an error in the log and no change. In a
+    subprocess, so that a regression fails this test instead of taking pytest down."""
+    proc = subprocess.run([sys.executable, "-c", SHIFT_THEN_DECODE, str(smollm2), op], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "unchanged"

@@ -282,6 +282,18 @@ bool llama_kv_cache::kvq_can_remove_stream(llama_pos n, llama_pos p0, llama_pos 
     return false;
 }
 
+// seq_add / seq_div (context shift, self-extend) would move positions under sealed K tiles whose RoPE rotation
+// is baked into their codes, and upstream aborts when a cache that cannot re-rotate K has shifted cells: refuse
+// up front, leaving the cache as it was, so that the caller's next decode fails with an error at worst
+bool llama_kv_cache::kvq_refuse_position_edit(const char * func) const {
+    if (!kvq_active()) {
+        return false;
+    }
+    LLAMA_LOG_ERROR("%s: kivi KV cache: token positions cannot be shifted or divided (context shift, self-extend); "
+                    "the cache is left unchanged\n", func);
+    return true;
+}
+
 bool llama_kv_cache::kvq_is_layer(int32_t il) const {
     const auto it = map_layer_ids.find(il);
     return it != map_layer_ids.end() && layers[it->second].k_fp16 != nullptr;
