@@ -91,8 +91,7 @@ class Calibrator:
 def metadata(allocation: Allocation, budget: float, sensitivities: list[Sensitivity], text: Path,
              probe: Probe) -> dict[str, object]:
     record: dict[str, object] = {
-        gguf_metadata.KEY_LAYERS: allocation.spec(),
-        "kvq.kv_budget": float(budget),
+        **gguf_metadata.allocation_fields(allocation.spec(), budget),
         "kvq.calibration.text": text.name,
         "kvq.calibration.n_tokens": probe.n_tokens,
         "kvq.calibration.window": probe.window,

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from pykvq import gguf_metadata, hf_converter
-from pykvq.allocation import BITS, PARTS, Allocation, allocate
+from pykvq.allocation import BITS, PARTS, allocate
 from pykvq.calibrate import format_allocation
 from pykvq.kv_calibration import GROUP, Calibration, CalibrationSettings
 
@@ -36,24 +36,18 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"-o {args.output} is a folder: name the GGUF file to write")
 
 
-def calibration_tokens(gguf: Path, text: Path, n_tokens: int, window: int) -> list[int]:
-    """The first ``n_tokens`` of the text, tokenized as llama.cpp will tokenize for this model."""
+def calibration_tokens(gguf: Path, text: Path, n_tokens: int, window: int) -> tuple[list[int], int]:
+    """The first ``n_tokens`` of the text, tokenized as llama.cpp will tokenize for this model, and its layers."""
     from pykvq.llama import Model
 
     with Model(gguf) as model:
         tokens = model.tokenize(text.read_text(encoding="utf-8", errors="replace"))[:n_tokens]
+        n_layer = model.n_layer
     needed = window + 2 * GROUP
     if len(tokens) < needed:
         raise ValueError(f"the calibration text {text} has {len(tokens)} tokens; with window {window} at least "
                          f"{needed} are needed for any K or V to be quantized")
-    return tokens
-
-
-def n_layer_of(gguf: Path) -> int:
-    from pykvq.llama import Model
-
-    with Model(gguf) as model:
-        return model.n_layer
+    return tokens, n_layer
 
 
 def calibration_metadata(calibration: Calibration, text: Path) -> dict[str, object]:
@@ -74,10 +68,6 @@ def calibration_metadata(calibration: Calibration, text: Path) -> dict[str, obje
     record["kvq.calibration.v_rms"] = [s.v_rms for s in layers]
     record["kvq.calibration.k_channel_absmax"] = [x for s in layers for x in s.k_channel_absmax]
     return record
-
-
-def allocation_metadata(allocation: Allocation, budget: float) -> dict[str, object]:
-    return {gguf_metadata.KEY_LAYERS: allocation.spec(), "kvq.kv_budget": float(budget)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,10 +93,10 @@ def run(args: argparse.Namespace) -> int:
 def calibrate_into(args: argparse.Namespace, model: hf_converter.HfModel, raw: Path) -> dict[str, object]:
     from pykvq.kv_calibration import calibrate, default_device
 
-    tokens = calibration_tokens(raw, args.calibrate, args.calibrate_tokens, args.kv_window)
+    tokens, n_layer = calibration_tokens(raw, args.calibrate, args.calibrate_tokens, args.kv_window)
     settings = CalibrationSettings(args.kv_window, args.kv_sinks, args.device or default_device())
     log.info("calibrating on %d tokens of %s (%s)", len(tokens), args.calibrate, settings.device)
-    calibration = calibrate(model.path, tokens, n_layer_of(raw), settings)
+    calibration = calibrate(model.path, tokens, n_layer, settings)
     record = calibration_metadata(calibration, args.calibrate)
     if args.kv_budget is not None:
         allocation = allocate(calibration.sensitivities(), calibration.n_layer, args.kv_budget)
@@ -114,7 +104,7 @@ def calibrate_into(args: argparse.Namespace, model: hf_converter.HfModel, raw: P
         print(f"mean code bits {allocation.mean_bits:.3f} (budget {args.kv_budget:g}); attention-output error "
               f"{allocation.predicted_cost:+.4g} against kivi2 everywhere (sum over layers)")
         print(f"--kv-layers '{allocation.spec()}'")
-        record |= allocation_metadata(allocation, args.kv_budget)
+        record |= gguf_metadata.allocation_fields(allocation.spec(), args.kv_budget)
     return record
 
 

@@ -86,6 +86,11 @@ def read_kvq(path: Path) -> dict[str, object]:
     return fields
 
 
+def allocation_fields(spec: str, budget: float) -> dict[str, object]:
+    """The per-layer types a budget was allocated to, as kvq.* fields."""
+    return {KEY_LAYERS: spec, "kvq.kv_budget": float(budget)}
+
+
 # per-layer arrays: one value per layer; the per-channel one: every layer's K channels
 PER_CHANNEL = "kvq.calibration.k_channel_absmax"
 PER_LAYER_PREFIXES = ("kvq.calibration.kld_", "kvq.calibration.error_", "kvq.calibration.k_absmax",

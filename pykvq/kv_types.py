@@ -66,12 +66,16 @@ def parse_list(text: str) -> list[KvSpec]:
     return specs
 
 
+def fp16_cells(window: int, n_sink: int, rollback: int = 0) -> int:
+    """Cells a kivi layer keeps in fp16 whatever the context: the sinks and the ring (window + rollback)."""
+    return n_sink + native.kvq_ring_size(window + rollback)
+
+
 def bits_per_element(name: str, n_ctx: int, window: int, n_sink: int, rollback: int = 0) -> float:
     """Bits per cached element of K or V for a context of n_ctx cells, scales, fp16 window (its ring widened by
     ``rollback`` cells) and sinks included: what the cache allocates, divided by what it holds."""
     if name in KIVI_BITS:
-        fp16_cells = n_sink + native.kvq_ring_size(window + rollback)
-        return (n_ctx * (KIVI_BITS[name] + 1) + fp16_cells * FP16_BITS) / n_ctx
+        return (n_ctx * (KIVI_BITS[name] + 1) + fp16_cells(window, n_sink, rollback) * FP16_BITS) / n_ctx
     for t in native.kv_cache_types():
         if t.name == name:
             return t.bits_per_element

@@ -94,7 +94,7 @@ def kv_cost(shape: KvShape, label: str, types_k: list[str], types_v: list[str], 
         for name, n_embd in ((types_k[il], shape.n_embd_k[il]), (types_v[il], shape.n_embd_v[il])):
             per_token += n_embd * bpe[name] / 8
             if name in kv_types.KIVI_BITS:
-                fixed += (sinks + native.kvq_ring_size(window)) * n_embd * FP16_BYTES
+                fixed += kv_types.fp16_cells(window, sinks) * n_embd * FP16_BYTES
     return KvCost(label, per_token, fixed)
 
 
