@@ -81,7 +81,8 @@ class ContextConfig:
     n_threads: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     flash_attn: str = "auto"
     kv: KvConfig = KvConfig()
-    # sequences the context holds (-np); kivi caches need per-sequence streams (kv_unified False, the default)
+    # sequences the context holds (-np); kv_unified: one cell range for all (--kv-unified), in which a kivi
+    # cache gives each sequence n_ctx / n_seq_max cells, as per-sequence streams do (the default)
     n_seq_max: int = 1
     kv_unified: bool = False
 
@@ -462,10 +463,13 @@ class Context(_Handle):
             raise _fail(f"cannot remove positions [{p0}, {p1}) of sequence {seq}")
         self._sync_n_past()
 
-    def seq_cp(self, src: int, dst: int) -> None:
-        """Make sequence ``dst`` a copy of the whole sequence ``src``."""
-        self._lib.llama.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make sequence ``dst`` a copy of positions [p0, p1) of ``src`` (-1: from the start, to the end)."""
+        sink().take_problems()
+        self._lib.llama.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
         self._sync_n_past()
+        if problems := sink().take_problems():
+            raise LlamaError(f"cannot copy positions [{p0}, {p1}) of sequence {src} to {dst}: {problems[0]}")
 
     def seq_keep(self, seq: int) -> None:
         self._lib.llama.llama_memory_seq_keep(self._mem, seq)

@@ -85,7 +85,6 @@ def run_raw(smollm2: Path, hamlet: Path, *args: str) -> subprocess.CompletedProc
     (["-ctk", "kivi2", "-ctv", "kivi2", "--kv-sinks", "x"], "invalid value 'x'"),
     (["-ctk", "kivi2", "-ctv", "kivi2", "--kv-rotate", "maybe"], "valid: on, off"),
     (["-ctk", "kivi2", "-ctv", "f16", "-b", str(CTX)], "kivi K type needs a kivi V type"),
-    (["-ctk", "kivi2", "-ctv", "kivi2", "-b", str(4 * CTX), "--kv-unified"], "per-sequence streams: drop --kv-unified"),
     (["-ctk", "kivi2", "-ctv", "kivi2", "-b", str(CTX), "-fa", "off"], "requires flash_attn"),
 ])
 def test_bad_settings_fail_cleanly(args: list[str], message: str, smollm2: Path, hamlet: Path) -> None:

@@ -51,7 +51,7 @@ def run_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches:
             sealed = lib.ggml_kvq_seal_k(ctx.ctx, k_tiles, k_fp16, k_cur, idxs, case.n_sink, 1)
             attn = lib.ggml_kvq_attn(ctx.ctx, ctx.tensor(q[first:first + n].astype(np.float32)), sealed, v_store,
                                      k_fp16, v_fp16, k_cur, v_cur, ctx.tensor(mask), idxs, case.window,
-                                     case.n_sink, 1.0 / np.sqrt(case.head_dim))
+                                     case.n_sink, 1.0 / np.sqrt(case.head_dim), 1, False)
             put_k = lib.ggml_kvq_ring_put(ctx.ctx, k_fp16, k_cur, idxs, attn, case.n_sink, 1, n_alloc)
             put_v = lib.ggml_kvq_ring_put(ctx.ctx, v_fp16, v_cur, idxs, attn, case.n_sink, 1, n_alloc)
             ctx.compute(attn, put_k, put_v)

@@ -1,5 +1,6 @@
-"""Several sequences in one kivi context (per-sequence streams): each sequence decodes exactly as it would
-alone, never disturbs the others, and survives per-sequence edits (suffix removal, copy, clear, keep, state)."""
+"""Several sequences in one kivi context, in per-sequence streams and in a unified cache (per-sequence regions):
+each sequence decodes exactly as it would alone, never disturbs the others, and survives per-sequence edits
+(suffix removal, copy, clear, keep, state)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import ContextConfig, KvConfig, LlamaError, Model, llama_tools, paths
+from pykvq import Context, ContextConfig, KvConfig, LlamaError, Model, llama_tools, paths
+from pykvq.llama_log import sink
 
 N_CTX_SEQ = 256  # cells per sequence
 
@@ -32,8 +34,14 @@ def texts(model: Model, hamlet: Path) -> list[list[int]]:
             for start in (20000, 40000, 60000, 80000)]
 
 
-def multi(model: Model, kv: KvConfig, n_seq: int):
-    return model.context(ContextConfig(n_ctx=N_CTX_SEQ * n_seq, n_threads=2, kv=kv, n_seq_max=n_seq))
+# llama.cpp's two layouts of a multi-sequence cache: per-sequence streams (its default) and one unified cell
+# range (--kv-unified), where a kivi cache gives each sequence a region of n_ctx / n_seq_max cells
+LAYOUTS = pytest.mark.parametrize("unified", [False, True], ids=["streams", "unified"])
+
+
+def multi(model: Model, kv: KvConfig, n_seq: int, unified: bool = False, n_ctx_seq: int = N_CTX_SEQ):
+    return model.context(ContextConfig(n_ctx=n_ctx_seq * n_seq, n_threads=2, kv=kv, n_seq_max=n_seq,
+                                       kv_unified=unified))
 
 
 def alone(model: Model, kv: KvConfig, tokens: list[int], steps: int = 0) -> list[np.ndarray]:
@@ -50,15 +58,16 @@ def assert_same(got: np.ndarray, want: np.ndarray) -> None:
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=0.0)
 
 
+@LAYOUTS
 @pytest.mark.parametrize("n_seq", [2, 3, 4])
 @pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
 def test_sequences_decoded_together_equal_each_alone(model: Model, texts: list[list[int]], kv: KvConfig,
-                                                     n_seq: int) -> None:
+                                                     n_seq: int, unified: bool) -> None:
     # prompts of different lengths (so that ubatches hold changing subsets of the streams), then 40 steps of
     # decoding all sequences in one batch: past the window, sealing tiles on the way
     prompts = [70, 45, 101, 33][:n_seq]
     steps = 40
-    with multi(model, kv, n_seq) as ctx:
+    with multi(model, kv, n_seq, unified) as ctx:
         got = [[v] for v in ctx.eval_seqs({s: texts[s][:prompts[s]] for s in range(n_seq)}).values()]
         for i in range(steps):
             step = ctx.eval_seqs({s: [texts[s][prompts[s] + i]] for s in range(n_seq)})
@@ -71,10 +80,11 @@ def test_sequences_decoded_together_equal_each_alone(model: Model, texts: list[l
             assert_same(g, w)
 
 
+@LAYOUTS
 @pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
-def test_decoding_b_never_changes_a(model: Model, texts: list[list[int]], kv: KvConfig) -> None:
+def test_decoding_b_never_changes_a(model: Model, texts: list[list[int]], kv: KvConfig, unified: bool) -> None:
     a, b = texts[0], texts[1]
-    with multi(model, kv, 2) as ctx:
+    with multi(model, kv, 2, unified) as ctx:
         got = [ctx.eval_seqs({0: a[:50]})[0]]
         for i in range(3):
             ctx.eval_seqs({1: b[i * 60:(i + 1) * 60]})  # B alone: prefill, seals its own tiles
@@ -91,12 +101,13 @@ def removable_suffix(kv: KvConfig, n: int, r: int) -> bool:
     return oldest >= n - 32
 
 
+@LAYOUTS
 @pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
 def test_suffix_removal_of_one_sequence_equals_a_fresh_context(model: Model, texts: list[list[int]],
-                                                               kv: KvConfig) -> None:
+                                                               kv: KvConfig, unified: bool) -> None:
     a, b = texts[0], texts[1]
     removable = max(r for r in range(1, 100) if removable_suffix(kv, 100, r))
-    with multi(model, kv, 2) as ctx:
+    with multi(model, kv, 2, unified) as ctx:
         ctx.eval_seqs({0: a[:100], 1: b[:90]})
         ctx.seq_rm(0, 100 - removable)
         assert (ctx.seq_len(0), ctx.seq_len(1)) == (100 - removable, 90)
@@ -111,11 +122,13 @@ def test_suffix_removal_of_one_sequence_equals_a_fresh_context(model: Model, tex
     assert_same(got_b, alone(model, kv, b[:97])[0])
 
 
+@LAYOUTS
 @pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
-def test_copied_sequences_diverge_as_fresh_runs(model: Model, texts: list[list[int]], kv: KvConfig) -> None:
+def test_copied_sequences_diverge_as_fresh_runs(model: Model, texts: list[list[int]], kv: KvConfig,
+                                                unified: bool) -> None:
     prompt = texts[0][:77]  # inside a tile: the copy carries the unsealed tile's fp16 cells
     conts = [texts[1][:40], texts[2][:40], texts[3][:40]]
-    with multi(model, kv, 3) as ctx:
+    with multi(model, kv, 3, unified) as ctx:
         ctx.eval_seqs({0: prompt})
         ctx.seq_cp(0, 1)
         ctx.seq_cp(0, 2)
@@ -125,10 +138,12 @@ def test_copied_sequences_diverge_as_fresh_runs(model: Model, texts: list[list[i
         assert_same(got[s], alone(model, kv, prompt + conts[s])[0])
 
 
+@LAYOUTS
 @pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
-def test_a_cleared_sequence_reuses_its_stream(model: Model, texts: list[list[int]], kv: KvConfig) -> None:
+def test_a_cleared_sequence_reuses_its_stream(model: Model, texts: list[list[int]], kv: KvConfig,
+                                              unified: bool) -> None:
     a, b, c = texts[0], texts[1], texts[2]
-    with multi(model, kv, 2) as ctx:
+    with multi(model, kv, 2, unified) as ctx:
         ctx.eval_seqs({0: a[:80], 1: b[:150]})
         ctx.seq_rm(1)  # the whole of B
         assert ctx.seq_len(1) == 0
@@ -140,13 +155,14 @@ def test_a_cleared_sequence_reuses_its_stream(model: Model, texts: list[list[int
     assert_same(got_c, alone(model, kv, c[:64])[0])
 
 
+@LAYOUTS
 @pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
-def test_one_sequence_state_round_trip(model: Model, texts: list[list[int]], kv: KvConfig) -> None:
+def test_one_sequence_state_round_trip(model: Model, texts: list[list[int]], kv: KvConfig, unified: bool) -> None:
     a, b = texts[0], texts[1]
-    with multi(model, kv, 2) as ctx:
+    with multi(model, kv, 2, unified) as ctx:
         ctx.eval_seqs({0: a[:60], 1: b[:111]})
         state = ctx.save_seq_state(1)
-    with multi(model, kv, 2) as ctx:
+    with multi(model, kv, 2, unified) as ctx:
         ctx.eval_seqs({1: a[:30]})
         ctx.load_seq_state(state, 0)  # B's state into the other stream, next to another sequence
         assert (ctx.seq_len(0), ctx.seq_len(1)) == (111, 30)
@@ -155,15 +171,17 @@ def test_one_sequence_state_round_trip(model: Model, texts: list[list[int]], kv:
     assert_same(got[1], alone(model, kv, a[:40])[0])
 
 
+@LAYOUTS
 @pytest.mark.parametrize("seed", [1, 2])
-def test_random_edits_of_three_sequences_equal_fresh_runs(model: Model, texts: list[list[int]], seed: int) -> None:
+def test_random_edits_of_three_sequences_equal_fresh_runs(model: Model, texts: list[list[int]], seed: int,
+                                                          unified: bool) -> None:
     """Random feeds (to random subsets of the sequences, in the same batches), suffix removals within the
     slack, clears and copies; after each feed every fed sequence's logits equal a fresh run of its history."""
     kv = ASYMKV
     rng = np.random.default_rng(seed)
     history: list[list[int]] = [[], [], []]
     checks = []  # (history, logits)
-    with multi(model, kv, 3) as ctx:
+    with multi(model, kv, 3, unified) as ctx:
         for _ in range(14):
             op = rng.choice(["feed", "feed", "feed", "remove", "clear", "copy"])
             if op == "feed":
@@ -201,12 +219,13 @@ def test_random_edits_of_three_sequences_equal_fresh_runs(model: Model, texts: l
         assert_same(logits, alone(model, kv, tokens)[0])
 
 
-def test_whole_state_of_several_sequences_round_trips(model: Model, texts: list[list[int]]) -> None:
+@LAYOUTS
+def test_whole_state_of_several_sequences_round_trips(model: Model, texts: list[list[int]], unified: bool) -> None:
     a, b = texts[0], texts[1]
-    with multi(model, ASYMKV, 2) as ctx:
+    with multi(model, ASYMKV, 2, unified) as ctx:
         ctx.eval_seqs({0: a[:60], 1: b[:111]})
         state = ctx.save_state()
-    with multi(model, ASYMKV, 2) as ctx:
+    with multi(model, ASYMKV, 2, unified) as ctx:
         ctx.load_state(state)
         assert (ctx.seq_len(0), ctx.seq_len(1)) == (60, 111)
         got = ctx.eval_seqs({0: a[60:70], 1: b[111:120]})
@@ -214,26 +233,77 @@ def test_whole_state_of_several_sequences_round_trips(model: Model, texts: list[
     assert_same(got[1], alone(model, ASYMKV, b[:120])[0])
 
 
-def test_a_unified_cache_with_several_sequences_is_refused(model: Model) -> None:
-    config = ContextConfig(n_ctx=512, n_threads=2, kv=KIVI2, n_seq_max=2, kv_unified=True)
-    with pytest.raises(LlamaError, match="per-sequence streams: drop --kv-unified"):
+def decode_shared_token(ctx: Context, token: int, seqs: list[int]) -> int:
+    """llama_decode of one token at position 0 of several sequences at once (a shared prompt)."""
+    llama = ctx._lib.llama
+    batch = llama.llama_batch_init(1, 0, len(seqs))
+    try:
+        batch.n_tokens = 1
+        batch.token[0] = token
+        batch.pos[0] = 0
+        batch.n_seq_id[0] = len(seqs)
+        for i, seq in enumerate(seqs):
+            batch.seq_id[0][i] = seq
+        batch.logits[0] = True
+        return llama.llama_decode(ctx._ptr, batch)
+    finally:
+        llama.llama_batch_free(batch)
+
+
+def test_a_unified_cache_refuses_what_it_cannot_keep_apart(model: Model, texts: list[list[int]]) -> None:
+    """A token of two sequences, a sequence id past n_seq_max, a sequence past its region and a copy that does
+    not start at the first token: each refused with its reason, the cache still serving its sequences."""
+    a = texts[0]
+    n_region = 128
+    with multi(model, KIVI2, 2, unified=True, n_ctx_seq=n_region) as ctx:
+        sink().take_problems()
+        assert decode_shared_token(ctx, a[0], [0, 1]) != 0
+        assert any("several sequences" in p for p in sink().take_problems())
+        with pytest.raises(LlamaError, match=r"invalid seq_id.* = 2 >= 2"):  # upstream checks this first
+            ctx.eval_seqs({2: a[:5]})
+        ctx.eval_seqs({0: a[:n_region - 8]})
+        with pytest.raises(LlamaError, match=rf"sequence 0 is full: .* 2 sequences {n_region} cells"):
+            ctx.eval_seqs({0: a[n_region - 8:n_region + 8]})
+        with pytest.raises(LlamaError, match="from its first token"):
+            ctx.seq_cp(0, 1, 10, -1)
+        assert (ctx.seq_len(0), ctx.seq_len(1)) == (n_region - 8, 0)
+        got = ctx.eval_seqs({0: a[n_region - 8:n_region - 2], 1: a[:30]})
+    assert_same(got[0], alone(model, KIVI2, a[:n_region - 2])[0])
+    assert_same(got[1], alone(model, KIVI2, a[:30])[0])
+
+
+def test_a_unified_cache_too_small_for_its_sequences_is_refused(model: Model) -> None:
+    config = ContextConfig(n_ctx=256, n_threads=2, kv=KIVI2, n_seq_max=16, kv_unified=True)
+    with pytest.raises(LlamaError, match="256 cells for 16 sequences: kivi types need a multiple of 32 cells for each"):
         model.context(config)
 
 
-def test_perplexity_of_four_sequences_per_batch_equals_one(smollm2: Path, hamlet: Path) -> None:
+def test_a_prefix_copy_in_a_unified_cache_equals_a_fresh_run(model: Model, texts: list[list[int]]) -> None:
+    prompt, cont = texts[0][:77], texts[1][:20]
+    keep = 77 - max(r for r in range(1, 77) if removable_suffix(KIVI2, 77, r))
+    with multi(model, KIVI2, 2, unified=True) as ctx:
+        ctx.eval_seqs({0: prompt})
+        ctx.seq_cp(0, 1, 0, keep)
+        assert (ctx.seq_len(0), ctx.seq_len(1)) == (77, keep)
+        got = ctx.eval_seqs({1: cont})[1]
+    assert_same(got, alone(model, KIVI2, prompt[:keep] + cont)[0])
+
+
+@pytest.mark.parametrize("layout", [[], ["--kv-unified"]], ids=["streams", "unified"])
+def test_perplexity_of_four_sequences_per_batch_equals_one(smollm2: Path, hamlet: Path, layout: list[str]) -> None:
     base = ["-m", str(smollm2), "-f", str(hamlet), "-c", "256", "-t", "2", "--chunks", "4", "-fa", "on",
             "-ctk", "kivi2", "-ctv", "kivi2", "--kv-window", "32", "--kv-sinks", "4"]
     one = llama_tools.parse_perplexity(llama_tools.run_tool("llama-perplexity", [*base, "-b", "256"]))
-    four = llama_tools.parse_perplexity(llama_tools.run_tool("llama-perplexity", [*base, "-b", "1024"]))
+    four = llama_tools.parse_perplexity(llama_tools.run_tool("llama-perplexity", [*base, *layout, "-b", "1024"]))
     assert four.running_ppl == one.running_ppl
 
 
-@pytest.mark.parametrize("kv_type", ["kivi2", "kivi4"])
-def test_batched_bench_runs_several_sequences(smollm2: Path, kv_type: str) -> None:
+@pytest.mark.parametrize(("kv_type", "layout"), [("kivi2", []), ("kivi4", []), ("kivi2", ["-kvu"])])
+def test_batched_bench_runs_several_sequences(smollm2: Path, kv_type: str, layout: list[str]) -> None:
     assert paths.tool("llama-batched-bench").exists()
     output = llama_tools.run_tool("llama-batched-bench", [
         "-m", str(smollm2), "-c", "2048", "-b", "512", "-ub", "256", "-npp", "64", "-ntg", "8", "-npl", "1,4",
-        "-t", "2", "-fa", "on", "-ctk", kv_type, "-ctv", kv_type, "--kv-window", "32", "--kv-sinks", "4"],
+        "-t", "2", "-fa", "on", "-ctk", kv_type, "-ctv", kv_type, "--kv-window", "32", "--kv-sinks", "4", *layout],
         timeout=300)
     rows = re.findall(r"^\|\s*64 \|\s*8 \|\s*(\d+) \|", output, re.M)
     assert rows == ["1", "4"], output[-2000:]

@@ -87,9 +87,11 @@ static inline bool ggml_kvq_is_kivi(enum ggml_type type) {
 //   v_fp16   cell c also sits in ring slot n_sink + c % n_ring while it is among the n_ring most recent cells
 // The current batch: k_cur, v_cur F32 [head_dim, n_head_kv, n_tokens]; k_idxs I64 [n_tokens], its global
 // cells stream*kv_size + cell. The batch is n_seq equal segments (upstream's split_equal), one per stream,
-// each in consecutive cells of its stream; for the attention n_seq is the mask's ne[3], the mask being
-// [n_kv, n_tokens/n_seq, 1, n_seq]. K from the batch is rounded to fp16 wherever it is read, so that
-// results do not depend on how tokens were batched.
+// each in consecutive cells of its stream. The attention's mask is either per stream, [n_kv, n_tokens/n_seq,
+// 1, n_seq] over the cells of each segment's stream, or (mask_all_streams: llama.cpp's unified cache, whose
+// "streams" are per-sequence regions of one cell range) one plane [n_kv, n_tokens, 1, 1] over the global
+// cells. K from the batch is rounded to fp16 wherever it is read, so that results do not depend on how
+// tokens were batched.
 //
 
 enum ggml_kvq_op {
@@ -128,7 +130,9 @@ GGML_API struct ggml_tensor * ggml_kvq_attn(
         struct ggml_tensor  * k_idxs,
         int32_t               window,
         int32_t               n_sink,
-        float                 scale);
+        float                 scale,
+        int32_t               n_seq,
+        bool                  mask_all_streams);
 
 // store the batch's fp16 values (sinks and ring); `after` is only an ordering dependency (the attention
 // that must read the ring before it changes)

@@ -12,8 +12,8 @@
 #define KVQ_MAX_HEAD 512
 
 // One segment of the batch: the tokens of one stream (sequence), in consecutive cells of that stream. A batch
-// holds n_seq segments of equal length, one per stream, in stream order (upstream's split_equal); its
-// cell indices are global, stream*kv_size + cell.
+// holds n_seq segments of equal length, one per stream (upstream's split_equal); its cell indices are global,
+// stream*kv_size + cell.
 typedef struct {
     char       * fp16;                 // this stream's sinks + ring
     size_t       fp16_nb1;
@@ -125,13 +125,18 @@ static float kvq_read_channel(const kvq_source * src, int64_t cell, int64_t chan
     return GGML_CPU_FP16_TO_FP32(*kvq_fp16_slot(src, src->n_sink + cell % src->n_ring, channel));
 }
 
-// op params: { op, window, n_sink, scale, n_seq (streams in the batch), kv_size (cells per stream) }
+// op params: { op, window, n_sink, scale, n_seq (streams in the batch), kv_size (cells per stream),
+// mask_all_streams (attention: the mask's columns are the global cells) }
 static int32_t kvq_n_seq(const struct ggml_tensor * dst) {
     return ggml_get_op_params_i32(dst, 4);
 }
 
 static int64_t kvq_kv_size(const struct ggml_tensor * dst) {
     return ggml_get_op_params_i32(dst, 5);
+}
+
+static bool kvq_mask_all_streams(const struct ggml_tensor * dst) {
+    return ggml_get_op_params_i32(dst, 6) != 0;
 }
 
 static void kvq_seal_k(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
@@ -205,8 +210,9 @@ typedef struct {
     size_t       k_tiles_nb1;
     const char * v_rows;               // this stream's rows
     size_t       v_rows_nb1;
-    const char * mask_plane;           // this segment's mask rows
     int64_t      t0;                   // the segment's first token in the batch
+    int64_t      mask_col0;            // the mask column of the stream's cell 0
+    int64_t      n_kv;                 // cells of the stream the mask covers
     int64_t      n_head_kv;
     kvq_source k;
     kvq_source v;
@@ -216,9 +222,13 @@ typedef struct {
     int     v_bits;
 } kvq_attn_args;
 
+// the mask has one row per batch token, in planes of mask->ne[1] rows (one plane per stream, or one for all)
 static float kvq_mask_value(const kvq_attn_args * a, int64_t t, int64_t j) {
-    const char * row = a->mask_plane + t*a->mask->nb[1];
-    return a->mask->type == GGML_TYPE_F16 ? GGML_CPU_FP16_TO_FP32(((const ggml_fp16_t *) row)[j]) : ((const float *) row)[j];
+    const int64_t row_t = a->t0 + t;
+    const char *  row   = (const char *) a->mask->data + (row_t / a->mask->ne[1])*a->mask->nb[3] +
+                          (row_t % a->mask->ne[1])*a->mask->nb[1];
+    const int64_t col   = a->mask_col0 + j;
+    return a->mask->type == GGML_TYPE_F16 ? GGML_CPU_FP16_TO_FP32(((const ggml_fp16_t *) row)[col]) : ((const float *) row)[col];
 }
 
 // Codes 8g .. 8g+7 of a block as floats (layout in ggml-kvq.h: code u in byte u % nbytes at bit
@@ -348,7 +358,7 @@ static void kvq_attn_row(const kvq_attn_args * a, int64_t t, int64_t h, float * 
     const int64_t head_dim   = a->k.head_dim;
     const int64_t head_dim_v = a->v.head_dim;
     const int64_t hk         = h / (a->q->ne[1] / a->n_head_kv);
-    const int64_t n_kv       = a->mask->ne[0];
+    const int64_t n_kv       = a->n_kv;
     const int64_t i          = a->k.first + t;
     const int64_t lim_v      = i - a->window + 1;                     // V below this is quantized
     const int64_t own_tile   = i/QK_KIVI*QK_KIVI;
@@ -424,7 +434,7 @@ static void kvq_attn(const struct ggml_compute_params * params, struct ggml_tens
     const int64_t n_tps  = kvq_seg_tokens(dst->src[5], n_seq);
     const int64_t n_head = dst->src[0]->ne[1];
     GGML_ASSERT(dst->src[5]->ne[0] <= KVQ_MAX_HEAD && dst->src[6]->ne[0] <= KVQ_MAX_HEAD);
-    GGML_ASSERT(mask->ne[3] == n_seq || (n_seq == 1 && mask->ne[3] == 1));
+    GGML_ASSERT(mask->ne[1]*mask->ne[3] == dst->src[5]->ne[2]);
 
     for (int64_t seg = 0; seg < n_seq; ++seg) {
         kvq_attn_args a = {
@@ -434,8 +444,9 @@ static void kvq_attn(const struct ggml_compute_params * params, struct ggml_tens
             /*.k_tiles_nb1 =*/ k_tiles->nb[1],
             /*.v_rows      =*/ NULL,
             /*.v_rows_nb1  =*/ v_rows->nb[1],
-            /*.mask_plane  =*/ (const char *) mask->data + seg*mask->nb[3],
             /*.t0          =*/ seg*n_tps,
+            /*.mask_col0   =*/ 0,
+            /*.n_kv        =*/ 0,
             /*.n_head_kv   =*/ dst->src[5]->ne[1],
             /*.k           =*/ kvq_make_source(dst->src[3], dst->src[5], dst->src[8], n_sink, n_seq, kv_size, seg),
             /*.v           =*/ kvq_make_source(dst->src[4], dst->src[6], dst->src[8], n_sink, n_seq, kv_size, seg),
@@ -447,6 +458,10 @@ static void kvq_attn(const struct ggml_compute_params * params, struct ggml_tens
         // tiles [n_embd*QK_KIVI, kv_size/QK_KIVI, n_stream]; V rows contiguous, kv_size per stream
         a.k_tiles = (const char *) k_tiles->data + a.k.stream*(kv_size/QK_KIVI)*k_tiles->nb[1];
         a.v_rows  = (const char *) v_rows->data + a.k.stream*kv_size*v_rows->nb[1];
+        // a per-stream mask counts cells from the stream's first, a unified cache's from the cache's first
+        a.mask_col0 = kvq_mask_all_streams(dst) ? a.k.stream*kv_size : 0;
+        a.n_kv      = mask->ne[0] - a.mask_col0 < kv_size ? mask->ne[0] - a.mask_col0 : kv_size;
+        GGML_ASSERT(a.n_kv >= a.k.first + n_tps);
 
         const int64_t r0 = seg*n_tps*n_head;
         const int64_t r1 = r0 + n_tps*n_head;

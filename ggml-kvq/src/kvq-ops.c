@@ -22,11 +22,11 @@ static void kvq_check_batch(const struct ggml_tensor * fp16, const struct ggml_t
     GGML_ASSERT(n_sink >= 0 && fp16->ne[1] > n_sink && (fp16->ne[1] - n_sink) % QK_KIVI == 0);
 }
 
-// op params: { op, window, n_sink, scale, n_seq, kv_size }
+// op params: { op, window, n_sink, scale, n_seq, kv_size, mask_all_streams }
 static void kvq_set_params(struct ggml_tensor * t, enum ggml_kvq_op op, int32_t window, int32_t n_sink, float scale,
-                           int32_t n_seq, int64_t kv_size) {
+                           int32_t n_seq, int64_t kv_size, bool mask_all_streams) {
     GGML_ASSERT(kv_size > 0 && kv_size <= INT32_MAX && kv_size % QK_KIVI == 0);
-    int32_t params[6] = { op, window, n_sink, 0, n_seq, (int32_t) kv_size };
+    int32_t params[7] = { op, window, n_sink, 0, n_seq, (int32_t) kv_size, mask_all_streams };
     memcpy(&params[3], &scale, sizeof(float));
     ggml_set_op_params(t, params, sizeof(params));
     t->op = GGML_OP_KVQ;
@@ -46,7 +46,7 @@ struct ggml_tensor * ggml_kvq_seal_k(
     kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink, n_seq);
 
     struct ggml_tensor * result = ggml_view_tensor(ctx, k_tiles);
-    kvq_set_params(result, GGML_KVQ_OP_SEAL_K, 0, n_sink, 0.0f, n_seq, k_tiles->ne[1]*QK_KIVI);
+    kvq_set_params(result, GGML_KVQ_OP_SEAL_K, 0, n_sink, 0.0f, n_seq, k_tiles->ne[1]*QK_KIVI, false);
     result->src[0] = k_tiles;
     result->src[1] = k_fp16;
     result->src[2] = k_cur;
@@ -67,19 +67,22 @@ struct ggml_tensor * ggml_kvq_attn(
         struct ggml_tensor  * k_idxs,
         int32_t               window,
         int32_t               n_sink,
-        float                 scale) {
+        float                 scale,
+        int32_t               n_seq,
+        bool                  mask_all_streams) {
     GGML_ASSERT(q->type == GGML_TYPE_F32 && q->nb[0] == sizeof(float));
     GGML_ASSERT(q->ne[0] == k_cur->ne[0] && q->ne[2] == k_cur->ne[2] && q->ne[1] % k_cur->ne[1] == 0);
     GGML_ASSERT(v_cur->ne[1] == k_cur->ne[1] && v_cur->ne[2] == k_cur->ne[2]);
     GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_kvq_is_kivi(v_rows->type));
     GGML_ASSERT(k_tiles->ne[0] == (int64_t) kvq_n_embd(k_cur)*QK_KIVI && v_rows->ne[0] == kvq_n_embd(v_cur));
     GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
-    // several streams: the batch is mask->ne[3] equal segments, one per stream (ggml-kvq.h)
-    const int32_t n_seq   = (int32_t) mask->ne[3];
     const int64_t kv_size = k_tiles->ne[1]*QK_KIVI;
     GGML_ASSERT(ggml_is_contiguous(k_tiles) && ggml_is_contiguous(v_rows) && mask->ne[2] == 1);
     GGML_ASSERT(k_tiles->ne[2] == k_fp16->ne[2] && ggml_nrows(v_rows) == kv_size*k_fp16->ne[2]);
-    GGML_ASSERT(mask->ne[1] >= q->ne[2]/n_seq && mask->ne[0] <= kv_size);
+    // one mask plane per segment over its stream's cells, or one plane for the whole batch over all cells
+    GGML_ASSERT(mask->ne[1]*mask->ne[3] == q->ne[2]);
+    GGML_ASSERT(mask_all_streams ? mask->ne[3] == 1 && mask->ne[0] <= kv_size*k_fp16->ne[2]
+                                 : mask->ne[3] == n_seq && mask->ne[0] <= kv_size);
     GGML_ASSERT(window >= 0);
     kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink, n_seq);
     kvq_check_batch(v_fp16, v_cur, k_idxs, n_sink, n_seq);
@@ -87,7 +90,7 @@ struct ggml_tensor * ggml_kvq_attn(
     GGML_ASSERT(v_fp16->ne[1] == k_fp16->ne[1] && v_fp16->ne[2] == k_fp16->ne[2]);
 
     struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, v_cur->ne[0], q->ne[1], q->ne[2]);
-    kvq_set_params(result, GGML_KVQ_OP_ATTN, window, n_sink, scale, n_seq, kv_size);
+    kvq_set_params(result, GGML_KVQ_OP_ATTN, window, n_sink, scale, n_seq, kv_size, mask_all_streams);
     result->src[0] = q;
     result->src[1] = k_tiles;
     result->src[2] = v_rows;
@@ -112,7 +115,7 @@ struct ggml_tensor * ggml_kvq_ring_put(
     kvq_check_batch(fp16, cur, k_idxs, n_sink, n_seq);
 
     struct ggml_tensor * result = ggml_view_tensor(ctx, fp16);
-    kvq_set_params(result, GGML_KVQ_OP_RING_PUT, 0, n_sink, 0.0f, n_seq, kv_size);
+    kvq_set_params(result, GGML_KVQ_OP_RING_PUT, 0, n_sink, 0.0f, n_seq, kv_size, false);
     result->src[0] = fp16;
     result->src[1] = cur;
     result->src[2] = k_idxs;

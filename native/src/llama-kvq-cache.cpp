@@ -1,10 +1,11 @@
 // The kivi layers of llama_kv_cache (members declared by native/patches, defined here).
 //
 // A kivi layer keeps K as sealed per-channel tiles, V as per-token rows, and the sinks and the recent
-// window in fp16 (ggml-kvq.h). One sequence per stream, whose token at position p sits in cell p of the
-// stream: the attention contract is judged on positions, and the cells stand in for them. Several
-// sequences therefore need per-sequence streams (kv_unified = false, llama.cpp's default); a unified cache
-// holds one sequence.
+// window in fp16 (ggml-kvq.h). Each sequence has a part of its own whose k-th cell holds its k-th token: the
+// attention contract is judged on positions, and the cells stand in for them. The parts are llama.cpp's
+// per-sequence streams (kv_unified = false), or in a unified cache fixed regions of n_ctx/n_seq_max cells,
+// sequence s from cell s*kvq_part_cells on: tiles never mix sequences, so a unified kivi cache cannot share
+// its cells out freely, and its sequences cannot share cells (a token of several sequences, a partial copy).
 
 #include "llama-kv-cache.h"
 
@@ -42,7 +43,8 @@ static std::string kvq_model_layer_spec(const llama_model & model) {
     return n < 0 ? "" : std::string(buf, n);
 }
 
-void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_type type_v, uint32_t n_stream_wanted) {
+void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_type type_v, uint32_t n_stream_wanted,
+        uint32_t kv_size) {
     std::string spec = llama_kvq_layer_spec();
     std::string source = "--kv-layers";
     if (spec.empty()) {
@@ -74,28 +76,28 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
     if (v_trans) {
         throw std::runtime_error("KV cache " + types + ": kivi types need flash attention (-fa on)");
     }
-    if (n_seq_max > 1 && n_stream_wanted == 1) {
-        throw std::runtime_error("KV cache " + types + ": kivi types hold several sequences (n_seq_max = " +
-                                 std::to_string(n_seq_max) + ") only in per-sequence streams: drop --kv-unified "
-                                 "(kv_unified = false)");
-    }
     GGML_ASSERT(n_stream_wanted == n_seq_max || n_stream_wanted == 1);
+    const bool unified = n_stream_wanted == 1;
+    kvq_n_part     = unified ? n_seq_max : n_stream_wanted;
+    kvq_part_cells = unified ? kv_size / n_seq_max / QK_KIVI * QK_KIVI : kv_size;
+    if (kvq_part_cells == 0 || kv_size % QK_KIVI != 0) {
+        throw std::runtime_error("KV cache " + types + ": " + std::to_string(kv_size) + " cells for " +
+                                 std::to_string(n_seq_max) + " sequences: kivi types need a multiple of 32 cells " +
+                                 (unified ? "for each sequence of a unified cache" : "per sequence"));
+    }
     if (other != nullptr || n_swa != 0) {
         throw std::runtime_error("KV cache " + types + ": kivi types do not support shared or sliding-window caches yet");
     }
-    LLAMA_LOG_INFO("%s: kivi KV cache: window = %d, sinks = %d, rollback = %d, rotation = %s%s%s\n", __func__,
-            kvq_params.window, kvq_params.n_sink, kvq_params.n_rollback, kvq_params.rotate ? "on" : "off",
+    LLAMA_LOG_INFO("%s: kivi KV cache: window = %d, sinks = %d, rollback = %d, rotation = %s, %u %s of %u cells%s%s\n",
+            __func__, kvq_params.window, kvq_params.n_sink, kvq_params.n_rollback, kvq_params.rotate ? "on" : "off",
+            kvq_n_part, unified ? "sequence regions" : "sequence streams", kvq_part_cells,
             spec.empty() || spec == "none" ? "" : ", layer types = ", spec == "none" ? "" : spec.c_str());
 }
 
 bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type type_k, ggml_type type_v,
-        uint32_t kv_size, const char * name_tag) {
+        const char * name_tag) {
     if (!kvq_either_kivi(type_k, type_v)) {
         return false;
-    }
-    if (kv_size % QK_KIVI != 0) {
-        throw std::runtime_error("KV cache " + kvq_types_text(type_k, type_v) + ": the cache size per sequence (" +
-                                 std::to_string(kv_size) + " cells) must be a multiple of 32");
     }
     const uint32_t dk = hparams.n_embd_head_k(il);
     const uint32_t dv = hparams.n_embd_head_v(il);
@@ -110,16 +112,16 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
 
     kv_layer layer = {};
     layer.il     = il;
-    layer.k      = ggml_new_tensor_3d(ctx, type_k, (int64_t) n_embd_k*QK_KIVI, kv_size/QK_KIVI, n_stream);
-    layer.v      = ggml_new_tensor_3d(ctx, type_v, n_embd_v, kv_size, n_stream);
-    layer.k_fp16 = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, n_embd_k, n_fp16, n_stream);
-    layer.v_fp16 = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, n_embd_v, n_fp16, n_stream);
+    layer.k      = ggml_new_tensor_3d(ctx, type_k, (int64_t) n_embd_k*QK_KIVI, kvq_part_cells/QK_KIVI, kvq_n_part);
+    layer.v      = ggml_new_tensor_3d(ctx, type_v, n_embd_v, kvq_part_cells, kvq_n_part);
+    layer.k_fp16 = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, n_embd_k, n_fp16, kvq_n_part);
+    layer.v_fp16 = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, n_embd_v, n_fp16, kvq_n_part);
     ggml_format_name(layer.k,      "cache_%sk_tiles_l%d", name_tag, il);
     ggml_format_name(layer.v,      "cache_%sv_l%d",       name_tag, il);
     ggml_format_name(layer.k_fp16, "cache_%sk_fp16_l%d",  name_tag, il);
     ggml_format_name(layer.v_fp16, "cache_%sv_fp16_l%d",  name_tag, il);
     // per stream: its tiles and V rows (upstream copies these views in update() for seq_cp across streams)
-    for (uint32_t s = 0; s < n_stream; ++s) {
+    for (uint32_t s = 0; s < n_stream && !kvq_in_regions(); ++s) {
         layer.k_stream.push_back(ggml_view_2d(ctx, layer.k, layer.k->ne[0], layer.k->ne[1], layer.k->nb[1], s*layer.k->nb[2]));
         layer.v_stream.push_back(ggml_view_2d(ctx, layer.v, layer.v->ne[0], layer.v->ne[1], layer.v->nb[1], s*layer.v->nb[2]));
     }
@@ -129,15 +131,117 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
     return true;
 }
 
+static void kvq_copy_bytes(ggml_tensor * t, size_t src_offset, size_t dst_offset, size_t n) {
+    std::vector<uint8_t> buf(n);
+    ggml_backend_tensor_get(t, buf.data(), src_offset, n);
+    ggml_backend_tensor_set(t, buf.data(), dst_offset, n);
+}
+
 // seq_cp across streams: update() copies the tiles and V rows (k_stream, v_stream), this the fp16 sinks and ring
 void llama_kv_cache::kvq_copy_stream(const kv_layer & layer, uint32_t ssrc, uint32_t sdst) const {
     for (ggml_tensor * t : { layer.k_fp16, layer.v_fp16 }) {
-        if (t == nullptr) {
+        if (t != nullptr) {
+            kvq_copy_bytes(t, ssrc*t->nb[2], sdst*t->nb[2], t->nb[2]);
+        }
+    }
+}
+
+bool llama_kv_cache::kvq_in_regions() const {
+    return kvq_n_part > 0 && n_stream == 1;
+}
+
+static bool kvq_slot_fail(const std::string & why) {
+    LLAMA_LOG_ERROR("kivi KV cache: %s\n", why.c_str());
+    return false;
+}
+
+// A unified kivi cache: the k-th token of sequence s goes to cell s*kvq_part_cells + k, after the sequence's cells
+// (it only ever loses a suffix, so they are the first ones of its region)
+llama_kv_cache::slot_info llama_kv_cache::kvq_find_slot(const llama_ubatch & ubatch) const {
+    const llama_kv_cells & cells = v_cells[0];
+    slot_info res = {};
+    res.resize(1);
+    res.idxs[0].resize(ubatch.n_tokens);
+    std::vector<uint32_t> n_new(kvq_n_part, 0);
+    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+        if (ubatch.n_seq_id[i] != 1) {
+            kvq_slot_fail("a token of several sequences at once (a shared prompt): kivi types keep every sequence's "
+                          "tokens apart; decode it for each sequence, or once and copy the sequence (llama_memory_seq_cp)");
+            return {};
+        }
+        const llama_seq_id seq = ubatch.seq_id[i][0];
+        if (seq < 0 || (uint32_t) seq >= kvq_n_part) {
+            kvq_slot_fail("sequence id " + std::to_string(seq) + ": this cache holds " + std::to_string(kvq_n_part) +
+                          " sequences, ids 0 .. " + std::to_string(kvq_n_part - 1) + " (n_seq_max)");
+            return {};
+        }
+        const llama_pos pos_min = cells.seq_pos_min(seq);
+        const uint32_t  k = (pos_min < 0 ? 0 : cells.seq_pos_max(seq) - pos_min + 1) + n_new[seq]++;
+        if (k >= kvq_part_cells) {
+            kvq_slot_fail("sequence " + std::to_string(seq) + " is full: a unified kivi cache gives each of its " +
+                          std::to_string(kvq_n_part) + " sequences " + std::to_string(kvq_part_cells) +
+                          " cells (n_ctx / n_seq_max)");
+            return {};
+        }
+        res.idxs[0][i] = seq*kvq_part_cells + k;
+    }
+    return res;
+}
+
+// seq_cp in a unified kivi cache: the region of dst becomes a copy of src's (cells and data). Copies start at
+// the sequence's first token; one that stops earlier is the whole copy less a suffix, as far as seq_rm allows.
+void llama_kv_cache::kvq_seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) {
+    if (seq_id_src == seq_id_dst) {
+        return;
+    }
+    if ((uint32_t) seq_id_src >= kvq_n_part || (uint32_t) seq_id_dst >= kvq_n_part) {
+        kvq_slot_fail("seq_cp " + std::to_string(seq_id_src) + " -> " + std::to_string(seq_id_dst) + ": this cache holds " +
+                      std::to_string(kvq_n_part) + " sequences (n_seq_max); nothing copied");
+        return;
+    }
+    llama_kv_cells & cells = v_cells[0];
+    const llama_pos pos_min = cells.seq_pos_min(seq_id_src);
+    const llama_pos pos_max = cells.seq_pos_max(seq_id_src);
+    const uint32_t  n       = pos_min < 0 ? 0 : pos_max - pos_min + 1;
+    const bool      to_end  = p1 < 0 || p1 > pos_max;
+    if (n > 0 && p0 > pos_min) {
+        kvq_slot_fail("seq_cp " + std::to_string(seq_id_src) + " -> " + std::to_string(seq_id_dst) + " of positions [" +
+                      std::to_string(p0) + ", " + std::to_string(p1) + "): kivi types copy a sequence from its first "
+                      "token (" + std::to_string(pos_min) + "); nothing copied");
+        return;
+    }
+    if (n > 0 && !to_end && !kvq_can_remove_stream(n, p1 - pos_min, -1, seq_id_src)) {
+        return;
+    }
+    seq_rm(seq_id_dst, -1, -1);
+
+    const uint32_t src0 = seq_id_src*kvq_part_cells;
+    const uint32_t dst0 = seq_id_dst*kvq_part_cells;
+    std::vector<uint32_t> src_idxs(n);
+    std::vector<uint32_t> dst_idxs(n);
+    for (uint32_t k = 0; k < n; ++k) {
+        src_idxs[k] = src0 + k;
+        dst_idxs[k] = dst0 + k;
+    }
+    cells.set(dst_idxs, cells.cp(src_idxs));
+    for (uint32_t idx : dst_idxs) {
+        cells.seq_add(idx, seq_id_dst);
+        cells.seq_rm(idx, seq_id_src);
+    }
+    for (const kv_layer & layer : layers) {
+        if (layer.k_fp16 == nullptr) {
+            // a layer of another type in a kivi cache (per-layer types): plain rows, one per cell
+            for (ggml_tensor * t : { layer.k, layer.v }) {
+                kvq_copy_bytes(t, src0*t->nb[1], dst0*t->nb[1], (size_t) n*t->nb[1]);
+            }
             continue;
         }
-        std::vector<uint8_t> buf(t->nb[2]);
-        ggml_backend_tensor_get(t, buf.data(), ssrc*t->nb[2], buf.size());
-        ggml_backend_tensor_set(t, buf.data(), sdst*t->nb[2], buf.size());
+        for (ggml_tensor * t : { layer.k, layer.v, layer.k_fp16, layer.v_fp16 }) {
+            kvq_copy_bytes(t, seq_id_src*t->nb[2], seq_id_dst*t->nb[2], t->nb[2]);
+        }
+    }
+    if (!to_end) {
+        seq_rm(seq_id_dst, p1, -1);
     }
 }
 
@@ -168,12 +272,8 @@ static size_t kvq_tile_bytes(const ggml_tensor * tiles, uint32_t n_cells) {
     return (size_t) (n_cells / QK_KIVI) * tiles->nb[1];
 }
 
-void llama_kv_cache::kvq_state_write_data(llama_io_write_i & io, const cell_ranges_t & cr) const {
-    // one sequence per stream whose token at position p sits in cell p: the saved cells are 0 .. n-1
-    if (cr.data.size() != 1 || cr.data[0].first != 0) {
-        throw std::runtime_error("kivi KV cache: only a whole sequence starting at position 0 can be saved");
-    }
-    const uint32_t n_cells = cr.data[0].second;
+// one block per saved part: its first n_cells cells
+void llama_kv_cache::kvq_state_write_part(llama_io_write_i & io, uint32_t part, uint32_t n_cells) const {
     const kvq_state_header header = { KVQ_STATE_MAGIC, (uint32_t) layers.size(), kvq_params.window, kvq_params.n_sink,
                                       layers.empty() ? 0 : layers[0].k_fp16->ne[1], n_cells };
     io.write(&header, sizeof(header));
@@ -181,10 +281,33 @@ void llama_kv_cache::kvq_state_write_data(llama_io_write_i & io, const cell_rang
         GGML_ASSERT(layer.k_fp16 != nullptr && "a kivi cache with a non-kivi layer cannot be saved yet");
         const int32_t types[2] = { (int32_t) layer.k->type, (int32_t) layer.v->type };
         io.write(types, sizeof(types));
-        io.write_tensor(layer.k,      cr.strm*layer.k->nb[2],      kvq_tile_bytes(layer.k, n_cells));
-        io.write_tensor(layer.v,      cr.strm*layer.v->nb[2],      (size_t) n_cells * layer.v->nb[1]);
-        io.write_tensor(layer.k_fp16, cr.strm*layer.k_fp16->nb[2], layer.k_fp16->nb[2]);
-        io.write_tensor(layer.v_fp16, cr.strm*layer.v_fp16->nb[2], layer.v_fp16->nb[2]);
+        io.write_tensor(layer.k,      part*layer.k->nb[2],      kvq_tile_bytes(layer.k, n_cells));
+        io.write_tensor(layer.v,      part*layer.v->nb[2],      (size_t) n_cells * layer.v->nb[1]);
+        io.write_tensor(layer.k_fp16, part*layer.k_fp16->nb[2], layer.k_fp16->nb[2]);
+        io.write_tensor(layer.v_fp16, part*layer.v_fp16->nb[2], layer.v_fp16->nb[2]);
+    }
+}
+
+// the part of cell `cell` of stream `strm`, and the cell's index within the part
+void llama_kv_cache::kvq_part_of(uint32_t strm, uint32_t cell, uint32_t & part, uint32_t & k) const {
+    part = kvq_in_regions() ? cell / kvq_part_cells : strm;
+    k    = cell % kvq_part_cells;
+}
+
+void llama_kv_cache::kvq_state_write_data(llama_io_write_i & io, const cell_ranges_t & cr) const {
+    // a part's tokens fill its first cells, so the saved ranges are runs of whole parts: split at the part ends
+    for (const auto & range : cr.data) {
+        for (uint32_t cell = range.first; cell < range.second; ) {
+            uint32_t part;
+            uint32_t k;
+            kvq_part_of(cr.strm, cell, part, k);
+            if (k != 0) {
+                throw std::runtime_error("kivi KV cache: only whole sequences can be saved");
+            }
+            const uint32_t n = std::min(range.second - cell, kvq_part_cells);
+            kvq_state_write_part(io, part, n);
+            cell += n;
+        }
     }
 }
 
@@ -194,6 +317,27 @@ static bool kvq_state_fail(const std::string & why) {
 }
 
 bool llama_kv_cache::kvq_state_read_data(llama_io_read_i & io, uint32_t strm, uint32_t cell_count, const slot_info & sinfo) {
+    // a whole-cache restore puts the cells first to last; in a unified cache they go to their sequences' regions
+    std::vector<uint32_t> from;
+    std::vector<uint32_t> to;
+    for (uint32_t done = 0; done < cell_count; ) {
+        uint32_t n_cells = 0;
+        if (!kvq_state_read_part(io, strm, cell_count - done, sinfo.idxs[0].data() + done, from, to, n_cells)) {
+            return false;
+        }
+        done += n_cells;
+    }
+    llama_kv_cells & cells = v_cells[strm];
+    const llama_kv_cells moved = cells.cp(from);
+    for (uint32_t idx : from) {
+        cells.rm(idx);
+    }
+    cells.set(to, moved);
+    return true;
+}
+
+bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, uint32_t n_left, const uint32_t * idxs,
+        std::vector<uint32_t> & from, std::vector<uint32_t> & to, uint32_t & n_cells) {
     kvq_state_header header = {};
     io.read(&header, sizeof(header));
     if (header.magic != KVQ_STATE_MAGIC) {
@@ -209,13 +353,27 @@ bool llama_kv_cache::kvq_state_read_data(llama_io_read_i & io, uint32_t strm, ui
                               std::to_string(kvq_params.window) + ", sinks " + std::to_string(kvq_params.n_sink) +
                               ", " + std::to_string(n_fp16) + " fp16 cells");
     }
-    if (header.n_cells != cell_count) {
+    n_cells = header.n_cells;
+    if (n_cells == 0 || n_cells > n_left) {
         return kvq_state_fail("its cell count does not match its metadata");
     }
-    for (uint32_t i = 0; i < cell_count; ++i) {
-        if (sinfo.idxs[0][i] != i) {
-            return kvq_state_fail("the sequence must be restored into an empty cache, starting at cell 0");
+    // the part: a stream, or in a unified cache the region of the cells' sequence
+    const uint32_t part = kvq_in_regions() ? (uint32_t) v_cells[strm].seq_get(idxs[0]) : strm;
+    if (part >= kvq_n_part || n_cells > kvq_part_cells) {
+        return kvq_state_fail("it holds " + std::to_string(n_cells) + " cells of sequence " + std::to_string(part) +
+                              "; this cache holds " + std::to_string(kvq_n_part) + " sequences of " +
+                              std::to_string(kvq_part_cells) + " cells");
+    }
+    for (uint32_t k = 0; k < n_cells; ++k) {
+        const uint32_t cell = (kvq_in_regions() ? part*kvq_part_cells : 0) + k;
+        if (idxs[k] == cell) {
+            continue;
         }
+        if (!kvq_in_regions()) {
+            return kvq_state_fail("the sequence must be restored into an empty stream, starting at cell 0");
+        }
+        from.push_back(idxs[k]);
+        to.push_back(cell);
     }
     for (const kv_layer & layer : layers) {
         int32_t types[2];
@@ -225,10 +383,10 @@ bool llama_kv_cache::kvq_state_read_data(llama_io_read_i & io, uint32_t strm, ui
                                   kvq_types_text((ggml_type) types[0], (ggml_type) types[1]) + ", this cache holds " +
                                   kvq_types_text(layer.k->type, layer.v->type));
         }
-        io.read_tensor(layer.k,      strm*layer.k->nb[2],      kvq_tile_bytes(layer.k, cell_count));
-        io.read_tensor(layer.v,      strm*layer.v->nb[2],      (size_t) cell_count * layer.v->nb[1]);
-        io.read_tensor(layer.k_fp16, strm*layer.k_fp16->nb[2], layer.k_fp16->nb[2]);
-        io.read_tensor(layer.v_fp16, strm*layer.v_fp16->nb[2], layer.v_fp16->nb[2]);
+        io.read_tensor(layer.k,      part*layer.k->nb[2],      kvq_tile_bytes(layer.k, n_cells));
+        io.read_tensor(layer.v,      part*layer.v->nb[2],      (size_t) n_cells * layer.v->nb[1]);
+        io.read_tensor(layer.k_fp16, part*layer.k_fp16->nb[2], layer.k_fp16->nb[2]);
+        io.read_tensor(layer.v_fp16, part*layer.v_fp16->nb[2], layer.v_fp16->nb[2]);
     }
     return true;
 }
@@ -243,15 +401,17 @@ bool llama_kv_cache::kvq_can_remove(llama_seq_id seq_id, llama_pos p0, llama_pos
     if (!kvq_active()) {
         return true;
     }
-    // kivi caches hold one sequence per stream (kvq_init), its token at position p in cell p; seq_id -1
-    // removes the range from every sequence
-    for (uint32_t s = 0; s < n_stream; ++s) {
-        if (seq_id >= 0 && s != seq_to_stream[seq_id]) {
+    // part s holds sequence s, its k-th token in the part's k-th cell; seq_id -1 removes the range from every sequence
+    for (uint32_t seq = 0; seq < kvq_n_part; ++seq) {
+        if (seq_id >= 0 && (llama_seq_id) seq != seq_id) {
             continue;
         }
-        // a unified (one-stream) cache holds sequence 0; stream s of a per-sequence cache holds sequence s
-        const llama_seq_id seq = n_stream == 1 ? (seq_id >= 0 ? seq_id : 0) : (llama_seq_id) s;
-        if (!kvq_can_remove_stream(v_cells[s].seq_pos_max(seq) + 1, p0, p1, seq)) {
+        const llama_kv_cells & cells = v_cells[kvq_in_regions() ? 0 : seq];
+        const llama_pos pos_min = cells.seq_pos_min(seq);
+        if (pos_min < 0) {
+            continue;
+        }
+        if (!kvq_can_remove_stream(cells.seq_pos_max(seq) - pos_min + 1, p0 - pos_min, p1 < 0 ? p1 : p1 - pos_min, seq)) {
             return false;
         }
     }
@@ -300,20 +460,26 @@ bool llama_kv_cache::kvq_is_layer(int32_t il) const {
 }
 
 ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * q_cur, ggml_tensor * k_cur,
-        ggml_tensor * v_cur, ggml_tensor * v_stored, ggml_tensor * kq_mask, ggml_tensor * k_idxs, float kq_scale, int32_t il) const {
+        ggml_tensor * v_cur, ggml_tensor * kq_mask, ggml_tensor * k_idxs, ggml_tensor * v_idxs, const llama_ubatch & ubatch,
+        float kq_scale, int32_t il) const {
     const kv_layer & layer = layers[map_layer_ids.at(il)];
     const int32_t n_sink = kvq_params.n_sink;
 
-    // the ubatch holds kq_mask->ne[3] sequences (streams), equally many tokens each
-    const int32_t n_seq   = (int32_t) kq_mask->ne[3];
-    const int64_t kv_size = layer.v->ne[1];
+    // init_batch splits a kivi cache's batches per sequence: ubatch.n_seqs sequences, equally many tokens each
+    GGML_ASSERT(ubatch.equal_seqs());
+    const int32_t n_seq   = (int32_t) ubatch.n_seqs;
+    const int64_t kv_size = kvq_part_cells;
 
+    // V rows of every part, indexed by the global cells of k_idxs/v_idxs
+    ggml_tensor * v_rows   = ggml_reshape_2d(ctx, layer.v, layer.v->ne[0], layer.v->ne[1]*layer.v->ne[2]);
+    GGML_ASSERT(ggml_row_size(v_cur->type, v_cur->ne[0]) == v_cur->nb[1]);
+    ggml_tensor * v_stored = ggml_set_rows(ctx, v_rows, ggml_view_2d(ctx, v_cur, v_rows->ne[0], v_cur->ne[2], v_cur->nb[2], 0), v_idxs);
     ggml_tensor * k_sealed = ggml_kvq_seal_k(ctx, layer.k, layer.k_fp16, k_cur, k_idxs, n_sink, n_seq);
     ggml_build_forward_expand(gf, k_sealed);
     ggml_build_forward_expand(gf, v_stored);
 
     ggml_tensor * out = ggml_kvq_attn(ctx, q_cur, k_sealed, v_stored, layer.k_fp16, layer.v_fp16, k_cur, v_cur,
-                                      kq_mask, k_idxs, kvq_params.window, n_sink, kq_scale);
+                                      kq_mask, k_idxs, kvq_params.window, n_sink, kq_scale, n_seq, kvq_in_regions());
     ggml_build_forward_expand(gf, out);
 
     // the ring changes only after the attention has read it

@@ -303,7 +303,7 @@ struct kvq_attn_params {
     const char    * q;
     const char    * k_tiles;
     const char    * v_rows;
-    const char    * mask;       // [n_kv, n_tps, 1, n_seq]
+    const char    * mask;       // [n_kv, n_tps, 1, n_seq] per stream, or [n_kv, n_tokens, 1, 1] over all cells
     const int64_t * cells;
     char          * dst;
     float         * part;     // split-K: [token*n_head + head][split][head_dim_v] unnormalised outputs
@@ -316,12 +316,15 @@ struct kvq_attn_params {
     size_t v_rows_nb1;
     size_t mask_nb1;
     size_t mask_nb3;
+    int64_t mask_ne0;
+    int64_t mask_ne1;
+    int64_t mask_stream_cols; // mask column of a stream's cell 0 = stream*mask_stream_cols
     size_t dst_nb1;
     size_t dst_nb2;
     int    n_head;
     int    n_gqa;            // query heads per KV head
     int    n_groups;         // blocks per KV head and token (ncols query heads each)
-    int    n_kv;
+    int    n_kv;             // cells of one stream the mask may cover
     int    k_bits;
     int    v_bits;
     int    window;
@@ -385,10 +388,10 @@ static __device__ __forceinline__ void kvq_load_cols(const float * src, float (&
     }
 }
 
-// t: the query's token within its segment, seg: the segment
-static __device__ __forceinline__ float kvq_mask_value(const kvq_attn_params & p, int64_t seg, int t, int64_t j) {
-    const char * row = p.mask + seg*p.mask_nb3 + t*p.mask_nb1;
-    return p.mask_f16 ? __half2float(((const half *) row)[j]) : ((const float *) row)[j];
+// the mask has one row per batch token, in planes of mask_ne1 rows (one plane per stream, or one for all)
+static __device__ __forceinline__ float kvq_mask_value(const kvq_attn_params & p, int64_t t, int64_t col) {
+    const char * row = p.mask + (t / p.mask_ne1)*p.mask_nb3 + (t % p.mask_ne1)*p.mask_nb1;
+    return p.mask_f16 ? __half2float(((const half *) row)[col]) : ((const float *) row)[col];
 }
 
 // Scores of the ncols query heads against the 32 cells of a quantized K tile (the head's head_dim
@@ -557,12 +560,12 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
     int64_t       strm;
     const int64_t first = kvq_segment(ks, p.cells, t, &strm);
     kvq_segment(vs, p.cells, t, &strm);
-    const int64_t seg   = t / p.k.n_tps;
     const int     tl    = t % p.k.n_tps;                  // the query's token within its segment
     const char  * k_tiles = p.k_tiles + strm*(p.k.kv_size/QK_KIVI)*p.k_tiles_nb1;
     const char  * v_rows  = p.v_rows + strm*p.k.kv_size*p.v_rows_nb1;
     const int64_t i     = first + tl;
-    const int64_t end   = min((int64_t) p.n_kv, first + ks.n_tokens);
+    const int64_t col0  = strm*p.mask_stream_cols;
+    const int64_t end   = min(min((int64_t) p.n_kv, p.mask_ne0 - col0), first + ks.n_tokens);
     const int64_t lim_v = i - p.window + 1;
     const int64_t lim_k = min(lim_v, i/QK_KIVI*QK_KIVI);
 
@@ -597,7 +600,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
     for (int tile = split*p.tiles_per_split + warp; tile < tile_end; tile += KVQ_NWARPS) {
         const int64_t  j0             = (int64_t) tile*QK_KIVI;
         const int64_t  j              = j0 + lane;
-        const float    mv             = j < end ? kvq_mask_value(p, seg, tl, j) : -INFINITY;
+        const float    mv             = j < end ? kvq_mask_value(p, t, col0 + j) : -INFINITY;
         const bool     attended       = mv != -INFINITY;
         const uint32_t attended_cells = __ballot_sync(0xFFFFFFFF, attended);
         if (attended_cells == 0) {
@@ -710,7 +713,8 @@ static bool kvq_head_dim_ok(int64_t n) {
     return n > 0 && n % QK_KIVI == 0 && n <= KVQ_MAX_HEAD;
 }
 
-// op params: { op, window, n_sink, scale, n_seq (streams in the batch), kv_size (cells per stream) }
+// op params: { op, window, n_sink, scale, n_seq (streams in the batch), kv_size (cells per stream),
+// mask_all_streams (attention: the mask's columns are the global cells) }
 static kvq_source kvq_make_source(const ggml_tensor * dst, const ggml_tensor * fp16, const ggml_tensor * cur) {
     const int32_t n_sink  = ggml_get_op_params_i32(dst, 2);
     const int32_t n_seq   = ggml_get_op_params_i32(dst, 4);
@@ -834,8 +838,9 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_kvq_is_kivi(v_rows->type));
     GGML_ASSERT(k_tiles->ne[0] == (int64_t) p.k.head_dim*n_head_kv*QK_KIVI && v_rows->ne[0] == (int64_t) p.v.head_dim*n_head_kv);
     GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
-    GGML_ASSERT(mask->ne[0] > 0 && mask->ne[1] >= p.k.n_tps && mask->ne[3]*p.k.n_tps == n_tokens);
-    GGML_ASSERT(mask->ne[0] <= p.k.kv_size && k_tiles->ne[1]*QK_KIVI == p.k.kv_size);
+    const bool mask_all_streams = ggml_get_op_params_i32(dst, 6) != 0;
+    GGML_ASSERT(mask->ne[0] > 0 && mask->ne[1]*mask->ne[3] == n_tokens && k_tiles->ne[1]*QK_KIVI == p.k.kv_size);
+    GGML_ASSERT(mask->ne[0] <= (mask_all_streams ? p.k.kv_size*k_tiles->ne[2] : p.k.kv_size));
     GGML_ASSERT(ggml_is_contiguous(v_rows) && ggml_is_contiguous(k_tiles));
     GGML_ASSERT(p.k.n_ring == p.v.n_ring && p.k.n_ring >= ggml_kvq_ring_size(ggml_get_op_params_i32(dst, 1)));
     GGML_ASSERT(dst->type == GGML_TYPE_F32 && dst->nb[0] == sizeof(float));
@@ -853,11 +858,14 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     p.v_rows_nb1  = v_rows->nb[1];
     p.mask_nb1    = mask->nb[1];
     p.mask_nb3    = mask->nb[3];
+    p.mask_ne0    = mask->ne[0];
+    p.mask_ne1    = mask->ne[1];
+    p.mask_stream_cols = mask_all_streams ? p.k.kv_size : 0;
     p.dst_nb1     = dst->nb[1];
     p.dst_nb2     = dst->nb[2];
     p.n_head      = n_head;
     p.n_gqa       = n_head/n_head_kv;
-    p.n_kv        = (int) mask->ne[0];
+    p.n_kv        = (int) std::min<int64_t>(mask->ne[0], p.k.kv_size);
     p.k_bits      = ggml_kvq_bits(k_tiles->type);
     p.v_bits      = ggml_kvq_bits(v_rows->type);
     p.window      = ggml_get_op_params_i32(dst, 1);
