@@ -10,10 +10,12 @@ target_sources(ggml-base PRIVATE
 target_include_directories(ggml-cpu PRIVATE ${PYKVQ_GGML_KVQ_DIR}/src)
 target_sources(ggml-cpu PRIVATE
     ${PYKVQ_GGML_KVQ_DIR}/src/kvq-cpu.c
+    ${PYKVQ_GGML_KVQ_DIR}/src/kvq-cpu-wide.c
 )
 if (TARGET ggml-cuda)
     target_include_directories(ggml-cuda PRIVATE ${PYKVQ_GGML_KVQ_DIR}/src/cuda)
     target_sources(ggml-cuda PRIVATE
         ${PYKVQ_GGML_KVQ_DIR}/src/cuda/kvq-cuda.cu
+        ${PYKVQ_GGML_KVQ_DIR}/src/cuda/kvq-cuda-wide.cu
     )
 endif()

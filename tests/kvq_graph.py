@@ -26,6 +26,12 @@ _CDEF = """
     struct ggml_tensor * ggml_new_tensor_2d(struct ggml_context * ctx, int type, int64_t ne0, int64_t ne1);
     struct ggml_tensor * ggml_new_tensor_3d(struct ggml_context * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2);
     struct ggml_tensor * ggml_reshape_2d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1);
+    struct ggml_tensor * ggml_reshape_4d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1,
+                                         int64_t ne2, int64_t ne3);
+    struct ggml_tensor * ggml_permute(struct ggml_context * ctx, struct ggml_tensor * a, int axis0, int axis1,
+                                      int axis2, int axis3);
+    struct ggml_tensor * ggml_flash_attn_ext(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
+        struct ggml_tensor * v, struct ggml_tensor * mask, float scale, float max_bias, float logit_softcap);
     struct ggml_tensor * ggml_set_rows(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
                                        struct ggml_tensor * c);
     void * ggml_get_data(const struct ggml_tensor * tensor);
@@ -46,6 +52,12 @@ _CDEF = """
     struct ggml_tensor * ggml_kvq_ring_put(struct ggml_context * ctx, struct ggml_tensor * fp16,
         struct ggml_tensor * cur, struct ggml_tensor * k_idxs, struct ggml_tensor * after, int32_t n_sink,
         int32_t n_seq, int64_t kv_size);
+    struct ggml_tensor * ggml_kvq_wide(struct ggml_context * ctx, struct ggml_tensor * quantized,
+        struct ggml_tensor * fp16, struct ggml_tensor * cur, struct ggml_tensor * k_idxs, int32_t window,
+        int32_t n_sink, int32_t n_seq, int64_t kv_size, int64_t n_kv);
+    struct ggml_tensor * ggml_kvq_wide_mask(struct ggml_context * ctx, struct ggml_tensor * mask,
+        struct ggml_tensor * k_idxs, int32_t window, int32_t n_sink, int32_t n_seq, int64_t kv_size,
+        bool mask_all_streams, int64_t n_kv);
 """
 
 

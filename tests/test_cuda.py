@@ -1,5 +1,6 @@
 """The kivi types on the GPU (CUDA builds only): nothing falls back to the CPU, results equal the CPU's, and
-batching does not change the logits there either. Skipped on builds without the CUDA backend.
+batching does not change the logits there either; for prefill through the fused kernel and through flash
+attention over wide cells (LLAMA_KVQ_FA_PREFILL). Skipped on builds without the CUDA backend.
 
 Runs on random-weight models generated here (pykvq.random_model), so that it needs nothing fetched: the
 GPU machine has no network and a real model does not travel there."""
@@ -20,6 +21,9 @@ if "CUDA" not in native.backends():
 
 CTX = 512
 KIVI = ["kivi4", "kivi2", "kivi1"]
+# LLAMA_KVQ_FA_PREFILL: the fused kernel for every batch, or flash attention over wide cells from 128 tokens per
+# sequence (the GPU's default)
+PREFILL = {"fused": "1000000000", "flash": "128"}
 _SPLITS = re.compile(r"graph(?: \(pp bs=\d+, tg bs=\d+\))?: nodes = [\d /]+, splits = (\d+)(?: / (\d+))?")
 
 
@@ -38,6 +42,12 @@ def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(params=list(PREFILL))
+def prefill(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL[request.param])
+    return request.param
+
+
 def perplexity(model: Path, text: Path, kv_type: str, *args: str) -> str:
     base = ["-c", str(CTX), "-b", str(CTX), "--chunks", "2", "-t", "4", "-fa", "on", "--kv-window", "64",
             "--kv-sinks", "3"]
@@ -52,7 +62,7 @@ def splits(output: str) -> int:
 
 
 @pytest.mark.parametrize("kv_type", KIVI)
-def test_nothing_falls_back_to_the_cpu(kv_type: str, model: Path, text: Path) -> None:
+def test_nothing_falls_back_to_the_cpu(kv_type: str, model: Path, text: Path, prefill: str) -> None:
     """A KV or attention node on the CPU would split the graph at every layer; f16 KV (upstream's fused
     attention, fully on the GPU) sets the bar."""
     # -lv 4: the split count is logged at info level
@@ -61,16 +71,22 @@ def test_nothing_falls_back_to_the_cpu(kv_type: str, model: Path, text: Path) ->
 
 
 @pytest.mark.parametrize("kv_type", KIVI)
-def test_gpu_logits_match_the_cpu(kv_type: str, model: Path, text: Path, tmp_path: Path) -> None:
-    """Same model, same chunks, CPU against GPU: KL divergence of the GPU's token distributions from the CPU's
-    must be at the level of float summation order, far below what quantization itself costs."""
-    base = tmp_path / "cpu.bin"
-    perplexity(model, text, kv_type, "-ngl", "0", "--kl-divergence-base", str(base))
-    out = perplexity(model, text, kv_type, "-ngl", "99", "--kl-divergence-base", str(base), "--kl-divergence")
-    mean_kld = float(re.search(r"Mean\s+KLD:\s+([-0-9.e]+)", out).group(1))
+def kl_divergence(model: Path, text: Path, kv_type: str, base: Path, base_args: list[str], args: list[str]) -> float:
+    """Mean KL divergence of a run's token distributions from a base run's; asserts the top tokens agree."""
+    perplexity(model, text, kv_type, "--kl-divergence-base", str(base), *base_args)
+    out = perplexity(model, text, kv_type, "--kl-divergence-base", str(base), "--kl-divergence", *args)
     same_top = float(re.search(r"Same top p:\s+([0-9.]+)", out).group(1))
-    assert mean_kld < 1e-4
     assert same_top > 99.0
+    return float(re.search(r"Mean\s+KLD:\s+([-0-9.e]+)", out).group(1))
+
+
+@pytest.mark.parametrize("kv_type", KIVI)
+def test_gpu_logits_match_the_cpu(kv_type: str, model: Path, text: Path, tmp_path: Path, prefill: str) -> None:
+    """Same model, same chunks, same prefill path, CPU against GPU: KL divergence of the GPU's token
+    distributions from the CPU's must be at the level of float summation order (fp16 for flash attention),
+    far below what quantization itself costs."""
+    kld = kl_divergence(model, text, kv_type, tmp_path / "cpu.bin", ["-ngl", "0"], ["-ngl", "99"])
+    assert kld < (1e-4 if prefill == "fused" else 1e-3)
 
 
 def _log_probs(model: Path, text: Path, kv_type: str, path: Path, *args: str) -> np.ndarray:
@@ -79,7 +95,9 @@ def _log_probs(model: Path, text: Path, kv_type: str, path: Path, *args: str) ->
 
 
 @pytest.mark.parametrize("kv_type", KIVI)
-def test_batching_does_not_change_gpu_logits(kv_type: str, model: Path, text: Path, tmp_path: Path) -> None:
+def test_batching_does_not_change_gpu_logits(kv_type: str, model: Path, text: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL["fused"])
     whole = _log_probs(model, text, kv_type, tmp_path / "ub512.bin", "-ngl", "99", "-ub", str(CTX))
     for ubatch in ("37", "1"):
         other = _log_probs(model, text, kv_type, tmp_path / f"ub{ubatch}.bin", "-ngl", "99", "-ub", ubatch)
@@ -87,10 +105,24 @@ def test_batching_does_not_change_gpu_logits(kv_type: str, model: Path, text: Pa
 
 
 @pytest.mark.parametrize("kv_type", KIVI)
+def test_flash_prefill_batching_changes_gpu_logits_by_rounding_only(kv_type: str, model: Path, text: Path,
+                                                                     tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flash attention's fp16 values depend on the batch layout only through rounding: -ub 512 against -ub 128
+    (both flash attention), and two sequences per batch against one."""
+    monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL["flash"])
+    assert kl_divergence(model, text, kv_type, tmp_path / "ub.bin", ["-ngl", "99"], ["-ngl", "99", "-ub", "128"]) < 1e-3
+    assert kl_divergence(model, text, kv_type, tmp_path / "seq.bin", ["-ngl", "99"],
+                         ["-ngl", "99", "-b", str(2 * CTX)]) < 1e-3
+
+
+@pytest.mark.parametrize("kv_type", KIVI)
 def test_sequences_in_one_batch_give_the_logits_of_one_on_gpu(kv_type: str, model: Path, text: Path,
-                                                               tmp_path: Path) -> None:
+                                                               tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """-b 2*c: llama-perplexity decodes two chunks as two sequences (per-sequence streams) in the same batches;
-    each chunk's logits must equal those of the chunk decoded alone."""
+    through the fused kernel each chunk's logits must equal those of the chunk decoded alone."""
+    monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL["fused"])
     one = _log_probs(model, text, kv_type, tmp_path / "seq1.bin", "-ngl", "99")
     two = _log_probs(model, text, kv_type, tmp_path / "seq2.bin", "-ngl", "99", "-b", str(2 * CTX))
     assert np.array_equal(two, one), "two sequences per batch changed the logits"

@@ -13,7 +13,7 @@ import pytest
 
 from pykvq import paths
 
-KERNELS = Path("ggml-kvq") / "src" / "cuda" / "kvq-cuda.cu"
+KERNELS = sorted((Path(__file__).resolve().parents[1] / "ggml-kvq" / "src" / "cuda").glob("*.cu"))
 
 # ggml-cuda's flags (ggml/src/ggml-cuda/CMakeLists.txt and ggml's warning set), for one architecture
 NVCC_FLAGS = [
@@ -78,7 +78,8 @@ def cublas_includes(nvcc: str, tmp_path: Path) -> list[str]:
     return ["-I", str(stub)]
 
 
-def test_cuda_kernels_compile(repo: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", KERNELS, ids=lambda p: p.name)
+def test_cuda_kernels_compile(repo: Path, tmp_path: Path, source: Path) -> None:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not on PATH")
@@ -87,10 +88,11 @@ def test_cuda_kernels_compile(repo: Path, tmp_path: Path) -> None:
     for folder in (tree / "ggml" / "include", tree / "ggml" / "src", tree / "ggml" / "src" / "ggml-cuda",
                    repo / "ggml-kvq" / "include"):
         includes += ["-I", str(folder)]
-    cmd = [nvcc, "-c", *NVCC_FLAGS, *includes, str(repo / KERNELS), "-o", str(tmp_path / "kvq-cuda.o")]
+    obj = tmp_path / source.with_suffix(".o").name
+    cmd = [nvcc, "-c", *NVCC_FLAGS, *includes, str(source), "-o", str(obj)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stderr}"
     # warnings from the toolkit's own headers are not ours to fix; warnings from our files are
     ours = [line for line in proc.stderr.splitlines() if "kvq-cuda" in line]
     assert not ours, "\n".join(ours)
-    assert (tmp_path / "kvq-cuda.o").stat().st_size > 0
+    assert obj.stat().st_size > 0

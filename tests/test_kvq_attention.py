@@ -3,7 +3,7 @@ the quantized tiles directly, against the numpy reference of DESIGN.md §5 (test
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -25,8 +25,29 @@ class Case:
     v_type: int = GGML_TYPE_KIVI2
 
 
-def run_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches: list[int]) -> np.ndarray:
-    """Feed the tokens through one cache layer in the given ubatch sizes; return every query's output."""
+def wide_attention(ctx: g.Context, case: Case, q, sealed, v_store, k_fp16, v_fp16, k_cur, v_cur, mask, idxs,
+                   n_alloc: int, n_kv: int):
+    """The flash-attention prefill: K and V as wide cells, upstream's ggml_flash_attn_ext over them."""
+    lib = g.libs().base
+    window, n_sink = case.window, case.n_sink
+    k_wide = lib.ggml_kvq_wide(ctx.ctx, sealed, k_fp16, k_cur, idxs, window, n_sink, 1, n_alloc, n_kv)
+    v_wide = lib.ggml_kvq_wide(ctx.ctx, v_store, v_fp16, v_cur, idxs, window, n_sink, 1, n_alloc, n_kv)
+    wide_mask = lib.ggml_kvq_wide_mask(ctx.ctx, mask, idxs, window, n_sink, 1, n_alloc, False, n_kv)
+    n = q.shape[0]
+    n_wide = (n_kv + 2 * n + 32 + window + 255) // 256 * 256
+
+    def heads(t, n_head: int, n_rows: int):
+        return lib.ggml_permute(ctx.ctx, lib.ggml_reshape_4d(ctx.ctx, t, case.head_dim, n_head, n_rows, 1), 0, 2, 1, 3)
+
+    return lib.ggml_flash_attn_ext(ctx.ctx, heads(ctx.tensor(q), case.n_head, n),
+                                   heads(k_wide, case.n_head_kv, n_wide), heads(v_wide, case.n_head_kv, n_wide),
+                                   wide_mask, 1.0 / np.sqrt(case.head_dim), 0.0, 0.0)
+
+
+def run_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches: list[int],
+              wide: bool = False) -> np.ndarray:
+    """Feed the tokens through one cache layer in the given ubatch sizes; return every query's output (through
+    the fused kernel, or with `wide` through flash attention over wide cells)."""
     n_cells = k.shape[0]
     n_embd = case.n_head_kv * case.head_dim
     n_alloc = (n_cells + 31) // 32 * 32
@@ -49,9 +70,13 @@ def run_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches:
             lib = g.libs().base
             v_store = lib.ggml_set_rows(ctx.ctx, v_rows, lib.ggml_reshape_2d(ctx.ctx, v_cur, n_embd, n), idxs)
             sealed = lib.ggml_kvq_seal_k(ctx.ctx, k_tiles, k_fp16, k_cur, idxs, case.n_sink, 1)
-            attn = lib.ggml_kvq_attn(ctx.ctx, ctx.tensor(q[first:first + n].astype(np.float32)), sealed, v_store,
-                                     k_fp16, v_fp16, k_cur, v_cur, ctx.tensor(mask), idxs, case.window,
-                                     case.n_sink, 1.0 / np.sqrt(case.head_dim), 1, False)
+            if wide:
+                attn = wide_attention(ctx, case, q[first:first + n].astype(np.float32), sealed, v_store, k_fp16,
+                                      v_fp16, k_cur, v_cur, ctx.tensor(mask), idxs, n_alloc, n_kv)
+            else:
+                attn = lib.ggml_kvq_attn(ctx.ctx, ctx.tensor(q[first:first + n].astype(np.float32)), sealed,
+                                         v_store, k_fp16, v_fp16, k_cur, v_cur, ctx.tensor(mask), idxs, case.window,
+                                         case.n_sink, 1.0 / np.sqrt(case.head_dim), 1, False)
             put_k = lib.ggml_kvq_ring_put(ctx.ctx, k_fp16, k_cur, idxs, attn, case.n_sink, 1, n_alloc)
             put_v = lib.ggml_kvq_ring_put(ctx.ctx, v_fp16, v_cur, idxs, attn, case.n_sink, 1, n_alloc)
             ctx.compute(attn, put_k, put_v)
@@ -94,6 +119,21 @@ def test_attention_matches_reference(case: Case) -> None:
     q, k, v = random_qkv(case, n_cells, seed=case.head_dim + case.window)
     got = run_layer(case, q, k, v, [37, 1, 64, 20, 28])
     np.testing.assert_allclose(got, reference(case, q, k, v), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c.head_dim}-h{c.n_head}/{c.n_head_kv}-w{c.window}-s{c.n_sink}"
+                         f"-k{KIVI_BITS[c.k_type]}v{KIVI_BITS[c.v_type]}")
+def test_flash_attention_prefill_matches_reference(case: Case) -> None:
+    """The same contract through upstream's flash attention over wide cells; its K and V are fp16 values (the
+    quantized ones dequantized and rounded) and it accumulates in fp16 as with an f16 cache: a tolerance of fp16."""
+    n_cells = 150
+    q, k, v = random_qkv(case, n_cells, seed=case.head_dim + case.window)
+    got = run_layer(case, q, k, v, [37, 1, 64, 20, 28], wide=True)
+    fused = run_layer(case, q, k, v, [37, 1, 64, 20, 28])
+    want = reference(case, q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=4e-3)
+    # the rounding is far below the quantization's own effect
+    assert np.abs(got - fused).max() < 0.1 * np.abs(fused - run_layer(replace(case, window=4096), q, k, v, [150])).max()
 
 
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"d{c.head_dim}-w{c.window}-s{c.n_sink}")

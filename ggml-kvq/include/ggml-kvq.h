@@ -95,10 +95,75 @@ static inline bool ggml_kvq_is_kivi(enum ggml_type type) {
 //
 
 enum ggml_kvq_op {
-    GGML_KVQ_OP_SEAL_K   = 0,
-    GGML_KVQ_OP_ATTN     = 1,
-    GGML_KVQ_OP_RING_PUT = 2,
+    GGML_KVQ_OP_SEAL_K    = 0,
+    GGML_KVQ_OP_ATTN      = 1,
+    GGML_KVQ_OP_RING_PUT  = 2,
+    GGML_KVQ_OP_WIDE      = 3,
+    GGML_KVQ_OP_WIDE_MASK = 4,
 };
+
+// the contract's arithmetic below is shared by the CPU and the CUDA kernels
+#ifdef __CUDACC__
+#define GGML_KVQ_HOST_DEVICE __host__ __device__
+#else
+#define GGML_KVQ_HOST_DEVICE
+#endif
+
+// The attention contract per query at cell i: K below ggml_kvq_lim_k and V below ggml_kvq_lim_v are read
+// quantized, unless sinks (cells below n_sink)
+static inline GGML_KVQ_HOST_DEVICE int64_t ggml_kvq_lim_v(int64_t i, int32_t window) {
+    return i - window + 1;
+}
+
+static inline GGML_KVQ_HOST_DEVICE int64_t ggml_kvq_lim_k(int64_t i, int32_t window) {
+    const int64_t own_tile = i/QK_KIVI*QK_KIVI;
+    return ggml_kvq_lim_v(i, window) < own_tile ? ggml_kvq_lim_v(i, window) : own_tile;
+}
+
+//
+// Prefill through flash attention. Queries of one segment read a cell j in one of three ways (K/V): A
+// quantized/quantized (j below the query's lim_k, or a sink, in fp16), B fp16/quantized (j between lim_k and
+// lim_v), C fp16/fp16. The "wide" cells of a segment lay these out side by side, each cell once per way
+// some query of the segment reads it: A = cells 0 .. n_kv-1, B = n_tps + QK_KIVI cells from the first
+// query's lim_k, C = n_tps + window cells from its lim_v (bounds: a query's lim_k and lim_v grow with it),
+// padded with zeros to a multiple of 256. K and V expanded to F16 wide cells (ggml_kvq_wide) and a mask
+// that shows each query each cell once, the way it reads it (ggml_kvq_wide_mask), make upstream's flash
+// attention compute exactly the contract with its tensor-core kernels, up to rounding the dequantized
+// values to fp16.
+//
+struct ggml_kvq_wide_layout {
+    int64_t n_a;
+    int64_t n_b;
+    int64_t n_c;
+    int64_t n_wide;
+};
+
+static inline GGML_KVQ_HOST_DEVICE struct ggml_kvq_wide_layout ggml_kvq_wide_layout_for(int64_t n_kv, int64_t n_tps, int32_t window) {
+    struct ggml_kvq_wide_layout l = { n_kv, n_tps + QK_KIVI, n_tps + window, 0 };
+    l.n_wide = (l.n_a + l.n_b + l.n_c + 255)/256*256;
+    return l;
+}
+
+// the first cell of the B and the C block of a segment whose first query sits at cell `first`
+static inline GGML_KVQ_HOST_DEVICE int64_t ggml_kvq_wide_b0(int64_t first, int32_t window, int32_t n_sink) {
+    return ggml_kvq_lim_k(first, window) > n_sink ? ggml_kvq_lim_k(first, window) : n_sink;
+}
+
+static inline GGML_KVQ_HOST_DEVICE int64_t ggml_kvq_wide_c0(int64_t first, int32_t window, int32_t n_sink) {
+    return ggml_kvq_lim_v(first, window) > n_sink ? ggml_kvq_lim_v(first, window) : n_sink;
+}
+
+// the wide column through which query i reads cell j (0 <= j <= i, j < n_kv)
+static inline GGML_KVQ_HOST_DEVICE int64_t ggml_kvq_wide_col(const struct ggml_kvq_wide_layout * l, int64_t first,
+        int64_t i, int64_t j, int32_t window, int32_t n_sink) {
+    if (j < n_sink || j < ggml_kvq_lim_k(i, window)) {
+        return j;
+    }
+    if (j < ggml_kvq_lim_v(i, window)) {
+        return l->n_a + j - ggml_kvq_wide_b0(first, window, n_sink);
+    }
+    return l->n_a + l->n_b + j - ggml_kvq_wide_c0(first, window, n_sink);
+}
 
 // n_ring must cover max(window, QK_KIVI) cells; this is the smallest multiple of QK_KIVI that does
 GGML_API int32_t ggml_kvq_ring_size(int32_t window);
@@ -145,6 +210,33 @@ GGML_API struct ggml_tensor * ggml_kvq_ring_put(
         int32_t               n_sink,
         int32_t               n_seq,
         int64_t               kv_size);
+
+// K (k_sealed from ggml_kvq_seal_k) or V (v_stored, the V rows after ggml_set_rows) of each segment as F16 wide
+// cells [n_embd, n_wide, n_seq]; n_kv: the cells of a stream block A covers
+GGML_API struct ggml_tensor * ggml_kvq_wide(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * quantized,
+        struct ggml_tensor  * fp16,
+        struct ggml_tensor  * cur,
+        struct ggml_tensor  * k_idxs,
+        int32_t               window,
+        int32_t               n_sink,
+        int32_t               n_seq,
+        int64_t               kv_size,
+        int64_t               n_kv);
+
+// the mask over the wide cells, F16 [n_wide, n_tokens/n_seq, 1, n_seq], from llama.cpp's mask (per stream or
+// over all cells, as for ggml_kvq_attn)
+GGML_API struct ggml_tensor * ggml_kvq_wide_mask(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * mask,
+        struct ggml_tensor  * k_idxs,
+        int32_t               window,
+        int32_t               n_sink,
+        int32_t               n_seq,
+        int64_t               kv_size,
+        bool                  mask_all_streams,
+        int64_t               n_kv);
 
 #ifdef __cplusplus
 }

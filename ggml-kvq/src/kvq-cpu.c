@@ -1,41 +1,15 @@
 // CPU kernels of GGML_OP_KVQ (see ggml-kvq.h for the storage layout and the attention contract).
 
 #include "kvq-cpu.h"
-
-#include "ggml-kvq.h"
-#include "ggml-cpu-impl.h"
-#include "simd-mappings.h"
+#include "kvq-cpu-impl.h"
 
 #include <math.h>
 #include <string.h>
 
 #define KVQ_MAX_HEAD 512
 
-// One segment of the batch: the tokens of one stream (sequence), in consecutive cells of that stream. A batch
-// holds n_seq segments of equal length, one per stream (upstream's split_equal); its cell indices are global,
-// stream*kv_size + cell.
-typedef struct {
-    char       * fp16;                 // this stream's sinks + ring
-    size_t       fp16_nb1;
-    const char * cur;                  // F32 [head_dim, n_head_kv, n_tokens] from the segment's first token
-    size_t       cur_nb1;
-    size_t       cur_nb2;
-    int64_t      head_dim;
-    int64_t      stream;
-    int64_t      first;                // cell (within the stream) of the segment's first token
-    int64_t      n_tokens;             // of the segment
-    int32_t      n_sink;
-    int32_t      n_ring;
-} kvq_source;
-
-static int64_t kvq_seg_tokens(const struct ggml_tensor * cur, int32_t n_seq) {
-    GGML_ASSERT(n_seq >= 1 && cur->ne[2] % n_seq == 0);
-    return cur->ne[2] / n_seq;
-}
-
-static kvq_source kvq_make_source(const struct ggml_tensor * fp16, const struct ggml_tensor * cur,
-                                  const struct ggml_tensor * k_idxs, int32_t n_sink, int32_t n_seq, int64_t kv_size,
-                                  int64_t seg) {
+kvq_source kvq_make_source(const struct ggml_tensor * fp16, const struct ggml_tensor * cur,
+                           const struct ggml_tensor * k_idxs, int32_t n_sink, int32_t n_seq, int64_t kv_size, int64_t seg) {
     const int64_t   n_tps = kvq_seg_tokens(cur, n_seq);
     const int64_t * cells = (const int64_t *) k_idxs->data + seg*n_tps;
     const int64_t   strm  = cells[0] / kv_size;
@@ -62,21 +36,7 @@ static kvq_source kvq_make_source(const struct ggml_tensor * fp16, const struct 
     return src;
 }
 
-static float kvq_round_fp16(float x) {
-    return GGML_CPU_FP16_TO_FP32(GGML_CPU_FP32_TO_FP16(x));
-}
-
-static const float * kvq_cur_row(const kvq_source * src, int64_t cell, int64_t head) {
-    return (const float *) (src->cur + (cell - src->first)*src->cur_nb2 + head*src->cur_nb1);
-}
-
-static ggml_fp16_t * kvq_fp16_slot(const kvq_source * src, int64_t slot, int64_t offset) {
-    return (ggml_fp16_t *) (src->fp16 + slot*src->fp16_nb1) + offset;
-}
-
-// fp16 value of `cell`, channels [head*n, head*n + n): from the batch when it is in it (rounded to fp16),
-// else from its sink row or its ring slot
-static void kvq_read_fp16(const kvq_source * src, int64_t cell, int64_t head, int64_t n, float * out) {
+void kvq_read_fp16(const kvq_source * src, int64_t cell, int64_t head, int64_t n, float * out) {
     if (cell >= src->first) {
         const float * x = kvq_cur_row(src, cell, head);
         for (int64_t c = 0; c < n; ++c) {
@@ -92,27 +52,6 @@ static void kvq_read_fp16(const kvq_source * src, int64_t cell, int64_t head, in
 }
 
 //
-// block access (layout in ggml-kvq.h)
-//
-
-static inline __attribute__((always_inline)) void kvq_block_codes(const uint8_t * block, int bits, float * codes) {
-    const int nbytes = QK_KIVI*bits/8;
-    const int mask   = (1 << bits) - 1;
-    const uint8_t * qs = block + 4;
-    for (int u = 0; u < QK_KIVI; ++u) {
-        codes[u] = (float) ((qs[u % nbytes] >> ((u / nbytes)*bits)) & mask);
-    }
-}
-
-static float kvq_block_d(const uint8_t * block) {
-    return GGML_CPU_FP16_TO_FP32(((const ggml_fp16_t *) block)[0]);
-}
-
-static float kvq_block_m(const uint8_t * block) {
-    return GGML_CPU_FP16_TO_FP32(((const ggml_fp16_t *) block)[1]);
-}
-
-//
 // SEAL_K
 //
 
@@ -123,20 +62,6 @@ static float kvq_read_channel(const kvq_source * src, int64_t cell, int64_t chan
         return kvq_round_fp16(kvq_cur_row(src, cell, channel / src->head_dim)[channel % src->head_dim]);
     }
     return GGML_CPU_FP16_TO_FP32(*kvq_fp16_slot(src, src->n_sink + cell % src->n_ring, channel));
-}
-
-// op params: { op, window, n_sink, scale, n_seq (streams in the batch), kv_size (cells per stream),
-// mask_all_streams (attention: the mask's columns are the global cells) }
-static int32_t kvq_n_seq(const struct ggml_tensor * dst) {
-    return ggml_get_op_params_i32(dst, 4);
-}
-
-static int64_t kvq_kv_size(const struct ggml_tensor * dst) {
-    return ggml_get_op_params_i32(dst, 5);
-}
-
-static bool kvq_mask_all_streams(const struct ggml_tensor * dst) {
-    return ggml_get_op_params_i32(dst, 6) != 0;
 }
 
 static void kvq_seal_k(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
@@ -222,13 +147,8 @@ typedef struct {
     int     v_bits;
 } kvq_attn_args;
 
-// the mask has one row per batch token, in planes of mask->ne[1] rows (one plane per stream, or one for all)
 static float kvq_mask_value(const kvq_attn_args * a, int64_t t, int64_t j) {
-    const int64_t row_t = a->t0 + t;
-    const char *  row   = (const char *) a->mask->data + (row_t / a->mask->ne[1])*a->mask->nb[3] +
-                          (row_t % a->mask->ne[1])*a->mask->nb[1];
-    const int64_t col   = a->mask_col0 + j;
-    return a->mask->type == GGML_TYPE_F16 ? GGML_CPU_FP16_TO_FP32(((const ggml_fp16_t *) row)[col]) : ((const float *) row)[col];
+    return kvq_mask_at(a->mask, a->t0 + t, a->mask_col0 + j);
 }
 
 // Codes 8g .. 8g+7 of a block as floats (layout in ggml-kvq.h: code u in byte u % nbytes at bit
@@ -360,9 +280,8 @@ static void kvq_attn_row(const kvq_attn_args * a, int64_t t, int64_t h, float * 
     const int64_t hk         = h / (a->q->ne[1] / a->n_head_kv);
     const int64_t n_kv       = a->n_kv;
     const int64_t i          = a->k.first + t;
-    const int64_t lim_v      = i - a->window + 1;                     // V below this is quantized
-    const int64_t own_tile   = i/QK_KIVI*QK_KIVI;
-    const int64_t lim_k      = lim_v < own_tile ? lim_v : own_tile;   // K below this is quantized
+    const int64_t lim_v      = ggml_kvq_lim_v(i, a->window);           // V below this is quantized
+    const int64_t lim_k      = ggml_kvq_lim_k(i, a->window);           // K below this is quantized
     const int64_t n_sink     = a->k.n_sink;
     const size_t  k_bb       = ggml_kvq_block_bytes(a->k_bits);
     const size_t  v_bb       = ggml_kvq_block_bytes(a->v_bits);
@@ -479,6 +398,8 @@ void ggml_compute_forward_kvq(const struct ggml_compute_params * params, struct 
         case GGML_KVQ_OP_SEAL_K:   kvq_seal_k(params, dst);   break;
         case GGML_KVQ_OP_ATTN:     kvq_attn(params, dst);     break;
         case GGML_KVQ_OP_RING_PUT: kvq_ring_put(params, dst); break;
+        case GGML_KVQ_OP_WIDE:      kvq_wide(params, dst);      break;
+        case GGML_KVQ_OP_WIDE_MASK: kvq_wide_mask(params, dst); break;
         default:                   GGML_ABORT("unknown kvq op");
     }
 }

@@ -122,3 +122,65 @@ struct ggml_tensor * ggml_kvq_ring_put(
     result->src[3] = after;
     return result;
 }
+
+// op params of WIDE and WIDE_MASK: { op, window, n_sink, 0, n_seq, kv_size, mask_all_streams, n_kv, is_k }
+static void kvq_set_wide_params(struct ggml_tensor * t, enum ggml_kvq_op op, int32_t window, int32_t n_sink,
+                                int32_t n_seq, int64_t kv_size, bool mask_all_streams, int64_t n_kv, bool is_k) {
+    GGML_ASSERT(n_kv > 0 && n_kv <= kv_size);
+    kvq_set_params(t, op, window, n_sink, 0.0f, n_seq, kv_size, mask_all_streams);
+    ggml_set_op_params_i32(t, 7, (int32_t) n_kv);
+    ggml_set_op_params_i32(t, 8, is_k);
+}
+
+struct ggml_tensor * ggml_kvq_wide(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * quantized,
+        struct ggml_tensor  * fp16,
+        struct ggml_tensor  * cur,
+        struct ggml_tensor  * k_idxs,
+        int32_t               window,
+        int32_t               n_sink,
+        int32_t               n_seq,
+        int64_t               kv_size,
+        int64_t               n_kv) {
+    GGML_ASSERT(ggml_kvq_is_kivi(quantized->type) && ggml_is_contiguous(quantized) && window >= 0);
+    kvq_check_batch(fp16, cur, k_idxs, n_sink, n_seq);
+    // K tiles [n_embd*QK_KIVI, kv_size/QK_KIVI, n_part] or V rows [n_embd, kv_size*n_part]
+    const bool is_k = quantized->ne[0] == (int64_t) kvq_n_embd(cur)*QK_KIVI;
+    GGML_ASSERT(is_k || quantized->ne[0] == kvq_n_embd(cur));
+    GGML_ASSERT(ggml_nelements(quantized) == (int64_t) kvq_n_embd(cur)*kv_size*fp16->ne[2]);
+    GGML_ASSERT(fp16->ne[1] - n_sink >= ggml_kvq_ring_size(window));
+
+    const struct ggml_kvq_wide_layout l = ggml_kvq_wide_layout_for(n_kv, cur->ne[2]/n_seq, window);
+    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, kvq_n_embd(cur), l.n_wide, n_seq);
+    kvq_set_wide_params(result, GGML_KVQ_OP_WIDE, window, n_sink, n_seq, kv_size, false, n_kv, is_k);
+    result->src[0] = quantized;
+    result->src[1] = fp16;
+    result->src[2] = cur;
+    result->src[3] = k_idxs;
+    return result;
+}
+
+struct ggml_tensor * ggml_kvq_wide_mask(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * mask,
+        struct ggml_tensor  * k_idxs,
+        int32_t               window,
+        int32_t               n_sink,
+        int32_t               n_seq,
+        int64_t               kv_size,
+        bool                  mask_all_streams,
+        int64_t               n_kv) {
+    GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
+    GGML_ASSERT(k_idxs->type == GGML_TYPE_I64 && n_seq >= 1 && k_idxs->ne[0] % n_seq == 0);
+    GGML_ASSERT(mask->ne[2] == 1 && mask->ne[1]*mask->ne[3] == k_idxs->ne[0]);
+    GGML_ASSERT(mask_all_streams ? mask->ne[3] == 1 : mask->ne[3] == n_seq && mask->ne[0] <= kv_size);
+
+    const int64_t n_tps = k_idxs->ne[0]/n_seq;
+    const struct ggml_kvq_wide_layout l = ggml_kvq_wide_layout_for(n_kv, n_tps, window);
+    struct ggml_tensor * result = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, l.n_wide, n_tps, 1, n_seq);
+    kvq_set_wide_params(result, GGML_KVQ_OP_WIDE_MASK, window, n_sink, n_seq, kv_size, mask_all_streams, n_kv, false);
+    result->src[0] = mask;
+    result->src[1] = k_idxs;
+    return result;
+}
