@@ -52,6 +52,18 @@ def batched_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def prefill_table(path: Path) -> str:
+    record = json.loads(path.read_text())
+    lines = [f"Prefill speed ({record['machine']}), {record['model']}, batch 1, ubatch 512 (`python "
+             "bench/prefill_speed.py`; kivi prefill through the fused kernel, the CPU's default, or through flash "
+             "attention over wide cells, `LLAMA_KVQ_FA_PREFILL`, the GPU's default):", "",
+             "| context | KV type | prefill path | prefill t/s | vs f16 |", "| ---: | --- | --- | ---: | ---: |"]
+    for r in record["rows"]:
+        lines.append(f"| {r['depth']} | {r['kv_type']} | {r['prefill_path']} | {r['prefill_tps']:.1f} | "
+                     f"{r['prefill_vs_f16']:.2f} |")
+    return "\n".join(lines)
+
+
 def asymkv_table(path: Path) -> str:
     record = json.loads(path.read_text())
     s = record["settings"]
@@ -81,6 +93,7 @@ def render() -> str:
     parts += [asymkv_table(p) for p in sorted(RESULTS.glob("asymkv-c*.json"))]
     parts += [decode_table(p) for p in sorted(RESULTS.glob("decode-speed-*.json"))]
     parts += [batched_table(p) for p in sorted(RESULTS.glob("batched-speed-*.json"))]
+    parts += [prefill_table(p) for p in sorted(RESULTS.glob("prefill-speed-*.json"))]
     return "\n\n".join(parts)
 
 

@@ -26,8 +26,11 @@ case "${1:-}" in
         # 16 sequences of 128k tokens would take minutes of prefill per type: batch 16 stops at 32k
         python3 bench/decode_speed.py --model random:llama3-8b --ngl 99 --depth 4096 32768 --npl 16 \
             --kv-types $types --tg 32 --workdir /tmp 2>&1 | tee "$OUT/decode-b16.log"
+        python3 bench/prefill_speed.py --model random:llama3-8b --ngl 99 --depth 4096 32768 \
+            --kv-types $types --workdir /tmp 2>&1 | tee "$OUT/prefill.log"
         python3 bench/max_context.py --model random:llama3-8b --workdir /tmp 2>&1 | tee "$OUT/max-context.log"
-        cp bench/results/decode-speed-h* bench/results/batched-speed-h* bench/results/max-context-* "$OUT"/ 2>/dev/null || true
+        cp bench/results/decode-speed-h* bench/results/batched-speed-h* bench/results/prefill-speed-h* \
+            bench/results/max-context-* "$OUT"/ 2>/dev/null || true
         ;;
     *)
         echo "usage: bash bench/gpu/session.sh build|bench" >&2
