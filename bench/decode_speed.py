@@ -25,7 +25,7 @@ import platform
 import re
 import subprocess
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pykvq import assets, kv_types, llama_tools, native, random_model
@@ -117,16 +117,36 @@ def resolve_model(text: str, workdir: Path) -> tuple[Path, str]:
     return Path(text), Path(text).name
 
 
+def add_machine_args(parser: argparse.ArgumentParser) -> None:
+    """The model and machine options of the llama-batched-bench benchmarks (this one, prefill_speed.py)."""
+    parser.add_argument("--model", default="smollm2", help="smollm2, random:SHAPE (llama3-8b, tiny) or a GGUF path")
+    parser.add_argument("--ngl", type=int, default=0, help="layers on the GPU (99: all)")
+    parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
+
+
+@dataclass(frozen=True)
+class Machine:
+    device: str   # the GPU's name, or cpu-<arch>
+    label: str    # for the record: the GPU, or the CPU and its threads
+    tag: str      # for file names: h100-80gb-hbm3, cpu
+
+
+def machine(ngl: int, threads: int) -> Machine:
+    if ngl:
+        device = device_name()
+        return Machine(device, device, device.replace("NVIDIA ", "").replace(" ", "-").lower())
+    return Machine(f"cpu-{platform.machine()}", f"{platform.processor() or platform.machine()}, {threads} threads",
+                   "cpu")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="smollm2, random:SHAPE (llama3-8b, tiny) or a GGUF path")
+    add_machine_args(parser)
     parser.add_argument("--depth", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--tg", type=int, default=32)
     parser.add_argument("--npl", type=int, nargs="+", default=[1], help="sequences decoded at once")
     parser.add_argument("--kv-types", default="f16,q8_0,q4_0,kivi4,kivi2,kivi1")
-    parser.add_argument("--ngl", type=int, default=0, help="layers on the GPU (99: all)")
-    parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--repeat", type=int, default=1, help="runs per row; the best rates are kept")
     args = parser.parse_args()
     model, model_label = resolve_model(args.model, args.workdir)
@@ -141,7 +161,8 @@ def main() -> None:
         base = next(b for b in rows if (b["depth"], b["npl"], b["kv_type"]) == (r["depth"], r["npl"], "f16"))
         both = r["decode_tps"] and base["decode_tps"]
         r["decode_vs_f16"] = r["decode_tps"] / base["decode_tps"] if both else None
-    device = device_name() if args.ngl else f"cpu-{platform.machine()}"
+    where = machine(args.ngl, args.threads)
+    device = where.device
     print(f"\n{device}\n{'npl':>3} {'depth':>7} {'KV type':<12} {'prefill t/s':>11} {'decode t/s':>10} {'vs f16':>7}")
     for r in rows:
         cells = [f"{r[k]:>{w}.2f}" if r[k] is not None else f"{r.get('note', '-'):>{w}}"
@@ -154,11 +175,10 @@ def main() -> None:
         print(f"attention {a['kv_type']:<12} +{a['extra_ms_per_token']:.3f} ms/token for {a['extra_kv_mb']:.0f} MB: "
               f"{a['attention_gbs'] or 0:.0f} GB/s" + (f" ({a['fraction_of_peak']:.0%} of peak)" if peak else ""))
     RESULTS.mkdir(exist_ok=True)
-    machine = device if args.ngl else f"{platform.processor() or platform.machine()}, {args.threads} threads"
-    record = {"machine": machine,
+    record = {"machine": where.label,
               "model": model_label, "ngl": args.ngl, "kvq_defaults": asdict(native.kvq_default_params()),
               "rows": rows, "attention": attention, "peak_gbs": peak}
-    tag = "cpu" if not args.ngl else device.replace("NVIDIA ", "").replace(" ", "-").lower()
+    tag = where.tag
     depths = '-'.join(str(d) for d in args.depth)
     if args.npl != [1]:
         record["tg"] = args.tg

@@ -13,11 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import tempfile
-from pathlib import Path
 
-from decode_speed import RESULTS, device_name, measure, resolve_model
+from decode_speed import RESULTS, add_machine_args, machine, measure, resolve_model
 
 from pykvq import kv_types
 
@@ -29,12 +26,9 @@ ENV = "LLAMA_KVQ_FA_PREFILL"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="smollm2, random:SHAPE (llama3-8b, tiny) or a GGUF path")
+    add_machine_args(parser)
     parser.add_argument("--depth", type=int, nargs="+", default=[2048])
     parser.add_argument("--kv-types", default="f16,q8_0,q4_0,kivi4,kivi2")
-    parser.add_argument("--ngl", type=int, default=0, help="layers on the GPU (99: all)")
-    parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--repeat", type=int, default=2, help="runs per row; the best rate is kept")
     args = parser.parse_args()
     model, model_label = resolve_model(args.model, args.workdir)
@@ -54,16 +48,14 @@ def main() -> None:
         base = next(b for b in rows if (b["depth"], b["kv_type"]) == (r["depth"], "f16"))
         both = r["prefill_tps"] and base["prefill_tps"]
         r["prefill_vs_f16"] = r["prefill_tps"] / base["prefill_tps"] if both else None
-    device = device_name() if args.ngl else f"cpu-{platform.machine()}"
-    print(f"\n{device}\n{'depth':>7} {'KV type':<12} {'path':<6} {'prefill t/s':>11} {'vs f16':>7}")
+    where = machine(args.ngl, args.threads)
+    print(f"\n{where.device}\n{'depth':>7} {'KV type':<12} {'path':<6} {'prefill t/s':>11} {'vs f16':>7}")
     for r in rows:
         rate = f"{r['prefill_tps']:>11.1f} {r['prefill_vs_f16']:>7.2f}" if r["prefill_tps"] else r.get("note", "-")
         print(f"{r['depth']:>7} {r['kv_type']:<12} {r['prefill_path']:<6} {rate}")
-    machine = device if args.ngl else f"{platform.processor() or platform.machine()}, {args.threads} threads"
-    record = {"machine": machine, "model": model_label, "ngl": args.ngl, "repeat": args.repeat, "rows": rows}
-    tag = "cpu" if not args.ngl else device.replace("NVIDIA ", "").replace(" ", "-").lower()
+    record = {"machine": where.label, "model": model_label, "ngl": args.ngl, "repeat": args.repeat, "rows": rows}
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"prefill-speed-{tag}-{'-'.join(str(d) for d in args.depth)}.json"
+    out = RESULTS / f"prefill-speed-{where.tag}-{'-'.join(str(d) for d in args.depth)}.json"
     out.write_text(json.dumps(record, indent=1) + "\n")
 
 

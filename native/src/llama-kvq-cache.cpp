@@ -132,13 +132,19 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
     return true;
 }
 
+// the sealed tiles of a part's first n_cells cells
+static size_t kvq_tile_bytes(const ggml_tensor * tiles, uint32_t n_cells) {
+    return (size_t) (n_cells / QK_KIVI) * tiles->nb[1];
+}
+
 static void kvq_copy_bytes(ggml_tensor * t, size_t src_offset, size_t dst_offset, size_t n) {
     std::vector<uint8_t> buf(n);
     ggml_backend_tensor_get(t, buf.data(), src_offset, n);
     ggml_backend_tensor_set(t, buf.data(), dst_offset, n);
 }
 
-// seq_cp across streams: update() copies the tiles and V rows (k_stream, v_stream), this the fp16 sinks and ring
+// the fp16 sinks and ring of part ssrc into part sdst: seq_cp across streams, after update()'s copy of the tiles and
+// V rows (k_stream, v_stream), and within a unified cache (kvq_seq_cp)
 void llama_kv_cache::kvq_copy_stream(const kv_layer & layer, uint32_t ssrc, uint32_t sdst) const {
     for (ggml_tensor * t : { layer.k_fp16, layer.v_fp16 }) {
         if (t != nullptr) {
@@ -237,9 +243,10 @@ void llama_kv_cache::kvq_seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst
             }
             continue;
         }
-        for (ggml_tensor * t : { layer.k, layer.v, layer.k_fp16, layer.v_fp16 }) {
-            kvq_copy_bytes(t, seq_id_src*t->nb[2], seq_id_dst*t->nb[2], t->nb[2]);
-        }
+        // what the state of a sequence holds too: its sealed tiles, its V rows, its fp16 sinks and ring
+        kvq_copy_bytes(layer.k, seq_id_src*layer.k->nb[2], seq_id_dst*layer.k->nb[2], kvq_tile_bytes(layer.k, n));
+        kvq_copy_bytes(layer.v, seq_id_src*layer.v->nb[2], seq_id_dst*layer.v->nb[2], (size_t) n*layer.v->nb[1]);
+        kvq_copy_stream(layer, seq_id_src, seq_id_dst);
     }
     if (!to_end) {
         seq_rm(seq_id_dst, p1, -1);
@@ -268,10 +275,6 @@ struct kvq_state_header {
     int64_t  n_fp16;
     uint32_t n_cells;
 };
-
-static size_t kvq_tile_bytes(const ggml_tensor * tiles, uint32_t n_cells) {
-    return (size_t) (n_cells / QK_KIVI) * tiles->nb[1];
-}
 
 // one block per saved part: its first n_cells cells
 void llama_kv_cache::kvq_state_write_part(llama_io_write_i & io, uint32_t part, uint32_t n_cells) const {

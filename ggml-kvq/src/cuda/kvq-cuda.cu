@@ -484,8 +484,8 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
     const int64_t i     = first + tl;
     const int64_t col0  = strm*p.mask_stream_cols;
     const int64_t end   = min(min((int64_t) p.n_kv, p.mask_ne0 - col0), first + ks.n_tokens);
-    const int64_t lim_v = i - p.window + 1;
-    const int64_t lim_k = min(lim_v, i/QK_KIVI*QK_KIVI);
+    const int64_t lim_v = ggml_kvq_lim_v(i, p.window);
+    const int64_t lim_k = ggml_kvq_lim_k(i, p.window);
 
     // Q in fp16, as upstream's flash attention takes it for f16 K
     for (int idx = threadIdx.x; idx < ncols*D; idx += blockDim.x) {
