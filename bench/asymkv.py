@@ -19,11 +19,13 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from pykvq import assets, kv_types, native, perplexity
+from pykvq import assets, kv_types
 from pykvq.allocation import allocate
-from pykvq.calibrate import Calibrator, Probe
+from pykvq.api.llama import Model
+from pykvq.bindings import native
+from pykvq.commands import perplexity
+from pykvq.commands.calibrate import Calibrator, Probe
 from pykvq.kv_types import KvSpec
-from pykvq.llama import Model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CODE_BITS = {"f16": 16.0, "kivi4": 4.0, "kivi2": 2.0, "kivi1": 1.0}

@@ -5,7 +5,7 @@
 
 For each depth the prompt of `depth` tokens is prefilled, then `tg` tokens are generated one at a time per
 sequence (`--npl` sequences at once); the decode tokens/s (S_TG) of each type is reported with its ratio to
-f16 KV. `random:SHAPE` generates a random-weight model of that shape (pykvq.random_model) first. With two or
+f16 KV. `random:SHAPE` generates a random-weight model of that shape (pykvq.devtools.random_model) first. With two or
 more depths, the growth of the per-token time between the smallest and the largest depth, against the KV
 bytes those extra cells hold, estimates the attention's achieved memory bandwidth. Writes
 bench/results/decode-speed-<device>-<depths>.json and .png and prints a table. With several --npl (batched
@@ -28,9 +28,11 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pykvq import assets, kv_types, llama_tools, native, random_model
+from pykvq import assets, kv_types, llama_tools
+from pykvq.api.llama import Model
+from pykvq.bindings import native
+from pykvq.devtools import random_model
 from pykvq.kv_types import KvSpec
-from pykvq.llama import Model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 _ROW = re.compile(r"^\|\s*(\d+) \|\s*(\d+) \|\s*(\d+) \|\s*(\d+) \|"

@@ -19,8 +19,8 @@ from pathlib import Path
 from decode_speed import RESULTS, device_name, resolve_model
 
 from pykvq import kv_types
+from pykvq.api.llama import ContextConfig, KvConfig, LlamaError, Model
 from pykvq.kv_types import KvSpec
-from pykvq.llama import ContextConfig, KvConfig, LlamaError, Model
 
 log = logging.getLogger("max_context")
 

@@ -13,7 +13,9 @@ import logging
 import os
 from pathlib import Path
 
-from pykvq import assets, kv_types, native, perplexity
+from pykvq import assets, kv_types
+from pykvq.bindings import native
+from pykvq.commands import perplexity
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TYPES = "f16,q8_0,q4_0,q4_1,kivi4,kivi2,kivi1,kivi4+rot,kivi2+rot,kivi1+rot"

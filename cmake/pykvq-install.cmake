@@ -20,16 +20,16 @@ foreach (tool ${PYKVQ_TOOLS})
     install(TARGETS ${tool} RUNTIME DESTINATION pykvq/bin COMPONENT pykvq)
 endforeach()
 
-# llama.cpp's own Python package for GGUF files, from the pinned tree (pykvq calibrate writes GGUF copies with
-# it); a top-level `gguf`, since its modules import themselves by that name
-install(DIRECTORY ${PYKVQ_UPSTREAM_TREE}/gguf-py/gguf DESTINATION . COMPONENT pykvq
-        PATTERN "__pycache__" EXCLUDE PATTERN "scripts" EXCLUDE)
-
 # llama.cpp's own HF -> GGUF converter (the script and its per-architecture `conversion` package), run by
-# `pykvq convert`: every architecture upstream converts, pykvq converts
-install(FILES ${PYKVQ_UPSTREAM_TREE}/convert_hf_to_gguf.py DESTINATION pykvq/hf_converter COMPONENT pykvq)
-install(DIRECTORY ${PYKVQ_UPSTREAM_TREE}/conversion DESTINATION pykvq/hf_converter COMPONENT pykvq
+# `pykvq convert`: every architecture upstream converts, pykvq converts. Its `gguf` package goes beside it as
+# `gguf-py/`, where the converter looks first; pykvq reads and writes GGUF with the same copy under a private
+# name (pykvq/bindings/gguf_py.py). Nothing lands in site-packages but `pykvq`, so PyPI's `gguf` (which
+# transformers reads GGUF with) and this pinned one never replace each other.
+install(FILES ${PYKVQ_UPSTREAM_TREE}/convert_hf_to_gguf.py DESTINATION pykvq/vendor COMPONENT pykvq)
+install(DIRECTORY ${PYKVQ_UPSTREAM_TREE}/conversion DESTINATION pykvq/vendor COMPONENT pykvq
         PATTERN "__pycache__" EXCLUDE)
+install(DIRECTORY ${PYKVQ_UPSTREAM_TREE}/gguf-py/gguf DESTINATION pykvq/vendor/gguf-py COMPONENT pykvq
+        PATTERN "__pycache__" EXCLUDE PATTERN "scripts" EXCLUDE)
 
 # what `pykvq info` reports about the build
 set(PYKVQ_BACKENDS CPU)

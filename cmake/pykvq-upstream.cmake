@@ -1,4 +1,4 @@
-# Obtain, verify, unpack and patch the pinned upstream (pykvq/upstream.py does the work, so that the
+# Obtain, verify, unpack and patch the pinned upstream (pykvq/devtools/upstream.py does the work, so that the
 # developer workflow shares it). Sets PYKVQ_UPSTREAM_TREE and PYKVQ_UPSTREAM_INFO (a JSON file).
 set(PYKVQ_UPSTREAM_INFO ${CMAKE_BINARY_DIR}/pykvq-upstream.json)
 set(unpatched "")
@@ -7,7 +7,7 @@ if (PYKVQ_REFERENCE_BUILD)
 endif()
 execute_process(
     COMMAND ${CMAKE_COMMAND} -E env PYTHONPATH=${CMAKE_SOURCE_DIR}
-        ${Python_EXECUTABLE} -m pykvq.upstream prepare
+        ${Python_EXECUTABLE} -m pykvq.devtools.upstream prepare
             --repo ${CMAKE_SOURCE_DIR}
             --dest ${CMAKE_BINARY_DIR}/upstream
             --info-json ${PYKVQ_UPSTREAM_INFO}
@@ -26,4 +26,4 @@ message(STATUS "pykvq: upstream tree ${PYKVQ_UPSTREAM_TREE}")
 
 # a changed patch re-runs the configure step
 file(GLOB PYKVQ_PATCHES CONFIGURE_DEPENDS ${CMAKE_SOURCE_DIR}/ggml-kvq/patches/*.patch ${CMAKE_SOURCE_DIR}/native/patches/*.patch)
-set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${PYKVQ_PATCHES} ${CMAKE_SOURCE_DIR}/pykvq/upstream.py)
+set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${PYKVQ_PATCHES} ${CMAKE_SOURCE_DIR}/pykvq/devtools/upstream.py)

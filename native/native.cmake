@@ -5,6 +5,7 @@ target_sources(llama PRIVATE
     ${PYKVQ_NATIVE_DIR}/src/llama-kvq-cache.cpp
     ${PYKVQ_NATIVE_DIR}/src/llama-kvq-layers.cpp
     ${PYKVQ_NATIVE_DIR}/src/llama-kvq-memory.cpp
+    ${PYKVQ_NATIVE_DIR}/src/llama-kvq-types.cpp
 )
 target_include_directories(llama PUBLIC ${PYKVQ_NATIVE_DIR}/include)
 target_compile_definitions(llama PRIVATE PYKVQ_VERSION="${PYKVQ_VERSION}")

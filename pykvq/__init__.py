@@ -3,6 +3,12 @@
     from pykvq import Model, KvConfig
     with Model("model.gguf") as model:
         print("".join(model.generate("Once upon a time", kv=KvConfig.preset("kivi2"))))
+
+Where things are: ``api`` (Model, Context, Sampler), ``bindings`` (cffi bindings to the built libraries),
+``commands`` (the ``pykvq`` command line), ``convert`` (HF -> GGUF with calibrated metadata), ``llama_cpp``
+(llama-cpp-python on pykvq's libllama), ``devtools`` (the upstream build and developer scripts); at the top,
+the core every part shares: ``paths``, ``build_info``, ``kv_types`` (the KV-spec vocabulary),
+``gguf_metadata`` (the ``kvq.*`` schema), ``allocation`` (the per-layer budget), ``assets``, ``llama_tools``.
 """
 
 from importlib import import_module
@@ -13,13 +19,13 @@ try:
 except PackageNotFoundError:  # running from a source checkout that was never installed
     __version__ = "0.0.0"
 
-# Imported on first use: the build imports pykvq.upstream in an environment without numpy or cffi.
+# Imported on first use: the build imports pykvq.devtools.upstream in an environment without numpy or cffi.
+_API, _TYPES = "pykvq.api.llama", "pykvq.bindings.ggml_types"
 _PUBLIC = {
-    "Model": "pykvq.llama", "Context": "pykvq.llama", "ContextConfig": "pykvq.llama", "KvConfig": "pykvq.llama",
-    "KvMemory": "pykvq.llama", "ChatMessage": "pykvq.llama", "LlamaError": "pykvq.llama",
-    "Sampler": "pykvq.sampling", "SamplerSettings": "pykvq.sampling",
-    "GGML_TYPE_KIVI2": "pykvq.ggml_types", "GGML_TYPE_KIVI4": "pykvq.ggml_types",
-    "GGML_TYPE_KIVI1": "pykvq.ggml_types",
+    "Model": _API, "Context": _API, "ContextConfig": _API, "KvConfig": _API, "KvMemory": _API,
+    "ChatMessage": _API, "LlamaError": _API,
+    "Sampler": "pykvq.api.sampling", "SamplerSettings": "pykvq.api.sampling",
+    "GGML_TYPE_KIVI2": _TYPES, "GGML_TYPE_KIVI4": _TYPES, "GGML_TYPE_KIVI1": _TYPES,
 }
 
 __all__ = ["__version__", *_PUBLIC]

@@ -1,5 +1,5 @@
 import sys
 
-from pykvq.cli import main
+from pykvq.commands.cli import main
 
 sys.exit(main())

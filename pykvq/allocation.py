@@ -89,3 +89,10 @@ def allocate(sensitivities: list[Sensitivity], n_layer: int, budget_bits: float)
         types[item.part, item.layer] = name
         spent -= BITS[name]
     return Allocation(types, n_layer, predicted)
+
+
+def format_allocation(allocation: Allocation) -> str:
+    lines = [f"{'layer':>5}  K      V"]
+    for il in range(allocation.n_layer):
+        lines.append(f"{il:>5}  {allocation.types['k', il]:<6} {allocation.types['v', il]}")
+    return "\n".join(lines)

@@ -15,7 +15,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pykvq.upstream import cache_dir
+from pykvq.paths import cache_dir
 
 log = logging.getLogger("pykvq.assets")
 

@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from pykvq.bindings import gguf_py
+
 log = logging.getLogger("pykvq.gguf")
 
 KVQ_VERSION = 1
@@ -54,14 +56,8 @@ class GgufError(ValueError):
     """Not a GGUF file pykvq can read, or kvq.* metadata it cannot use."""
 
 
-def _gguf():
-    import gguf  # installed with pykvq from the pinned llama.cpp
-
-    return gguf
-
-
 def _reader(path: Path):
-    gguf = _gguf()
+    gguf = gguf_py.gguf()
     try:
         return gguf.GGUFReader(path, "r")
     except (ValueError, OSError, IndexError) as exc:
@@ -123,7 +119,7 @@ def validate(kvq: dict[str, object], n_layer: int, n_embd_k_total: int) -> None:
 def write_copy(src: Path, dst: Path, metadata: dict[str, object]) -> None:
     """Copy ``src`` to ``dst`` with ``metadata`` (kvq.* keys: str, int, float, or 1-D float arrays) replacing any
     kvq.* it had."""
-    gguf = _gguf()
+    gguf = gguf_py.gguf()
     reader = _reader(src)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     dst.parent.mkdir(parents=True, exist_ok=True)

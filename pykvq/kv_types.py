@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pykvq import native
+from pykvq.bindings import native
 
 KIVI_BITS = {"kivi4": 4, "kivi2": 2, "kivi1": 1}
 FP16_BITS = 16

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from importlib.resources import files
 from pathlib import Path
+
+CACHE_ENV = "PYKVQ_CACHE_DIR"
 
 
 class NotBuiltError(RuntimeError):
@@ -37,9 +40,28 @@ def tool(name: str) -> Path:
     return _built(package_dir() / "bin" / name, name)
 
 
+def vendor_dir() -> Path:
+    """The pinned llama.cpp's Python tools, as upstream lays them out: convert_hf_to_gguf.py, its `conversion`
+    package and `gguf-py/`, which the converter puts on its own path (never site-packages)."""
+    return _built(package_dir() / "vendor", "the pinned llama.cpp's Python tools")
+
+
 def hf_converter() -> Path:
-    """llama.cpp's convert_hf_to_gguf.py, installed with its `conversion` package beside it."""
-    return _built(package_dir() / "hf_converter" / "convert_hf_to_gguf.py", "llama.cpp's HF converter")
+    """llama.cpp's convert_hf_to_gguf.py."""
+    return _built(vendor_dir() / "convert_hf_to_gguf.py", "llama.cpp's HF converter")
+
+
+def gguf_py() -> Path:
+    """The pinned llama.cpp's `gguf` package folder."""
+    return _built(vendor_dir() / "gguf-py" / "gguf", "llama.cpp's gguf package")
+
+
+def cache_dir() -> Path:
+    """Downloads kept between runs and builds: the upstream sdist, dev models and texts."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pykvq"
 
 
 def build_info_file() -> Path:

@@ -3,7 +3,6 @@ made from its GGUF by transformers."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,13 +35,6 @@ def tiny_llama(dest: Path, text: Path, n_layer: int = 3) -> Path:
     return dest
 
 
-# transformers loads GGUF files only when it finds a `gguf` distribution >= 0.10; pykvq installs upstream's
-# gguf package as a plain module, so the test gives it the metadata of the version it is
-_GGUF_DIST = """Metadata-Version: 2.1
-Name: gguf
-Version: 0.19.0
-"""
-
 _FROM_GGUF = """
 import sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -59,12 +51,10 @@ tokenizer.save_pretrained(dest)
 """
 
 
-def from_gguf(gguf: Path, dest: Path, scratch: Path) -> Path:
+def from_gguf(gguf: Path, dest: Path) -> Path:
     """The HF form of a GGUF model, made by transformers (gguf_file=) and save_pretrained."""
-    dist = scratch / "gguf-0.19.0.dist-info"
-    dist.mkdir(parents=True, exist_ok=True)
-    (dist / "METADATA").write_text(_GGUF_DIST)
+    # transformers reads GGUF through PyPI's `gguf` (the test extra installs it next to pykvq)
     proc = subprocess.run([sys.executable, "-c", _FROM_GGUF, str(gguf.parent), gguf.name, str(dest)],
-                          env={**os.environ, "PYTHONPATH": str(scratch)}, capture_output=True, text=True)
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dest

@@ -6,13 +6,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import hf_models
 import numpy as np
 import pytest
 
 from pykvq import ContextConfig, KvConfig, Model, gguf_metadata, kv_types
 from pykvq.allocation import BITS
-
-import hf_models
 
 
 def pykvq(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -92,7 +91,7 @@ def test_converted_model_has_default_kv_metadata(tiny_gguf: Path) -> None:
 
 
 def test_run_takes_window_and_sinks_from_the_model(tiny_gguf: Path) -> None:
-    from pykvq.run import with_model_metadata
+    from pykvq.commands.run import with_model_metadata
 
     assert with_model_metadata(KvConfig("kivi2", "kivi2"), tiny_gguf) == KvConfig("kivi2", "kivi2", 48, 2)
     # the command line wins
@@ -238,7 +237,7 @@ def test_bad_calibration_arguments(tiny_hf: Path, tmp_path: Path, hamlet: Path, 
 
 @pytest.mark.slow
 def test_smollm2_from_transformers_converts_and_generates(smollm2: Path, tmp_path: Path, hamlet: Path) -> None:
-    hf = hf_models.from_gguf(smollm2, tmp_path / "smollm2-hf", tmp_path / "dist")
+    hf = hf_models.from_gguf(smollm2, tmp_path / "smollm2-hf")
     out = tmp_path / "smollm2-f16.gguf"
     proc = pykvq("convert", str(hf), "-o", str(out), "--calibrate", str(hamlet), "--kv-budget", "2",
                  "--calibrate-tokens", "256", cwd=tmp_path)

@@ -2,7 +2,7 @@
 batching does not change the logits there either; for prefill through the fused kernel and through flash
 attention over wide cells (LLAMA_KVQ_FA_PREFILL). Skipped on builds without the CUDA backend.
 
-Runs on random-weight models generated here (pykvq.random_model), so that it needs nothing fetched: the
+Runs on random-weight models generated here (pykvq.devtools.random_model), so that it needs nothing fetched: the
 GPU machine has no network and a real model does not travel there."""
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import llama_tools, native, random_model
+from pykvq import llama_tools
+from pykvq.bindings import native
+from pykvq.devtools import random_model
 
 if "CUDA" not in native.backends():
     pytest.skip("this pykvq build has no CUDA backend (PYKVQ_CUDA=ON)", allow_module_level=True)

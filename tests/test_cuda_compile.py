@@ -52,7 +52,7 @@ def is_patched_cuda_tree(tree: Path) -> bool:
 def patched_tree(repo: Path) -> Path:
     """The patched llama.cpp tree: the developer tree, else the one the installed package was built from.
 
-    The unpatched upstream (pykvq.upstream.resolve_source) will not do: its ggml.h has no kivi types."""
+    The unpatched upstream (pykvq.devtools.upstream.resolve_source) will not do: its ggml.h has no kivi types."""
     candidates = [repo / "build" / "dev-tree"]
     try:
         info = json.loads(paths.build_info_file().read_text())
@@ -63,7 +63,7 @@ def patched_tree(repo: Path) -> Path:
         if is_patched_cuda_tree(tree):
             return tree
     pytest.skip(f"no patched llama.cpp tree with ggml-cuda found (looked at {', '.join(map(str, candidates))}); "
-                "make one with `python -m pykvq.dev tree` or install the package with `pip install .`")
+                "make one with `python -m pykvq.devtools.dev tree` or install the package with `pip install .`")
 
 
 def cublas_includes(nvcc: str, tmp_path: Path) -> list[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pykvq import dev, upstream
+from pykvq.devtools import dev, upstream
 
 
 @pytest.fixture

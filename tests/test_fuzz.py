@@ -11,7 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pykvq import gguf_metadata, model_info, native, random_model
+from pykvq import gguf_metadata
+from pykvq.bindings import native
+from pykvq.commands import inspect as model_info
+from pykvq.devtools import random_model
 
 KIVI2 = 43
 SPEC_ALPHABET = "kv:;,=-*0123456789 asymkvi/fq_"

@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pykvq
-from pykvq import llama_tools, native, paths, upstream
+from pykvq import llama_tools, paths
+from pykvq.bindings import native
+from pykvq.devtools import upstream
 
 
 def pykvq_cli(*args: str) -> subprocess.CompletedProcess:

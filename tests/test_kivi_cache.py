@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pykvq import kv_types, llama_tools, native, paths
+from pykvq import kv_types, llama_tools, paths
+from pykvq.bindings import native
 
 CTX = 256
 BASE = ["-c", str(CTX), "-b", str(CTX), "--chunks", "2", "-t", "2", "-fa", "on"]

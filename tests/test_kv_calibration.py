@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import kvq_oracle
 import numpy as np
 import pytest
 
-import kvq_oracle
-
 torch = pytest.importorskip("torch")
 
-from pykvq.kv_calibration import Calibration, CalibrationSettings, LayerProbe, fake_quantize, kivi_attention  # noqa: E402
+from pykvq.convert.kv_calibration import Calibration, CalibrationSettings, LayerProbe, fake_quantize, kivi_attention  # noqa: E402
 
 
 def random_qkv(n_tokens: int, n_head: int = 4, n_head_kv: int = 2, dim: int = 64, seed: int = 0):

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import kvq_graph as g
+import kvq_oracle as oracle
 import numpy as np
 import pytest
 
-from pykvq.ggml_types import GGML_TYPE_KIVI1, GGML_TYPE_KIVI2, GGML_TYPE_KIVI4, KIVI_BITS
-
-import kvq_graph as g
-import kvq_oracle as oracle
+from pykvq.bindings.ggml_types import GGML_TYPE_KIVI1, GGML_TYPE_KIVI2, GGML_TYPE_KIVI4, KIVI_BITS
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,12 @@ on random and on hostile input."""
 
 from __future__ import annotations
 
+import kvq_oracle as oracle  # tests/ is on sys.path through conftest
 import numpy as np
 import pytest
 
-from pykvq import native
-from pykvq.ggml_types import GGML_TYPE_KIVI1, GGML_TYPE_KIVI2, GGML_TYPE_KIVI4, GGML_TYPE_Q4_1, KIVI_BITS
-
-import kvq_oracle as oracle  # tests/ is on sys.path through conftest
+from pykvq.bindings import native
+from pykvq.bindings.ggml_types import GGML_TYPE_KIVI1, GGML_TYPE_KIVI2, GGML_TYPE_KIVI4, GGML_TYPE_Q4_1, KIVI_BITS
 
 KIVI_TYPES = [GGML_TYPE_KIVI2, GGML_TYPE_KIVI4, GGML_TYPE_KIVI1]
 F32_DENORMAL = np.float32(1e-40)

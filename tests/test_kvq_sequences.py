@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pykvq import Context, ContextConfig, KvConfig, LlamaError, Model, llama_tools, paths
-from pykvq.llama_log import sink
+from pykvq.bindings.log import sink
 
 N_CTX_SEQ = 256  # cells per sequence
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pykvq import native, upstream
-from pykvq.llama_cdef import MIRRORED_STRUCTS
+from pykvq.bindings import native
+from pykvq.bindings.cdef import MIRRORED_STRUCTS
+from pykvq.devtools import upstream
 
 
 def probe_source(ffi) -> str:

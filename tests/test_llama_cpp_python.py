@@ -78,7 +78,7 @@ def test_logits_equal_our_bindings(llm, model: Model, hamlet: Path) -> None:
 
 
 def test_per_layer_types_reach_the_cache(smollm2: Path, model: Model) -> None:
-    from pykvq import native
+    from pykvq.bindings import native
     from pykvq.llama_cpp import Llama
     llm = Llama(model_path=str(smollm2), n_ctx=1024, verbose=False, type_k=pykvq.GGML_TYPE_KIVI2,
                 type_v=pykvq.GGML_TYPE_KIVI2, kv_layers="asymkv:16/0")
@@ -121,7 +121,7 @@ def test_server_answers_a_chat_completion_with_kivi2(smollm2: Path, model: Model
     log = tmp_path / "server.log"
     with log.open("w") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pykvq.llama_cpp_server", "--model", str(smollm2), "--kv-type", "kivi2",
+            [sys.executable, "-m", "pykvq.llama_cpp.server", "--model", str(smollm2), "--kv-type", "kivi2",
              "--kv-window", "32", "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "1024", "--n_threads", "2",
              "--verbose", "true"], stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path)
         try:

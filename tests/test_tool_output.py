@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pykvq import llama_tools, random_model
+from pykvq import llama_tools
+from pykvq.devtools import random_model
 
 RUNS = 12
 

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from pykvq import upstream
-from pykvq.upstream import UpstreamError
+from pykvq import paths
+from pykvq.devtools import upstream
+from pykvq.devtools.upstream import UpstreamError
 
 
 @pytest.fixture
 def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     cache = tmp_path / "cache"
-    monkeypatch.setenv(upstream.CACHE_ENV, str(cache))
+    monkeypatch.setenv(paths.CACHE_ENV, str(cache))
     monkeypatch.delenv(upstream.SOURCE_ENV, raising=False)
     return cache
 
@@ -140,7 +141,7 @@ def test_prepatched_tree_from_another_series_is_refused(tmp_path: Path) -> None:
 
 def test_prepare_command_reports_errors_without_traceback(tmp_path: Path, empty_cache: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pykvq.upstream", "prepare", "--repo", str(tmp_path), "--dest",
+        [sys.executable, "-m", "pykvq.devtools.upstream", "prepare", "--repo", str(tmp_path), "--dest",
          str(tmp_path / "d"), "--info-json", str(tmp_path / "i.json"), "--source", str(tmp_path / "nowhere")],
         capture_output=True, text=True, cwd=Path(upstream.__file__).parent.parent)
     assert proc.returncode == 1

@@ -1,5 +1,5 @@
 // Internals shared by the CPU kernels of GGML_OP_KVQ (kvq-cpu.c: seal, attention, ring; kvq-cpu-wide.c: the
-// wide cells of the flash-attention prefill).
+// wide cells of the flash-attention prefill); kvq-cpu-source.c defines the segment access both use.
 #pragma once
 
 #include "ggml-kvq.h"
@@ -91,7 +91,3 @@ static inline float kvq_mask_at(const struct ggml_tensor * mask, int64_t row, in
     const char * p = (const char *) mask->data + (row / mask->ne[1])*mask->nb[3] + (row % mask->ne[1])*mask->nb[1];
     return mask->type == GGML_TYPE_F16 ? GGML_CPU_FP16_TO_FP32(((const ggml_fp16_t *) p)[col]) : ((const float *) p)[col];
 }
-
-// WIDE and WIDE_MASK (kvq-cpu-wide.c)
-void kvq_wide(const struct ggml_compute_params * params, struct ggml_tensor * dst);
-void kvq_wide_mask(const struct ggml_compute_params * params, struct ggml_tensor * dst);

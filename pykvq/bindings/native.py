@@ -9,7 +9,7 @@ import numpy as np
 from cffi import FFI
 
 from pykvq import paths
-from pykvq.llama_cdef import LLAMA_CDEF
+from pykvq.bindings.cdef import LLAMA_CDEF
 
 # enum ggml_type is passed as int: same size and calling convention on every platform we build for
 _CDEF = """

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pykvq import kv_types, native
+from pykvq import kv_types
+from pykvq.api.sampling import Sampler, SamplerSettings
+from pykvq.bindings import native
+from pykvq.bindings.log import sink
 from pykvq.kv_types import KIVI_BITS
-from pykvq.llama_log import sink
-from pykvq.sampling import Sampler, SamplerSettings
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 
@@ -376,7 +377,7 @@ class Context(_Handle):
         self.eval(prompt)
         produced = 0
         while n_predict < 0 or produced < n_predict:
-            token = sampler.sample(self)
+            token = sampler.sample(self._ptr)
             if self.model.is_eog(token):
                 return
             if self.n_past >= self.n_ctx:

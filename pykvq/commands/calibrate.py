@@ -13,8 +13,8 @@ import numpy as np
 from tqdm import tqdm
 
 from pykvq import gguf_metadata
-from pykvq.allocation import BITS, PARTS, Allocation, Sensitivity, allocate
-from pykvq.llama import ContextConfig, KvConfig, Model
+from pykvq.allocation import BITS, PARTS, Allocation, Sensitivity, allocate, format_allocation
+from pykvq.api.llama import ContextConfig, KvConfig, Model
 
 log = logging.getLogger("pykvq.calibrate")
 
@@ -100,13 +100,6 @@ def metadata(allocation: Allocation, budget: float, sensitivities: list[Sensitiv
         for name in PROBED:
             record[f"kvq.calibration.kld_{part}_{name}"] = [s.cost[name] for s in sensitivities if s.part == part]
     return record
-
-
-def format_allocation(allocation: Allocation) -> str:
-    lines = [f"{'layer':>5}  K      V"]
-    for il in range(allocation.n_layer):
-        lines.append(f"{il:>5}  {allocation.types['k', il]:<6} {allocation.types['v', il]}")
-    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:

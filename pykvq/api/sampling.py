@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from pykvq import native
-
-if TYPE_CHECKING:
-    from pykvq.llama import Context
+from pykvq.bindings import native
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "pick a random seed"
 
@@ -55,9 +51,10 @@ class Sampler:
         for stage in stages:
             llama.llama_sampler_chain_add(self._ptr, stage)
 
-    def sample(self, ctx: Context) -> int:
-        """The next token from the context's last logits (the chain also records it)."""
-        return int(self._lib.llama.llama_sampler_sample(self._ptr, ctx._ptr, -1))
+    def sample(self, llama_context) -> int:
+        """The next token from the last logits of a ``llama_context *`` (the chain also records it); a Context
+        passes its own, so that sampling needs nothing of the Python API above the bindings."""
+        return int(self._lib.llama.llama_sampler_sample(self._ptr, llama_context, -1))
 
     def __del__(self) -> None:
         if getattr(self, "_ptr", None) is not None:

@@ -9,6 +9,8 @@ Install llama-cpp-python's Python package without its own llama.cpp build, then 
     llm = Llama(model_path="model.gguf", flash_attn=True,
                 type_k=pykvq.GGML_TYPE_KIVI2, type_v=pykvq.GGML_TYPE_KIVI2, kv_window=64)
 
+The OpenAI-compatible server on the same terms: ``python -m pykvq.llama_cpp.server`` (server.py).
+
 ``Llama`` here is a subclass of llama_cpp.Llama that checks the KV types and applies pykvq's kivi settings
 (window, sinks, rotation) while its context is created.
 """
@@ -21,8 +23,9 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from pykvq import kv_types, native, paths
-from pykvq.llama import KvConfig, kvq_params_applied
+from pykvq import kv_types, paths
+from pykvq.api.llama import KvConfig, kvq_params_applied
+from pykvq.bindings import native
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the release whose llama.cpp pykvq patches (pykvq/upstream.py)
 LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"

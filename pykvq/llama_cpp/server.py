@@ -1,6 +1,6 @@
 """llama-cpp-python's OpenAI-compatible server on pykvq's libllama and KV types.
 
-    python -m pykvq.llama_cpp_server --model model.gguf --kv-type kivi2 [--kv-window 64] [llama_cpp.server options]
+    python -m pykvq.llama_cpp.server --model model.gguf --kv-type kivi2 [--kv-window 64] [llama_cpp.server options]
 
 takes every option of ``python -m llama_cpp.server`` plus pykvq's: ``--kv-type`` sets --type_k, --type_v and
 --flash_attn true; ``--kv-window``, ``--kv-sinks``, ``--kv-rollback`` and ``--kv-rotate`` set the kivi layers
@@ -13,14 +13,15 @@ import argparse
 import logging
 import sys
 
-from pykvq import kv_types, native
+from pykvq import kv_types
+from pykvq.api.llama import KvConfig
+from pykvq.bindings import native
 from pykvq.kv_types import KvSpec, KvTypeError
-from pykvq.llama import KvConfig
 from pykvq.llama_cpp import LlamaCppError, check_kv_type, load
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m pykvq.llama_cpp_server", add_help=False)
+    parser = argparse.ArgumentParser(prog="python -m pykvq.llama_cpp.server", add_help=False)
     parser.add_argument("--kv-type", help="K and V cache type by name, e.g. kivi2")
     parser.add_argument("--kv-window", type=int, help="kivi: recent tokens kept in fp16 (default 128)")
     parser.add_argument("--kv-sinks", type=int, help="kivi: first tokens kept in fp16 (default 0)")

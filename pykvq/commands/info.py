@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from pykvq import build_info, native
+from pykvq import build_info
+from pykvq.bindings import native
 
 
 def collect() -> dict:

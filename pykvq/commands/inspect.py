@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pykvq import gguf_metadata, kv_types, native
+from pykvq import gguf_metadata, kv_types
+from pykvq.bindings import native
 
 FP16_BYTES = 2
 

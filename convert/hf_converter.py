@@ -6,7 +6,7 @@ common mistakes get one clear message instead of a traceback from deep inside th
 
 from __future__ import annotations
 
-import importlib
+import ast
 import json
 import logging
 import os
@@ -35,14 +35,15 @@ class HfModel:
 
 
 def supported_architectures() -> list[str]:
-    """Every text-model architecture the pinned converter knows, by its HF class name."""
-    folder = str(paths.hf_converter().parent)
-    sys.path.insert(0, folder)
-    try:
-        conversion = importlib.import_module("conversion")
-    finally:
-        sys.path.remove(folder)
-    return sorted(conversion.TEXT_MODEL_MAP)
+    """Every text-model architecture the pinned converter knows, by its HF class name: the keys of its
+    ``conversion.TEXT_MODEL_MAP``, read from the source (importing it would import torch and a `gguf`)."""
+    source = paths.vendor_dir() / "conversion" / "__init__.py"
+    for node in ast.parse(source.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.AnnAssign | ast.Assign):
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            if any(isinstance(t, ast.Name) and t.id == "TEXT_MODEL_MAP" for t in targets) and node.value:
+                return sorted(ast.literal_eval(node.value))
+    raise ConversionError(f"{source} defines no TEXT_MODEL_MAP: the installed converter is not the pinned one")
 
 
 def _architecture(config: dict) -> str | None:
@@ -113,8 +114,8 @@ def convert(model: HfModel, out: Path, outtype: str) -> None:
     its becomes one error line (-v shows it whole)."""
     cmd = [sys.executable, str(paths.hf_converter()), str(model.path), "--outfile", str(out), "--outtype", outtype]
     log.debug("running %s", " ".join(cmd))
-    # the installed `gguf` package is the pinned upstream's own: the converter's source-tree fallback is absent
-    env = {**os.environ, "NO_LOCAL_GGUF": "1"}
+    # without NO_LOCAL_GGUF the converter imports the pinned `gguf-py/` beside it, whatever `gguf` is installed
+    env = {name: value for name, value in os.environ.items() if name != "NO_LOCAL_GGUF"}
     with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
         assert proc.stderr is not None
         traceback = relay_until_traceback(proc.stderr, sys.stderr.buffer)

@@ -7,7 +7,7 @@ import threading
 from collections import deque
 from functools import cache
 
-from pykvq import native
+from pykvq.bindings import native
 
 log = logging.getLogger("pykvq.llama")
 

@@ -1,7 +1,7 @@
 """The pinned upstream llama.cpp: obtain it, verify it, unpack it, and patch it.
 
-Used at build time by CMakeLists.txt (``python -m pykvq.upstream prepare ...``) and by the developer
-workflow (``python -m pykvq.dev``), so both see exactly the same source tree. Standard library only:
+Used at build time by CMakeLists.txt (``python -m pykvq.devtools.upstream prepare ...``) and by the developer
+workflow (``python -m pykvq.devtools.dev``), so both see exactly the same source tree. Standard library only:
 this module runs inside the isolated build environment before pykvq is installed.
 """
 
@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pykvq import paths
+
 log = logging.getLogger("pykvq.upstream")
 
 SDIST_NAME = "llama-cpp-python"
@@ -30,7 +32,6 @@ LLAMA_CPP_COMMIT = "0c1e570"
 VENDOR_PREFIX = f"llama_cpp_python-{SDIST_VERSION}/vendor/llama.cpp/"
 
 SOURCE_ENV = "PYKVQ_UPSTREAM_SOURCE"
-CACHE_ENV = "PYKVQ_CACHE_DIR"
 PATCHED_MARKER = ".pykvq-patched.json"
 
 # Parts of upstream that pykvq never builds; leaving them out keeps the patched tree small enough to
@@ -66,13 +67,6 @@ class UpstreamInfo:
     sha256: str | None
     tree: str
     patches: list[str] = field(default_factory=list)
-
-
-def cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pykvq"
 
 
 def sha256_of(path: Path) -> str:
@@ -120,7 +114,7 @@ def download_sdist(dest_dir: Path) -> Path:
 
 def cached_sdist() -> Path:
     """The verified sdist from the cache, downloading it on first use."""
-    slot = cache_dir() / "upstream" / SDIST_SHA256
+    slot = paths.cache_dir() / "upstream" / SDIST_SHA256
     sdist = slot / SDIST_FILE
     if sdist.is_file():
         verify_sdist(sdist)
@@ -178,7 +172,7 @@ def resolve_source(spec: str | None) -> Source:
             raise UpstreamError(f"{SOURCE_ENV} points at {path}, which does not exist")
         if path.is_file():
             verify_sdist(path)
-            root = unpack_vendor(path, cache_dir() / "upstream" / SDIST_SHA256 / "llama.cpp")
+            root = unpack_vendor(path, paths.cache_dir() / "upstream" / SDIST_SHA256 / "llama.cpp")
             return Source(root, SDIST_SHA256, str(path))
         return Source(llama_cpp_root(path), None, str(path))
     sdist = cached_sdist()
@@ -228,8 +222,8 @@ def apply_patch(tree: Path, patch: Path) -> None:
     if proc.returncode != 0:
         raise UpstreamError(
             f"patch {patch.name} does not apply to llama.cpp {LLAMA_CPP_COMMIT}:\n{proc.stderr.strip()}\n"
-            f"Refresh it against the pinned upstream with `python -m pykvq.dev tree` and "
-            f"`python -m pykvq.dev export`."
+            f"Refresh it against the pinned upstream with `python -m pykvq.devtools.dev tree` and "
+            f"`python -m pykvq.devtools.dev export`."
         )
 
 
@@ -255,7 +249,7 @@ def prepare_tree(source: Source, repo: Path, dest: Path, patched: bool = True) -
         if source_marker["series"] != digest:
             raise UpstreamError(
                 f"{source.root} was patched with a different patch series than this checkout's; "
-                f"make it again with `python -m pykvq.dev prune`"
+                f"make it again with `python -m pykvq.devtools.dev prune`"
             )
         return _info(source.root, source, patches)
     wanted = {"source": source.label, "sha256": source.sha256, "series": digest,
@@ -288,7 +282,7 @@ def _prepare_command(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pykvq.upstream", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pykvq.devtools.upstream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="produce the patched upstream tree the build compiles")
     prep.add_argument("--repo", type=Path, required=True, help="the pykvq checkout (holds the patches)")

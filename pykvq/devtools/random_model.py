@@ -4,7 +4,7 @@ The weights are random Q4_0 blocks (small scales, so activations stay finite), t
 SentencePiece vocabulary of the right size: the model computes exactly what a real model of that shape
 computes, which is all a KV-cache speed or memory figure needs.
 
-    python -m pykvq.random_model llama3-8b /tmp/llama3-8b-random.gguf
+    python -m pykvq.devtools.random_model llama3-8b /tmp/llama3-8b-random.gguf
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from pykvq.bindings import gguf_py
 
 log = logging.getLogger("pykvq.random_model")
 
@@ -57,8 +59,7 @@ def random_q4_0(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
 def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True) -> None:
     """A random model of ``shape``; ``byte_tokens=False`` leaves SentencePiece's byte fallbacks out, a hostile
     vocabulary for tests."""
-    import gguf  # installed with pykvq from the pinned llama.cpp
-
+    gguf = gguf_py.gguf()
     rng = np.random.default_rng(seed)
     head_dim = shape.n_embd // shape.n_head
     n_embd_kv = head_dim * shape.n_head_kv
@@ -113,7 +114,7 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pykvq.random_model", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m pykvq.devtools.random_model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("output", type=Path)

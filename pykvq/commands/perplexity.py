@@ -15,7 +15,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pykvq import gguf_metadata, kv_types, llama_tools, native, paths
+from pykvq import gguf_metadata, kv_types, llama_tools, paths
+from pykvq.bindings import native
 from pykvq.kv_types import KvSpec
 
 log = logging.getLogger("pykvq.perplexity")
@@ -85,7 +86,7 @@ def run_one(settings: Settings, spec: KvSpec, progress: tqdm) -> Run:
 
 @cache
 def model_layers(model: Path) -> int:
-    from pykvq.llama import Model
+    from pykvq.api.llama import Model
 
     # weights are memory-mapped, not read: loading for the layer count is cheap
     with Model(model) as m:
