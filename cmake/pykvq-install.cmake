@@ -1,7 +1,7 @@
 # Install the shared libraries into pykvq/lib and the tools into pykvq/bin, found at run time from
 # the package itself. Only the "pykvq" component goes into the wheel (pyproject.toml), which keeps
 # upstream's own install rules (headers, pkg-config, CMake packages) out of site-packages.
-set(PYKVQ_LIBRARIES ggml ggml-base ggml-cpu ggml-cuda llama llama-common
+set(PYKVQ_LIBRARIES ggml ggml-base ggml-cpu ggml-cuda ggml-rpc llama llama-common
     llama-perplexity-impl llama-completion-impl llama-batched-bench-impl)
 
 foreach (target ${PYKVQ_LIBRARIES})
@@ -14,6 +14,10 @@ foreach (target ${PYKVQ_LIBRARIES})
     set_target_properties(${target} PROPERTIES INSTALL_RPATH "$ORIGIN")
     install(TARGETS ${target} LIBRARY DESTINATION pykvq/lib COMPONENT pykvq)
 endforeach()
+
+if (TARGET ggml-cuda AND PYKVQ_CUDA_INSTALL_RPATH)
+    set_property(TARGET ggml-cuda APPEND PROPERTY INSTALL_RPATH "${PYKVQ_CUDA_INSTALL_RPATH}")
+endif()
 
 foreach (tool ${PYKVQ_TOOLS})
     set_target_properties(${tool} PROPERTIES INSTALL_RPATH "$ORIGIN/../lib")
@@ -35,6 +39,9 @@ install(DIRECTORY ${PYKVQ_UPSTREAM_TREE}/gguf-py/gguf DESTINATION pykvq/vendor/g
 set(PYKVQ_BACKENDS CPU)
 if (GGML_CUDA)
     list(APPEND PYKVQ_BACKENDS CUDA)
+endif()
+if (GGML_RPC)
+    list(APPEND PYKVQ_BACKENDS RPC)
 endif()
 file(READ ${PYKVQ_UPSTREAM_INFO} upstream_json)
 string(JOIN "\", \"" backends_json ${PYKVQ_BACKENDS})

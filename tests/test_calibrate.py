@@ -10,6 +10,8 @@ import pytest
 from pykvq import gguf_metadata, kv_types
 from pykvq.allocation import BITS
 
+import device
+
 N_LAYER = 30
 
 
@@ -31,7 +33,8 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     bits = [BITS[t] for t in types_k + types_v]
     assert sum(bits) / len(bits) <= 2.0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calibrated.gguf"]  # no temporary file left
-    run = subprocess.run(["pykvq", "run", "-m", str(out), "-p", "Hello", "-n", "4", "-c", "256", "-t", "2"],
+    run = subprocess.run(["pykvq", "run", *device.TOOL_ARGS,
+                          "-m", str(out), "-p", "Hello", "-n", "4", "-c", "256", "-t", "2"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert run.returncode == 0 and f"KV cache layers {meta[gguf_metadata.KEY_LAYERS]}" in run.stderr
 

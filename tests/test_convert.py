@@ -10,8 +10,10 @@ import hf_models
 import numpy as np
 import pytest
 
-from pykvq import ContextConfig, KvConfig, Model, gguf_metadata, kv_types
+from pykvq import KvConfig, gguf_metadata, kv_types
 from pykvq.allocation import BITS
+
+import device
 
 
 def pykvq(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -67,11 +69,11 @@ def test_logits_match_transformers(tiny_hf: Path, tmp_path: Path, outtype: str, 
 
     out = tmp_path / f"tiny-{outtype}.gguf"
     assert pykvq("convert", str(tiny_hf), "-o", str(out), "--outtype", outtype, cwd=tmp_path).returncode == 0
-    with Model(out) as model:
+    with device.load_model(out) as model:
         tokens = model.tokenize("To be, or not to be, that is the question: whether 'tis nobler in the mind")
         assert len(tokens) > 10
         kv = KvConfig(outtype, outtype, layers="none")
-        with model.context(ContextConfig(n_ctx=128, n_batch=128, n_threads=2, flash_attn="off", kv=kv)) as ctx:
+        with model.context(device.context_config(n_ctx=128, n_batch=128, n_threads=2, flash_attn="off", kv=kv)) as ctx:
             ours = ctx.eval(tokens, all_logits=True)
     hf = LlamaForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -120,12 +122,12 @@ def test_calibrated_metadata(calibrated: tuple[Path, subprocess.CompletedProcess
 def test_the_cache_allocates_the_calibrated_layers(calibrated: tuple[Path, subprocess.CompletedProcess]) -> None:
     out, _ = calibrated
     spec = str(gguf_metadata.read_kvq(out)[gguf_metadata.KEY_LAYERS])
-    with Model(out) as model:
+    with device.load_model(out) as model:
         tokens = model.tokenize("Fair is foul, and foul is fair: hover through the fog and filthy air. " * 6)
 
         def logits(layers: str | None) -> np.ndarray:
             kv = KvConfig("kivi2", "kivi2", window=32, layers=layers)
-            with model.context(ContextConfig(n_ctx=256, n_batch=256, n_threads=2, kv=kv)) as ctx:
+            with model.context(device.context_config(n_ctx=256, n_batch=256, n_threads=2, kv=kv)) as ctx:
                 return ctx.eval(tokens, all_logits=True)
 
         from_metadata = logits(None)
@@ -248,9 +250,9 @@ def test_smollm2_from_transformers_converts_and_generates(smollm2: Path, tmp_pat
     # the converted f16 model predicts what the Q4_1 original predicts
     predictions = []
     for path in (smollm2, out):
-        with Model(path) as model:
+        with device.load_model(path) as model:
             tokens = model.tokenize(text)[:300]
-            config = ContextConfig(n_ctx=512, n_batch=512, n_threads=2, kv=KvConfig(layers="none"))
+            config = device.context_config(n_ctx=512, n_batch=512, n_threads=2, kv=KvConfig(layers="none"))
             with model.context(config) as ctx:
                 predictions.append(ctx.eval(tokens, all_logits=True).argmax(1))
     assert np.mean(predictions[0] == predictions[1]) > 0.85

@@ -16,6 +16,8 @@ from pykvq.bindings import native
 from pykvq.commands import inspect as model_info
 from pykvq.devtools import random_model
 
+import device
+
 KIVI2 = 43
 SPEC_ALPHABET = "kv:;,=-*0123456789 asymkvi/fq_"
 
@@ -78,7 +80,8 @@ def test_corrupt_models_are_an_error_not_a_crash(small_gguf: bytes, tmp_path: Pa
         blob = blob[:data.draw(st.integers(min_value=0, max_value=len(blob)))]
     path = tmp_path / "corrupt.gguf"
     path.write_bytes(bytes(blob))
-    proc = subprocess.run(["pykvq", "run", "-m", str(path), "-p", "hello", "-n", "4", "-c", "256", "-t", "1"],
+    proc = subprocess.run(["pykvq", "run", *device.TOOL_ARGS,
+                           "-m", str(path), "-p", "hello", "-n", "4", "-c", "256", "-t", "1"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
@@ -89,7 +92,8 @@ def test_a_vocabulary_that_throws_is_an_error_not_a_crash(tmp_path: Path) -> Non
     report it (patch: llama_tokenize), not terminate the program."""
     path = tmp_path / "no-bytes.gguf"
     random_model.write(random_model.SHAPES["tiny"], path, byte_tokens=False)
-    proc = subprocess.run(["pykvq", "run", "-m", str(path), "-p", "héllo wörld", "-n", "2", "-c", "256", "-t", "1"],
+    proc = subprocess.run(["pykvq", "run", *device.TOOL_ARGS,
+                           "-m", str(path), "-p", "héllo wörld", "-n", "2", "-c", "256", "-t", "1"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "cannot tokenize the text: llama_tokenize: the model's vocabulary cannot tokenize this text" in proc.stderr

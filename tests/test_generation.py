@@ -7,9 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import ContextConfig, KvConfig, Model, Sampler, SamplerSettings
+from pykvq import KvConfig, Model, Sampler, SamplerSettings
 from pykvq.kv_types import bits_per_element
 from pykvq.llama_tools import run_tool
+
+import device
 
 PROMPT = "Once upon a time"
 N_PREDICT = 40
@@ -22,12 +24,13 @@ def hamlet_tokens(model: Model, hamlet: Path) -> list[int]:
 
 def generate(model: Model, prompt: str, sampling: SamplerSettings, kv: KvConfig | None = None) -> str:
     kv = kv or KvConfig()
-    with model.context(ContextConfig(n_ctx=1024, n_threads=2, kv=kv)) as ctx:
+    with model.context(device.context_config(n_ctx=1024, n_threads=2, kv=kv)) as ctx:
         return "".join(ctx.generate_text(model.tokenize(prompt, parse_special=True), N_PREDICT, Sampler(sampling)))
 
 
 def llama_completion(model_path: Path, prompt: str, extra: list[str]) -> str:
-    out = run_tool("llama-completion", ["-m", str(model_path), "-p", prompt, "-n", str(N_PREDICT), "-no-cnv",
+    out = run_tool("llama-completion", [*device.TOOL_ARGS,
+                                        "-m", str(model_path), "-p", prompt, "-n", str(N_PREDICT), "-no-cnv",
                                         "-t", "2", "-c", "1024", "--no-warmup", *extra])
     # stdout (first in the combined output) is the prompt and the generated text, then the log
     assert out.startswith(prompt)
@@ -69,7 +72,7 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(model: Model) -> Non
 
 
 def next_token_predictions(model: Model, tokens: list[int], kv: KvConfig) -> np.ndarray:
-    with model.context(ContextConfig(n_ctx=1024, n_threads=2, kv=kv)) as ctx:
+    with model.context(device.context_config(n_ctx=1024, n_threads=2, kv=kv)) as ctx:
         return ctx.eval(tokens, all_logits=True).argmax(axis=1)
 
 
@@ -92,7 +95,7 @@ def test_kivi_top1_agreement_with_f16(model: Model, hamlet_tokens: list[int]) ->
 @pytest.mark.parametrize("name, window, sinks", [("f16", 128, 0), ("q8_0", 128, 0), ("kivi2", 128, 0),
                                                  ("kivi4", 64, 4), ("kivi1", 0, 0)])
 def test_reported_kv_memory_matches_the_formula(model: Model, name: str, window: int, sinks: int) -> None:
-    with model.context(ContextConfig(n_ctx=1024, kv=KvConfig.preset(name, window=window, sinks=sinks))) as ctx:
+    with model.context(device.context_config(n_ctx=1024, kv=KvConfig.preset(name, window=window, sinks=sinks))) as ctx:
         memory = ctx.memory()
     assert memory.n_cells == 1024 and memory.n_layers == model.n_layer
     assert memory.f16_bytes == 2 * memory.n_elements

@@ -11,13 +11,16 @@ import pytest
 from pykvq import kv_types, llama_tools, paths
 from pykvq.bindings import native
 
+import device
+
 CTX = 256
 BASE = ["-c", str(CTX), "-b", str(CTX), "--chunks", "2", "-t", "2", "-fa", "on"]
 N_LAYER, N_EMBD_KV = 30, 3 * 64  # SmolLM2-135M: 30 layers, 3 KV heads of 64
 
 
 def perplexity(smollm2: Path, hamlet: Path, *args: str) -> tuple[llama_tools.PerplexityResult, str]:
-    output = llama_tools.run_tool("llama-perplexity", ["-m", str(smollm2), "-f", str(hamlet), *BASE, *args])
+    output = llama_tools.run_tool("llama-perplexity", [*device.TOOL_ARGS,
+                                                       "-m", str(smollm2), "-f", str(hamlet), *BASE, *args])
     return llama_tools.parse_perplexity(output), output
 
 

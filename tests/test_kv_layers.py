@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import ContextConfig, KvConfig, Model, gguf_metadata, kv_types, llama_tools, paths
+from pykvq import KvConfig, Model, gguf_metadata, kv_types, llama_tools, paths
 from pykvq.kv_types import bits_per_element
+
+import device
 
 N_LAYER = 30  # SmolLM2-135M
 
@@ -55,7 +57,7 @@ def test_bad_specs_point_at_the_offending_part(spec: str, message: str) -> None:
 
 
 def cache_bytes(model: Model, kv: KvConfig, n_ctx: int = 1024) -> int:
-    with model.context(ContextConfig(n_ctx=n_ctx, kv=kv)) as ctx:
+    with model.context(device.context_config(n_ctx=n_ctx, kv=kv)) as ctx:
         return ctx.memory().bytes
 
 
@@ -79,7 +81,7 @@ def test_per_layer_spec_of_one_type_equals_that_type(model: Model, hamlet: Path)
     tokens = model.tokenize(hamlet.read_text()[30000:32000])[:300]
 
     def logits(kv: KvConfig) -> np.ndarray:
-        with model.context(ContextConfig(n_ctx=512, n_threads=2, kv=kv)) as ctx:
+        with model.context(device.context_config(n_ctx=512, n_threads=2, kv=kv)) as ctx:
             return ctx.eval(tokens, all_logits=True)
 
     np.testing.assert_array_equal(logits(KvConfig("kivi4", "kivi4", 32, layers="k:*=kivi2;v:*=kivi1")),
@@ -87,7 +89,8 @@ def test_per_layer_spec_of_one_type_equals_that_type(model: Model, hamlet: Path)
 
 
 def ppl(smollm2: Path, hamlet: Path, *args: str) -> float:
-    out = llama_tools.run_tool("llama-perplexity", ["-m", str(smollm2), "-f", str(hamlet), "-c", "512", "-b", "512",
+    out = llama_tools.run_tool("llama-perplexity", [*device.TOOL_ARGS,
+                                                    "-m", str(smollm2), "-f", str(hamlet), "-c", "512", "-b", "512",
                                                     "--chunks", "2", "-t", "2", "-fa", "on", "-ctk", "kivi2", "-ctv",
                                                     "kivi2", *args])
     return llama_tools.parse_perplexity(out).ppl
@@ -123,7 +126,7 @@ def test_metadata_round_trips(tagged: Path) -> None:
 
 
 def test_the_cache_allocates_the_metadata_layers(tagged: Path, model: Model) -> None:
-    with Model(tagged) as m:
+    with device.load_model(tagged) as m:
         from_metadata = cache_bytes(m, KvConfig("kivi2", "kivi2"))
         ignored = cache_bytes(m, KvConfig("kivi2", "kivi2", layers="none"))
     assert from_metadata == cache_bytes(model, KvConfig("kivi2", "kivi2", layers="asymkv:20/5"))
@@ -136,14 +139,15 @@ def test_metadata_of_another_version_is_refused(smollm2: Path, tmp_path: Path) -
     gguf_metadata.write_copy(smollm2, future, {"kvq.version": 2, gguf_metadata.KEY_LAYERS: "asymkv:20/5"})
     with pytest.raises(gguf_metadata.GgufError, match="version 2; this pykvq reads version 1"):
         gguf_metadata.read_kvq(future)
-    proc = subprocess.run(["pykvq", "run", "-m", str(future), "-p", "hi", "-n", "2"], capture_output=True, text=True,
+    proc = subprocess.run(["pykvq", "run", *device.TOOL_ARGS,
+                           "-m", str(future), "-p", "hi", "-n", "2"], capture_output=True, text=True,
                           cwd=tmp_path, timeout=120)
     assert proc.returncode == 1 and "version 2; this pykvq reads version 1" in proc.stderr
 
 
 def test_pykvq_run_reports_per_layer_types(smollm2: Path, tagged: Path, tmp_path: Path) -> None:
     def run(*args: str) -> str:
-        proc = subprocess.run(["pykvq", "run", "-t", "2", "-p", "Hi", "-n", "2", "-c", "512", *args],
+        proc = subprocess.run(["pykvq", "run", *device.TOOL_ARGS, "-t", "2", "-p", "Hi", "-n", "2", "-c", "512", *args],
                               capture_output=True, text=True, cwd=tmp_path, timeout=120)
         assert proc.returncode == 0, proc.stderr
         return proc.stderr

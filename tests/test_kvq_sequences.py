@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import Context, ContextConfig, KvConfig, LlamaError, Model, llama_tools, paths
+from pykvq import Context, KvConfig, LlamaError, Model, llama_tools, paths
 from pykvq.bindings.log import sink
+
+import device
 
 N_CTX_SEQ = 256  # cells per sequence
 
@@ -19,6 +21,8 @@ KIVI2 = KvConfig.preset("kivi2", window=32, sinks=4)
 ASYMKV = KvConfig("kivi2", "kivi1", window=16, layers="asymkv:20/10")
 KVS = [KIVI2, ASYMKV]
 KV_IDS = ["kivi2-w32-s4", "asymkv-w16"]
+# an upstream type on layer 0 (per-layer types), plain rows next to the kivi layers' parts
+Q8_FIRST = KvConfig("kivi2", "kivi2", window=32, layers="k:0=q8_0,1-=kivi2;v:0=q8_0,1-=kivi2")
 
 # The kivi kernels compute a query's row from its own sequence's data alone, in the same order whatever else
 # is in the batch, and the model's other ops are row-wise: a sequence decoded next to others gives the bits
@@ -40,7 +44,7 @@ LAYOUTS = pytest.mark.parametrize("unified", [False, True], ids=["streams", "uni
 
 
 def multi(model: Model, kv: KvConfig, n_seq: int, unified: bool = False, n_ctx_seq: int = N_CTX_SEQ):
-    return model.context(ContextConfig(n_ctx=n_ctx_seq * n_seq, n_threads=2, kv=kv, n_seq_max=n_seq,
+    return model.context(device.context_config(n_ctx=n_ctx_seq * n_seq, n_threads=2, kv=kv, n_seq_max=n_seq,
                                        kv_unified=unified))
 
 
@@ -48,7 +52,7 @@ def alone(model: Model, kv: KvConfig, tokens: list[int], steps: int = 0) -> list
     """Logits of the last prompt token, then of each of the next `steps` tokens fed one by one, in a
     one-sequence context; tokens[:len(tokens) - steps] is the prompt."""
     prompt, rest = tokens[:len(tokens) - steps], tokens[len(tokens) - steps:]
-    with model.context(ContextConfig(n_ctx=N_CTX_SEQ, n_threads=2, kv=kv)) as ctx:
+    with model.context(device.context_config(n_ctx=N_CTX_SEQ, n_threads=2, kv=kv)) as ctx:
         out = [ctx.eval(prompt)]
         out += [ctx.eval([t]) for t in rest]
     return out
@@ -123,7 +127,7 @@ def test_suffix_removal_of_one_sequence_equals_a_fresh_context(model: Model, tex
 
 
 @LAYOUTS
-@pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
+@pytest.mark.parametrize("kv", [*KVS, Q8_FIRST], ids=[*KV_IDS, "q8_0-layer0"])
 def test_copied_sequences_diverge_as_fresh_runs(model: Model, texts: list[list[int]], kv: KvConfig,
                                                 unified: bool) -> None:
     prompt = texts[0][:77]  # inside a tile: the copy carries the unsealed tile's fp16 cells
@@ -136,6 +140,25 @@ def test_copied_sequences_diverge_as_fresh_runs(model: Model, texts: list[list[i
         got = ctx.eval_seqs({s: conts[s] for s in range(3)})
     for s in range(3):
         assert_same(got[s], alone(model, kv, prompt + conts[s])[0])
+
+
+@LAYOUTS
+@pytest.mark.parametrize("kv", [KIVI2, Q8_FIRST], ids=["kivi2-w32-s4", "q8_0-layer0"])
+def test_a_copy_saved_before_the_next_decode_carries_its_data(model: Model, texts: list[list[int]], kv: KvConfig,
+                                                              unified: bool) -> None:
+    """seq_cp's data follows at the next decode, once the graph is done (as upstream's stream copies): a state
+    saved in between must hold it all the same, and a state loaded in between must not be overwritten by it."""
+    prompt, cont = texts[0][:77], texts[1][:20]
+    with multi(model, kv, 2, unified) as ctx:
+        ctx.eval_seqs({0: prompt})
+        ctx.seq_cp(0, 1)
+        copied = ctx.save_seq_state(1)
+    with multi(model, kv, 2, unified) as ctx:
+        ctx.eval_seqs({0: texts[2][:50]})
+        ctx.seq_cp(0, 1)
+        ctx.load_seq_state(copied, 1)
+        got = ctx.eval_seqs({1: cont})[1]
+    assert_same(got, alone(model, kv, prompt + cont)[0])
 
 
 @LAYOUTS
@@ -156,7 +179,7 @@ def test_a_cleared_sequence_reuses_its_stream(model: Model, texts: list[list[int
 
 
 @LAYOUTS
-@pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
+@pytest.mark.parametrize("kv", [*KVS, Q8_FIRST], ids=[*KV_IDS, "q8_0-layer0"])
 def test_one_sequence_state_round_trip(model: Model, texts: list[list[int]], kv: KvConfig, unified: bool) -> None:
     a, b = texts[0], texts[1]
     with multi(model, kv, 2, unified) as ctx:
@@ -273,7 +296,7 @@ def test_a_unified_cache_refuses_what_it_cannot_keep_apart(model: Model, texts: 
 
 
 def test_a_unified_cache_too_small_for_its_sequences_is_refused(model: Model) -> None:
-    config = ContextConfig(n_ctx=256, n_threads=2, kv=KIVI2, n_seq_max=16, kv_unified=True)
+    config = device.context_config(n_ctx=256, n_threads=2, kv=KIVI2, n_seq_max=16, kv_unified=True)
     with pytest.raises(LlamaError, match="256 cells for 16 sequences: kivi types need a multiple of 32 cells for each"):
         model.context(config)
 
@@ -293,15 +316,17 @@ def test_a_prefix_copy_in_a_unified_cache_equals_a_fresh_run(model: Model, texts
 def test_perplexity_of_four_sequences_per_batch_equals_one(smollm2: Path, hamlet: Path, layout: list[str]) -> None:
     base = ["-m", str(smollm2), "-f", str(hamlet), "-c", "256", "-t", "2", "--chunks", "4", "-fa", "on",
             "-ctk", "kivi2", "-ctv", "kivi2", "--kv-window", "32", "--kv-sinks", "4"]
-    one = llama_tools.parse_perplexity(llama_tools.run_tool("llama-perplexity", [*base, "-b", "256"]))
-    four = llama_tools.parse_perplexity(llama_tools.run_tool("llama-perplexity", [*base, *layout, "-b", "1024"]))
+    one = llama_tools.parse_perplexity(llama_tools.run_tool("llama-perplexity", [*device.TOOL_ARGS,
+                                                                                 *base, "-b", "256"]))
+    four = llama_tools.parse_perplexity(llama_tools.run_tool("llama-perplexity", [*device.TOOL_ARGS,
+                                                                                  *base, *layout, "-b", "1024"]))
     assert four.running_ppl == one.running_ppl
 
 
 @pytest.mark.parametrize(("kv_type", "layout"), [("kivi2", []), ("kivi4", []), ("kivi2", ["-kvu"])])
 def test_batched_bench_runs_several_sequences(smollm2: Path, kv_type: str, layout: list[str]) -> None:
     assert paths.tool("llama-batched-bench").exists()
-    output = llama_tools.run_tool("llama-batched-bench", [
+    output = llama_tools.run_tool("llama-batched-bench", [*device.TOOL_ARGS,
         "-m", str(smollm2), "-c", "2048", "-b", "512", "-ub", "256", "-npp", "64", "-ntg", "8", "-npl", "1,4",
         "-t", "2", "-fa", "on", "-ctk", kv_type, "-ctv", kv_type, "--kv-window", "32", "--kv-sinks", "4", *layout],
         timeout=300)

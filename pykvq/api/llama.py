@@ -22,7 +22,7 @@ import numpy as np
 
 from pykvq import kv_types
 from pykvq.api.sampling import Sampler, SamplerSettings
-from pykvq.bindings import native
+from pykvq.bindings import devices, native
 from pykvq.bindings.log import sink
 from pykvq.kv_types import KIVI_BITS
 
@@ -86,6 +86,8 @@ class ContextConfig:
     # cache gives each sequence n_ctx / n_seq_max cells, as per-sequence streams do (the default)
     n_seq_max: int = 1
     kv_unified: bool = False
+    # upstream's op offload (--no-op-offload turns it off): large CPU-resident matmuls run on the GPU
+    op_offload: bool = True
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,8 @@ class _Handle:
 class Model(_Handle):
     """A GGUF model loaded by libllama."""
 
-    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, rpc: str | None = None) -> None:
+        """n_gpu_layers: layers on the GPU (-ngl); rpc: RPC servers as extra devices, HOST:PORT[,...] (--rpc)."""
         self.path = Path(path)
         if self.path.is_dir():
             raise IsADirectoryError(f"model path is a folder, not a GGUF file: {self.path}")
@@ -185,9 +188,10 @@ class Model(_Handle):
             raise FileNotFoundError(f"model file not found: {self.path}")
         if not os.access(self.path, os.R_OK):
             raise PermissionError(f"model file is not readable: {self.path}")
+        if rpc:
+            add_rpc_servers(rpc)
         if n_gpu_layers != 0 and not gpu_offload_supported():
-            raise LlamaError(f"-ngl {n_gpu_layers} asks for GPU layers, but this pykvq build has no GPU backend "
-                             "(rebuild with PYKVQ_CUDA=ON)")
+            raise LlamaError(f"-ngl {n_gpu_layers} asks for GPU layers, but {_no_gpu_reason()}")
         self._lib = native.libs()
         sink()
         params = self._lib.llama.llama_model_default_params()
@@ -313,6 +317,7 @@ class Context(_Handle):
         params.n_threads = params.n_threads_batch = config.n_threads
         params.n_seq_max = config.n_seq_max
         params.kv_unified = config.kv_unified
+        params.op_offload = config.op_offload
         params.flash_attn_type = FLASH_ATTN[flash_attn]
         params.no_perf = False
         params.type_k = kv_types.type_id(kv.type_k)
@@ -521,4 +526,19 @@ class Context(_Handle):
 
 
 def gpu_offload_supported() -> bool:
-    return bool(native.libs().llama.llama_supports_gpu_offload())
+    """A device that takes layers: a GPU of this build, or an RPC server added with add_rpc_servers."""
+    return bool(devices.offload_devices())
+
+
+def add_rpc_servers(servers: str) -> None:
+    """RPC servers (HOST:PORT[,...], each running ggml-rpc-server) as devices for -ngl, as llama.cpp's --rpc."""
+    try:
+        devices.add_rpc_servers(servers)
+    except devices.DeviceError as e:
+        raise LlamaError(str(e)) from None
+
+
+def _no_gpu_reason() -> str:
+    if "CUDA" not in native.backends():
+        return "this pykvq build has no GPU backend (rebuild with PYKVQ_CUDA=ON, or offload to an RPC server: --rpc)"
+    return "the CUDA backend finds no GPU here (no NVIDIA driver or device)"

@@ -45,6 +45,16 @@ _CDEF = """
     size_t             ggml_backend_reg_count(void);
     ggml_backend_reg_t ggml_backend_reg_get(size_t index);
     const char *       ggml_backend_reg_name(ggml_backend_reg_t reg);
+    ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
+    void *             ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+    void               ggml_backend_register(ggml_backend_reg_t reg);
+
+    typedef struct ggml_backend_device * ggml_backend_dev_t;
+    size_t             ggml_backend_dev_count(void);
+    ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+    const char *       ggml_backend_dev_name(ggml_backend_dev_t device);
+    const char *       ggml_backend_dev_description(ggml_backend_dev_t device);
+    int                ggml_backend_dev_type(ggml_backend_dev_t device);
 """
 
 

@@ -22,10 +22,11 @@ from pykvq.api.llama import (
     LlamaError,
     Model,
     Timings,
+    add_rpc_servers,
     gpu_offload_supported,
 )
 from pykvq.api.sampling import LLAMA_DEFAULT_SEED, Sampler, SamplerSettings
-from pykvq.bindings import native
+from pykvq.bindings import devices, native
 from pykvq.kv_types import KvSpec
 
 log = logging.getLogger("pykvq.run")
@@ -58,6 +59,10 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads")
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=None,
                    help="layers to offload to the GPU (default: all with a GPU build, else 0)")
+    p.add_argument("--rpc", metavar="SERVERS",
+                   help="RPC servers as devices, HOST:PORT[,HOST:PORT...] (each running ggml-rpc-server)")
+    p.add_argument("--op-offload", action=argparse.BooleanOptionalAction, default=True,
+                   help="offload host tensor operations to the GPU (default: on)")
     p.add_argument("-fa", "--flash-attn", choices=list(FLASH_ATTN), default="auto",
                    help="flash attention (kivi types always use it)")
     p.add_argument("--kv-type", metavar="TYPE", default="f16",
@@ -134,10 +139,17 @@ def run_command(args: argparse.Namespace) -> int:
         raise ValueError(f"-c must be a positive number of tokens, got {args.ctx_size}")
     if not args.conversation and args.prompt is None and args.file is None:
         raise ValueError("give a prompt with -p or -f, or chat with -cnv")
-    with Model(_model_path(args), n_gpu_layers=_gpu_layers(args)) as model:
+    if args.rpc:
+        add_rpc_servers(args.rpc)
+    n_gpu_layers = _gpu_layers(args)
+    if n_gpu_layers != 0 and gpu_offload_supported():
+        log.info("layers on the GPU (-ngl %d): %s", n_gpu_layers,
+                 ", ".join(f"{d.name} ({d.description})" for d in devices.offload_devices()))
+    with Model(_model_path(args), n_gpu_layers=n_gpu_layers) as model:
         kv = with_model_metadata(kv, model.path)
         check_layers(kv, model)
-        config = ContextConfig(args.ctx_size, args.batch_size, args.ubatch_size, args.threads, args.flash_attn, kv)
+        config = ContextConfig(args.ctx_size, args.batch_size, args.ubatch_size, args.threads, args.flash_attn, kv,
+                               op_offload=args.op_offload)
         with model.context(config) as ctx:
             _generate(model, ctx, args, kv)
     return 0

@@ -40,7 +40,7 @@ PRUNED_PATHS = (
     ".devops", ".github", "app", "benches", "ci", "docs", "examples", "media", "models", "pocs",
     "scripts", "skills", "tests",
     "tools/cli", "tools/cvector-generator", "tools/export-lora", "tools/fit-params", "tools/gguf-split",
-    "tools/imatrix", "tools/llama-bench", "tools/mtmd", "tools/quantize", "tools/results", "tools/rpc",
+    "tools/imatrix", "tools/llama-bench", "tools/mtmd", "tools/quantize", "tools/results",
     "tools/server", "tools/tokenize", "tools/tts", "tools/tuning", "tools/ui",
     "ggml/src/ggml-cann", "ggml/src/ggml-et", "ggml/src/ggml-hexagon", "ggml/src/ggml-hip",
     "ggml/src/ggml-metal", "ggml/src/ggml-musa", "ggml/src/ggml-opencl", "ggml/src/ggml-openvino",

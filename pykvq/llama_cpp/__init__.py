@@ -24,7 +24,7 @@ from pathlib import Path
 from types import ModuleType
 
 from pykvq import kv_types, paths
-from pykvq.api.llama import KvConfig, kvq_params_applied
+from pykvq.api.llama import KvConfig, add_rpc_servers, kvq_params_applied
 from pykvq.bindings import native
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the release whose llama.cpp pykvq patches (pykvq/upstream.py)
@@ -111,6 +111,10 @@ def _llama_class() -> type:
         def __init__(self, *args, kv_window: int | None = None, kv_sinks: int | None = None,
                      kv_rotate: bool | None = None, kv_layers: str | None = None, kv_rollback: int | None = None,
                      **kwargs) -> None:
+            # llama-cpp-python's rpc_servers (its server's --rpc_servers): upstream now registers them as devices
+            rpc_servers = kwargs.pop("rpc_servers", None)
+            if rpc_servers:
+                add_rpc_servers(rpc_servers)
             kv = _kv_config(kwargs, kv_window, kv_sinks, kv_rotate, kv_layers, kv_rollback)
             if kv.is_kivi:
                 kwargs["flash_attn"] = True

@@ -1,0 +1,89 @@
+"""The CUDA variant as a user builds it, judged on the build machine, which may have no GPU: `.ci/cuda-build`
+runs `PYKVQ_CUDA=ON pip install .` into BUILD/venv (BUILD = $PYKVQ_TEST_CUDA_BUILD). Without a driver, ggml-cuda
+finds no device and everything runs on the CPU, so its answers must equal the CPU build's exactly.
+
+Skipped unless PYKVQ_TEST_CUDA_BUILD names that build folder (CI sets it)."""
+
+from __future__ import annotations
+
+import ctypes.util
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pykvq.devtools import shared_libraries
+
+_BUILD = os.environ.get("PYKVQ_TEST_CUDA_BUILD")
+if not _BUILD:
+    pytest.skip("PYKVQ_TEST_CUDA_BUILD does not name a CUDA build (.ci/cuda-build makes one)", allow_module_level=True)
+
+BUILD = Path(_BUILD).resolve()
+VENV = BUILD / "venv"
+# the link-only libcuda made from cuda.h (cmake/pykvq-cuda.cmake): cudart then reports no device
+DRIVER_STUB = BUILD / "cuda-driver" / "stubs"
+RUN = ["run", "-t", "2", "-c", "512", "--temp", "0", "-n", "12", "-p", "The capital of France is"]
+
+
+def cuda_env() -> dict[str, str]:
+    env = dict(os.environ)
+    if ctypes.util.find_library("cuda") is None:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(DRIVER_STUB), env.get("LD_LIBRARY_PATH")]))
+    return env
+
+
+def pykvq(executable: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(executable), *args], capture_output=True, text=True, timeout=300, env=cuda_env(),
+                          cwd=BUILD)
+
+
+def cuda_lib_dir() -> Path:
+    out = subprocess.run([str(VENV / "bin" / "python"), "-c", "from pykvq import paths; print(paths.lib_dir())"],
+                         capture_output=True, text=True, check=True, env=cuda_env(), cwd=BUILD)
+    return Path(out.stdout.strip())
+
+
+def test_the_cuda_build_is_installed_with_its_cuda_library() -> None:
+    lib_dir = cuda_lib_dir()
+    assert lib_dir.is_relative_to(VENV), lib_dir
+    assert (lib_dir / "libggml-cuda.so").is_file()
+
+
+def test_its_libraries_define_none_of_libstdcxx_and_need_it() -> None:
+    libraries = shared_libraries.shipped_libraries(cuda_lib_dir())
+    assert shared_libraries.check_libraries(libraries) == []
+
+
+def test_its_libraries_resolve_every_dependency() -> None:
+    ldd = subprocess.run(["ldd", str(cuda_lib_dir() / "libggml-cuda.so")], capture_output=True, text=True,
+                         env=cuda_env(), check=True).stdout
+    assert "not found" not in ldd, ldd
+    assert "libcublas.so" in ldd
+
+
+def test_info_names_the_cuda_backend() -> None:
+    proc = pykvq(VENV / "bin" / "pykvq", "info")
+    assert proc.returncode == 0, proc.stderr
+    assert "CUDA" in next(line for line in proc.stdout.splitlines() if line.startswith("backends"))
+
+
+@pytest.mark.parametrize("kv_type", ["kivi2", "q8_0"])
+def test_run_answers_as_the_cpu_build_does(smollm2: Path, kv_type: str) -> None:
+    args = [*RUN, "-m", str(smollm2), "--kv-type", kv_type]
+    cuda = pykvq(VENV / "bin" / "pykvq", *args)
+    assert cuda.returncode == 0, cuda.stderr
+    cpu = subprocess.run(["pykvq", *args], capture_output=True, text=True, timeout=300)
+    assert cpu.returncode == 0, cpu.stderr
+    assert cuda.stdout == cpu.stdout
+    assert cuda.stdout.startswith("The capital of France is Paris")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--kv-type", "kivi3"], "kivi3"),
+    (["-m", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
+])
+def test_bad_input_is_a_clear_error_there_too(smollm2: Path, args: list[str], message: str) -> None:
+    proc = pykvq(VENV / "bin" / "pykvq", *RUN, *(["-m", str(smollm2)] if "-m" not in args else []), *args)
+    assert proc.returncode == 1, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr

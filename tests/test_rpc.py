@@ -1,0 +1,98 @@
+"""The kivi cache on a device whose memory the host cannot read: ggml's RPC backend with a ggml-rpc-server on
+127.0.0.1 (CPU kernels behind it, as on the host). Every cache operation there (tests/rpc_scenario.py) must give
+the CPU's logits bit for bit; code that touched tensor->data of a device buffer would crash or differ. Also
+`pykvq run --rpc`, llama.cpp's flag for the same engine across machines."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pykvq import paths
+
+SCENARIO = Path(__file__).resolve().parent / "rpc_scenario.py"
+LAYERS = {"kivi2": "", "f16-layer0": "k:0=f16,1-=kivi2;v:0=f16,1-=kivi2"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def rpc_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("rpc") / "server.log"
+    with log.open("w") as out:
+        server = subprocess.Popen([str(paths.tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "2"],
+                                  stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"ggml-rpc-server did not start: {log.read_text()[-2000:]}")
+                time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def run_scenario(tmp_path: Path, smollm2: Path, hamlet: Path, layers: str, layout: str, *rpc: str) -> np.ndarray:
+    out = tmp_path / f"{'rpc' if rpc else 'cpu'}.npy"
+    proc = subprocess.run([sys.executable, str(SCENARIO), str(smollm2), str(hamlet), str(out), layers, layout, *rpc],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return np.load(out)
+
+
+# The default prefill path depends on where the cache is (flash attention over wide cells for device memory, the
+# fused kernel for host memory): each case pins one for both runs, so that both run the same kernels
+PREFILL = {"fused": "1000000000", "flash": "16"}
+
+
+@pytest.mark.parametrize(("layers", "layout", "prefill"), [
+    ("kivi2", "streams", "fused"), ("kivi2", "unified", "flash"),
+    ("f16-layer0", "streams", "flash"), ("f16-layer0", "unified", "fused"),
+])
+def test_every_cache_operation_on_an_rpc_device_equals_the_cpu(rpc_server: str, smollm2: Path, hamlet: Path,
+                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              layers: str, layout: str, prefill: str) -> None:
+    monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL[prefill])
+    on_cpu = run_scenario(tmp_path, smollm2, hamlet, LAYERS[layers], layout)
+    on_rpc = run_scenario(tmp_path, smollm2, hamlet, LAYERS[layers], layout, rpc_server)
+    np.testing.assert_array_equal(on_rpc, on_cpu)
+
+
+def test_pykvq_run_offloads_to_an_rpc_server(rpc_server: str, smollm2: Path) -> None:
+    args = ["-m", str(smollm2), "--kv-type", "kivi2", "-p", "The capital of France is", "-n", "12", "--temp", "0",
+            "-c", "512", "-t", "2"]
+    on_rpc = subprocess.run(["pykvq", "run", "--rpc", rpc_server, "-ngl", "99", *args], capture_output=True,
+                            text=True, timeout=300)
+    assert on_rpc.returncode == 0, on_rpc.stderr[-3000:]
+    assert "RPC" in on_rpc.stderr
+    on_cpu = subprocess.run(["pykvq", "run", "-ngl", "0", *args], capture_output=True, text=True, timeout=300)
+    assert on_rpc.stdout == on_cpu.stdout
+
+
+@pytest.mark.parametrize(("servers", "message"), [
+    ("127.0.0.1", "--rpc takes HOST:PORT"),
+    ("127.0.0.1:1", "RPC server 127.0.0.1:1 did not answer"),
+])
+def test_a_bad_rpc_server_is_one_clear_error(smollm2: Path, servers: str, message: str) -> None:
+    proc = subprocess.run(["pykvq", "run", "--rpc", servers, "-m", str(smollm2), "-p", "hi", "-n", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert message in proc.stderr and "Traceback" not in proc.stderr
