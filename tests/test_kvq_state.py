@@ -66,6 +66,23 @@ def test_a_state_of_other_settings_is_refused(model: Model, tokens: list[int], o
         second.load_state(state)
 
 
+def test_after_a_refused_load_the_positions_follow_the_cache(model: Model, tokens: list[int]) -> None:
+    """A refused load may leave the cache cleared: the next eval must continue from what the cache holds, not
+    from the context's old position (which decoded at the wrong positions)."""
+    with context(model, KvConfig.preset("kivi2", window=64, sinks=4)) as first:
+        first.eval(tokens[:100])
+        state = first.save_state()
+    other = KvConfig.preset("kivi2", window=32, sinks=4)
+    with context(model, other) as second:
+        second.eval(tokens[:50])
+        with pytest.raises(LlamaError, match="cannot load this state"):
+            second.load_state(state)
+        held = second.seq_len(0)
+        assert second.n_past == held
+        got = second.eval(tokens[held:held + 10], all_logits=True)
+    np.testing.assert_array_equal(got, fresh_logits(model, other, tokens[:held + 10], (held,) if held else ())[held:])
+
+
 # where the first layer's saved K/V type ids sit: after the kivi block header ("KVQ1", n_layer, window, sinks,
 # n_fp16 as int64, n_cells; 32 bytes with padding)
 KVQ_HEADER_BYTES = 32

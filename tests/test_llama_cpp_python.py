@@ -182,3 +182,19 @@ def test_load_refuses_the_wrong_library(case: str, message: str, tmp_path: Path)
     proc = _load_in_subprocess(code, env, tmp_path)
     assert proc.returncode == 3, proc.stderr
     assert message in proc.stdout
+
+
+def test_a_refused_state_load_leaves_the_token_count_in_sync(smollm2: Path, llm) -> None:
+    """llama-cpp-python sets n_tokens before loading: after a refusal it named tokens the cache no longer held,
+    and the next call with the same prompt "reused" them."""
+    from pykvq.llama_cpp import Llama
+    llm.reset()
+    llm.create_completion(PROMPT, max_tokens=4, temperature=0)
+    state = llm.save_state()
+    other = Llama(model_path=str(smollm2), n_ctx=1024, n_threads=2, verbose=False, type_k=pykvq.GGML_TYPE_KIVI2,
+                  type_v=pykvq.GGML_TYPE_KIVI2, kv_window=64, **device.LLAMA_KWARGS)
+    fresh = other.create_completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
+    with pytest.raises(RuntimeError, match="Failed to set llama state data"):
+        other.load_state(state)
+    assert other.n_tokens == 0
+    assert other.create_completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"] == fresh

@@ -493,9 +493,11 @@ class Context(_Handle):
 
     def load_seq_state(self, state: bytes, seq: int) -> None:
         """Restore a sequence saved by save_seq_state into sequence ``seq`` (replacing it)."""
-        if self._lib.llama.llama_state_seq_set_data(self._ptr, state, len(state), seq) == 0:
-            raise _fail(f"cannot load the state into sequence {seq}")
+        loaded = self._lib.llama.llama_state_seq_set_data(self._ptr, state, len(state), seq) != 0
+        # a refused load may have cleared the sequence: the positions follow what the cache holds
         self._sync_n_past()
+        if not loaded:
+            raise _fail(f"cannot load the state into sequence {seq}")
 
     def save_state(self) -> bytes:
         """The context's state (KV cache, logits), as llama_state_get_data writes it."""
@@ -509,10 +511,11 @@ class Context(_Handle):
 
     def load_state(self, state: bytes) -> None:
         """Restore a state saved by save_state (a context of the same model and KV settings)."""
-        llama = self._lib.llama
-        if llama.llama_state_set_data(self._ptr, state, len(state)) == 0:
+        loaded = self._lib.llama.llama_state_set_data(self._ptr, state, len(state)) != 0
+        # a refused load may have cleared or half-restored the cache: the positions follow what it holds
+        self._sync_n_past()
+        if not loaded:
             raise _fail("cannot load the state")
-        self.n_past = llama.llama_memory_seq_pos_max(llama.llama_get_memory(self._ptr), 0) + 1
 
     def memory(self) -> KvMemory:
         info = self._lib.ffi.new("struct llama_kvq_memory_info *")

@@ -121,6 +121,16 @@ def _llama_class() -> type:
             with kvq_params_applied(kv):
                 super().__init__(*args, **kwargs)
 
+        def load_state(self, state) -> None:
+            try:
+                super().load_state(state)
+            except RuntimeError:
+                # a refused load leaves the cache cleared (or the sequence): llama-cpp-python's token count, which
+                # its prefix reuse trusts, follows what the cache holds
+                memory = llama_cpp.llama_get_memory(self._ctx.ctx)
+                self.n_tokens = max(0, llama_cpp.llama_memory_seq_pos_max(memory, 0) + 1)
+                raise
+
     return Llama
 
 
