@@ -198,3 +198,27 @@ def test_a_refused_state_load_leaves_the_token_count_in_sync(smollm2: Path, llm)
         other.load_state(state)
     assert other.n_tokens == 0
     assert other.create_completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"] == fresh
+
+
+SERVER_ARGV = """
+import sys
+from pykvq.bindings import native
+from pykvq.llama_cpp.server import server_argv
+rest = server_argv(sys.argv[1:])
+print(native.kvq_params().rotate, native.kvq_layer_types() or "-", " ".join(rest))
+"""
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--kv-type", "kivi2+rot"], "True - --type_k 43 --type_v 43 --flash_attn true"),
+    (["--kv-type", "asymkv:16/0"], "False asymkv:16/0 --type_k 43 --type_v 43 --flash_attn true"),
+    (["--kv-type", "kivi2", "--kv-layers", "k:*=kivi4;v:*=kivi2"],
+     "False k:*=kivi4;v:*=kivi2 --type_k 43 --type_v 43 --flash_attn true"),
+], ids=["rotation", "asymkv", "kv-layers"])
+def test_the_server_takes_every_part_of_the_kv_type(args: list[str], expected: str, tmp_path: Path) -> None:
+    """`--kv-type asymkv:16/0` ran as uniform kivi2 and `kivi2+rot` without rotation: the server dropped the
+    parts after the type name. In a subprocess: the settings are process-wide."""
+    proc = subprocess.run([sys.executable, "-c", SERVER_ARGV, *args], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == expected.replace("43", str(pykvq.GGML_TYPE_KIVI2))

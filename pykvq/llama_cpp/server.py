@@ -2,9 +2,9 @@
 
     python -m pykvq.llama_cpp.server --model model.gguf --kv-type kivi2 [--kv-window 64] [llama_cpp.server options]
 
-takes every option of ``python -m llama_cpp.server`` plus pykvq's: ``--kv-type`` sets --type_k, --type_v and
---flash_attn true; ``--kv-window``, ``--kv-sinks``, ``--kv-rollback`` and ``--kv-rotate`` set the kivi layers
-of every model the server loads.
+takes every option of ``python -m llama_cpp.server`` plus pykvq's: ``--kv-type`` (any form `pykvq run` takes:
+kivi2, kivi2+rot, asymkv:16/0) sets --type_k, --type_v and --flash_attn true; ``--kv-window``, ``--kv-sinks``,
+``--kv-rollback``, ``--kv-rotate`` and ``--kv-layers`` set the kivi layers of every model the server loads.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--kv-sinks", type=int, help="kivi: first tokens kept in fp16 (default 0)")
     parser.add_argument("--kv-rollback", type=int, help="kivi: last tokens removable exactly (default 0)")
     parser.add_argument("--kv-rotate", choices=["on", "off"], help="kivi: Hadamard rotation (default off)")
+    parser.add_argument("--kv-layers", help="per-layer K/V types, e.g. asymkv:16/0 or k:0-15=kivi2,16-=kivi1;v:*=kivi1")
     return parser.parse_known_args(argv)
 
 
@@ -51,15 +52,19 @@ def server_argv(argv: list[str]) -> list[str]:
     ours, rest = _parse(argv)
     for option in ("--type_k", "--type_v"):
         check_kv_type(_type_option(rest, option))
-    if ours.kv_type is not None:
-        spec = KvSpec.parse(ours.kv_type)
+    spec = KvSpec.parse(ours.kv_type) if ours.kv_type is not None else None
+    if spec is not None:
         type_id = kv_types.type_id(spec.name)
         rest += ["--type_k", str(type_id), "--type_v", str(type_id)]
-        if spec.is_kivi:
-            rest += ["--flash_attn", "true"]
-    rotate = None if ours.kv_rotate is None else ours.kv_rotate == "on"
+    # every part of the spec, as `pykvq run` takes it: kivi2+rot rotates, asymkv:16/0 sets per-layer types
+    rotate = ours.kv_rotate == "on" if ours.kv_rotate is not None else (True if spec and spec.rotate else None)
+    layers = ours.kv_layers if ours.kv_layers is not None else (spec.layers if spec else None)
     native.set_kvq_params(KvConfig(window=ours.kv_window, sinks=ours.kv_sinks, rotate=rotate,
                                    rollback=ours.kv_rollback).kvq_params())
+    if layers is not None:
+        native.set_kvq_layer_types(layers)
+    if (spec is not None and spec.is_kivi) or layers is not None:
+        rest += ["--flash_attn", "true"]
     return rest
 
 
