@@ -87,3 +87,11 @@ def test_bad_input_is_a_clear_error_there_too(smollm2: Path, args: list[str], me
     proc = pykvq(VENV / "bin" / "pykvq", *RUN, *(["-m", str(smollm2)] if "-m" not in args else []), *args)
     assert proc.returncode == 1, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="this machine has an NVIDIA driver")
+def test_without_a_driver_it_says_so(tmp_path: Path) -> None:
+    proc = subprocess.run([str(VENV / "bin" / "pykvq"), "info"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "needs the NVIDIA driver (libcuda.so.1)" in proc.stderr and "Traceback" not in proc.stderr

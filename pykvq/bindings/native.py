@@ -72,9 +72,15 @@ def libs() -> Libraries:
     ffi.cdef(_CDEF)
     ffi.cdef(LLAMA_CDEF)
     # ggml-base and ggml first: libllama finds them through its RPATH, but the handles are ours
-    ggml_base = ffi.dlopen(str(paths.library("ggml-base")))
-    ggml = ffi.dlopen(str(paths.library("ggml")))
-    llama = ffi.dlopen(str(paths.library("llama")))
+    try:
+        ggml_base = ffi.dlopen(str(paths.library("ggml-base")))
+        ggml = ffi.dlopen(str(paths.library("ggml")))
+        llama = ffi.dlopen(str(paths.library("llama")))
+    except OSError as e:
+        if "libcuda.so" in str(e):
+            raise OSError("this pykvq is a CUDA build and needs the NVIDIA driver (libcuda.so.1), which this machine "
+                          "lacks: install the driver, or build pykvq without PYKVQ_CUDA") from None
+        raise
     return Libraries(ffi, llama, ggml, ggml_base)
 
 
