@@ -57,7 +57,9 @@ def test_state_round_trip_continues_as_if_never_saved(model: Model, tokens: list
 
 @pytest.mark.parametrize("other", [KvConfig.preset("kivi2", window=32, sinks=4),
                                    KvConfig.preset("kivi4", window=64, sinks=4),
-                                   KvConfig.preset("kivi2", window=64, sinks=0)], ids=["window", "type", "sinks"])
+                                   KvConfig.preset("kivi2", window=64, sinks=0),
+                                   KvConfig.preset("kivi2", window=64, sinks=4, rotate=True)],
+                         ids=["window", "type", "sinks", "rotation"])
 def test_a_state_of_other_settings_is_refused(model: Model, tokens: list[int], other: KvConfig) -> None:
     with context(model, KvConfig.preset("kivi2", window=64, sinks=4)) as first:
         first.eval(tokens[:100])
@@ -83,9 +85,18 @@ def test_after_a_refused_load_the_positions_follow_the_cache(model: Model, token
     np.testing.assert_array_equal(got, fresh_logits(model, other, tokens[:held + 10], (held,) if held else ())[held:])
 
 
-# where the first layer's saved K/V type ids sit: after the kivi block header ("KVQ1", n_layer, window, sinks,
-# n_fp16 as int64, n_cells; 32 bytes with padding)
+# where the first layer's saved K/V type ids sit: after the kivi block header ("KVQ2", n_layer, window, sinks,
+# n_fp16 as int64, n_cells, rotation: 32 bytes)
 KVQ_HEADER_BYTES = 32
+
+
+def test_a_state_of_the_format_before_rotation_was_recorded_is_refused(model: Model, tokens: list[int]) -> None:
+    kv = KvConfig.preset("kivi2", window=64)
+    with context(model, kv) as first:
+        first.eval(tokens[:100])
+        state = first.save_state().replace(b"KVQ2", b"KVQ1")
+    with context(model, kv) as second, pytest.raises(LlamaError, match="saved by an older pykvq"):
+        second.load_state(state)
 
 
 @pytest.mark.parametrize("bad_id", [999, -5, 4], ids=["past-the-end", "negative", "removed-type"])
@@ -94,7 +105,7 @@ def test_a_corrupt_type_id_in_a_state_is_named_not_looked_up(model: Model, token
     with context(model, kv) as first:
         first.eval(tokens[:100])
         state = bytearray(first.save_state())
-    at = state.index(b"KVQ1") + KVQ_HEADER_BYTES
+    at = state.index(b"KVQ2") + KVQ_HEADER_BYTES
     state[at:at + 4] = bad_id.to_bytes(4, "little", signed=True)
     with context(model, kv) as second, pytest.raises(LlamaError) as refused:
         second.load_state(bytes(state))

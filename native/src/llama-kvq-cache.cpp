@@ -282,10 +282,11 @@ bool llama_kv_cache::kvq_active() const {
     return false;
 }
 
-// Saved state of a kivi cache, after upstream's cell metadata: the settings the data depends on (checked on
-// load: data of another type, window or sink count would be read into the wrong layout), then per layer the
-// sealed K tiles, the V rows and the fp16 sinks and ring.
-static constexpr uint32_t KVQ_STATE_MAGIC = 0x3151564b; // "KVQ1"
+// Saved state of a kivi cache, after upstream's cell metadata: every setting that changes what the bytes mean
+// (checked on load: data of another type, window or sink count would be read into the wrong layout, rotated
+// codes would be read as plain ones), then per layer the sealed K tiles, the V rows and the fp16 sinks and ring.
+static constexpr uint32_t KVQ_STATE_MAGIC    = 0x3251564b; // "KVQ2"
+static constexpr uint32_t KVQ_STATE_MAGIC_V1 = 0x3151564b; // "KVQ1": before the rotation was recorded
 
 struct kvq_state_header {
     uint32_t magic;
@@ -294,12 +295,13 @@ struct kvq_state_header {
     int32_t  n_sink;
     int64_t  n_fp16;
     uint32_t n_cells;
+    int32_t  rotate;
 };
 
 // one block per saved part: its first n_cells cells
 void llama_kv_cache::kvq_state_write_part(llama_io_write_i & io, uint32_t part, uint32_t n_cells) const {
     const kvq_state_header header = { KVQ_STATE_MAGIC, (uint32_t) layers.size(), kvq_params.window, kvq_params.n_sink,
-                                      kvq_n_fp16(layers), n_cells };
+                                      kvq_n_fp16(layers), n_cells, kvq_params.rotate ? 1 : 0 };
     io.write(&header, sizeof(header));
     for (const kv_layer & layer : layers) {
         const int32_t types[2] = { (int32_t) layer.k->type, (int32_t) layer.v->type };
@@ -383,18 +385,24 @@ bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, ui
         std::vector<uint32_t> & from, std::vector<uint32_t> & to, uint32_t & n_cells) {
     kvq_state_header header = {};
     io.read(&header, sizeof(header));
+    if (header.magic == KVQ_STATE_MAGIC_V1) {
+        return kvq_state_fail("it was saved by an older pykvq (kivi state format 1, which does not record the "
+                              "rotation): save it again with this one");
+    }
     if (header.magic != KVQ_STATE_MAGIC) {
         return kvq_state_fail("it was not saved from a kivi KV cache");
     }
     const int64_t n_fp16 = kvq_n_fp16(layers);
+    const bool    rotate = kvq_params.rotate;
     if (header.n_layer != layers.size() || header.window != kvq_params.window || header.n_sink != kvq_params.n_sink ||
-        header.n_fp16 != n_fp16) {
+        header.n_fp16 != n_fp16 || header.rotate != (rotate ? 1 : 0)) {
         return kvq_state_fail("it was saved with " + std::to_string(header.n_layer) + " layers, window " +
                               std::to_string(header.window) + ", sinks " + std::to_string(header.n_sink) + ", " +
-                              std::to_string(header.n_fp16) + " fp16 cells (sinks + ring, --kv-rollback widens it)" +
+                              std::to_string(header.n_fp16) + " fp16 cells (sinks + ring, --kv-rollback widens it), " +
+                              "rotation " + (header.rotate == 1 ? "on" : header.rotate == 0 ? "off" : "invalid") +
                               "; this cache has " + std::to_string(layers.size()) + " layers, window " +
                               std::to_string(kvq_params.window) + ", sinks " + std::to_string(kvq_params.n_sink) +
-                              ", " + std::to_string(n_fp16) + " fp16 cells");
+                              ", " + std::to_string(n_fp16) + " fp16 cells, rotation " + (rotate ? "on" : "off"));
     }
     n_cells = header.n_cells;
     if (n_cells == 0 || n_cells > n_left) {
