@@ -68,6 +68,18 @@ def test_a_state_of_other_settings_is_refused(model: Model, tokens: list[int], o
         second.load_state(state)
 
 
+def test_a_window_or_sink_count_past_the_context_is_bounded_by_it(model: Model, tokens: list[int]) -> None:
+    """Both keep every cell in fp16 either way: a huge value (which overflowed the ring's size into an abort)
+    costs what the context's own size does, and attends the same."""
+    huge, whole = (KvConfig.preset("kivi2", window=n, sinks=n) for n in (2**31 - 1, N_CTX))
+    with context(model, huge) as ctx:
+        got, memory = ctx.eval(tokens[:300], all_logits=True), ctx.memory()
+    with context(model, whole) as ctx:
+        want, whole_memory = ctx.eval(tokens[:300], all_logits=True), ctx.memory()
+    assert memory.bytes == whole_memory.bytes
+    np.testing.assert_array_equal(got, want)
+
+
 def test_after_a_refused_load_the_positions_follow_the_cache(model: Model, tokens: list[int]) -> None:
     """A refused load may leave the cache cleared: the next eval must continue from what the cache holds, not
     from the context's old position (which decoded at the wrong positions)."""

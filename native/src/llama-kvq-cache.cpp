@@ -102,6 +102,10 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
                                  std::to_string(n_seq_max) + " sequences: kivi types need a multiple of 32 cells " +
                                  (unified ? "for each sequence of a unified cache" : "per sequence"));
     }
+    // a window or sink count past a sequence's cells keeps nothing more in fp16: bounded by the context, memory
+    // stays below f16's and huge values cannot overflow the ring's size
+    kvq_params.window = std::min<int32_t>(kvq_params.window, (int32_t) kvq_part_cells);
+    kvq_params.n_sink = std::min<int32_t>(kvq_params.n_sink, (int32_t) kvq_part_cells);
     if (other != nullptr || n_swa != 0) {
         throw std::runtime_error("KV cache " + types + ": kivi types do not support shared or sliding-window caches yet");
     }

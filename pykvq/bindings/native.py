@@ -58,6 +58,10 @@ _CDEF = """
 """
 
 
+# the C API's int32_t fields
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
 @dataclass(frozen=True)
 class Libraries:
     ffi: FFI
@@ -187,6 +191,10 @@ def kvq_params() -> KvqParams:
 
 def set_kvq_params(params: KvqParams) -> None:
     """Set the process-wide kivi settings; ValueError with the C API's reason when they are invalid."""
+    fields = (("window", params.window), ("sink count", params.n_sink), ("rollback depth", params.n_rollback))
+    for name, value in fields:
+        if not INT32_MIN <= value <= INT32_MAX:
+            raise ValueError(f"the kivi {name} must be at most {INT32_MAX} tokens, got {value}")
     lib = libs()
     struct = lib.ffi.new("struct llama_kvq_params *", (params.window, params.n_sink, params.rotate, params.n_rollback))
     if not lib.llama.llama_kvq_set_params(struct[0]):
