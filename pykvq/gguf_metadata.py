@@ -96,6 +96,16 @@ PER_LAYER_PREFIXES = ("kvq.calibration.kld_", "kvq.calibration.error_", "kvq.cal
 def validate(kvq: dict[str, object], n_layer: int, n_embd_k_total: int) -> None:
     """GgufError when kvq.* metadata does not fit a model of ``n_layer`` layers (``n_embd_k_total`` K channels
     over all layers) or has values of the wrong kind."""
+    validate_settings(kvq, n_layer)
+    for key, value in kvq.items():
+        wanted = n_embd_k_total if key == PER_CHANNEL else n_layer if key.startswith(PER_LAYER_PREFIXES) else None
+        if wanted is not None and (isinstance(value, (str, int, float)) or len(value) != wanted):  # type: ignore[arg-type]
+            raise GgufError(f"{key} must hold {wanted} values for this model ({n_layer} layers)")
+
+
+def validate_settings(kvq: dict[str, object], n_layer: int) -> None:
+    """GgufError when the kvq.* settings a KV cache takes (per-layer types, window, sinks) are of the wrong kind or
+    do not fit a model of ``n_layer`` layers."""
     from pykvq import kv_types
 
     layers = kvq.get(KEY_LAYERS)
@@ -110,10 +120,6 @@ def validate(kvq: dict[str, object], n_layer: int, n_embd_k_total: int) -> None:
         value = kvq.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise GgufError(f"{key} must be a whole number >= 0, not {value!r}")
-    for key, value in kvq.items():
-        wanted = n_embd_k_total if key == PER_CHANNEL else n_layer if key.startswith(PER_LAYER_PREFIXES) else None
-        if wanted is not None and (isinstance(value, (str, int, float)) or len(value) != wanted):  # type: ignore[arg-type]
-            raise GgufError(f"{key} must hold {wanted} values for this model ({n_layer} layers)")
 
 
 def write_copy(src: Path, dst: Path, metadata: dict[str, object]) -> None:

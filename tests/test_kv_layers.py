@@ -145,6 +145,22 @@ def test_metadata_of_another_version_is_refused(smollm2: Path, tmp_path: Path) -
     assert proc.returncode == 1 and "version 2; this pykvq reads version 1" in proc.stderr
 
 
+@pytest.mark.parametrize(("metadata", "message"), [
+    ({gguf_metadata.KEY_WINDOW: "wide"}, "kvq.window must be a whole number >= 0, not 'wide'"),
+    ({gguf_metadata.KEY_SINKS: 2.5}, "kvq.sinks must be a whole number >= 0, not 2.5"),
+    ({gguf_metadata.KEY_LAYERS: 7}, "kvq.kv_layers must be a string, not int"),
+], ids=["window-string", "sinks-float", "layers-int"])
+def test_kvq_metadata_of_the_wrong_kind_is_one_clear_error_in_run(smollm2: Path, tmp_path: Path,
+                                                                 metadata: dict[str, object], message: str) -> None:
+    """`pykvq inspect` reported these cleanly while `pykvq run` gave a Python traceback."""
+    odd = tmp_path / "odd.gguf"
+    gguf_metadata.write_copy(smollm2, odd, metadata)
+    proc = subprocess.run(["pykvq", "run", *device.TOOL_ARGS, "-m", str(odd), "--kv-type", "kivi2", "-p", "hi",
+                           "-n", "2", "-c", "256", "-t", "2"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120)
+    assert proc.returncode == 1 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_pykvq_run_reports_per_layer_types(smollm2: Path, tagged: Path, tmp_path: Path) -> None:
     def run(*args: str) -> str:
         proc = subprocess.run(["pykvq", "run", *device.TOOL_ARGS, "-t", "2", "-p", "Hi", "-n", "2", "-c", "512", *args],

@@ -146,7 +146,7 @@ def run_command(args: argparse.Namespace) -> int:
         log.info("layers on the GPU (-ngl %d): %s", n_gpu_layers,
                  ", ".join(f"{d.name} ({d.description})" for d in devices.offload_devices()))
     with Model(_model_path(args), n_gpu_layers=n_gpu_layers) as model:
-        kv = with_model_metadata(kv, model.path)
+        kv = with_model_metadata(kv, model.path, model.n_layer)
         check_layers(kv, model)
         config = ContextConfig(args.ctx_size, args.batch_size, args.ubatch_size, args.threads, args.flash_attn, kv,
                                op_offload=args.op_offload)
@@ -155,13 +155,16 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def with_model_metadata(kv: KvConfig, model_path: Path) -> KvConfig:
+_METADATA_FIELDS = (("layers", gguf_metadata.KEY_LAYERS), ("window", gguf_metadata.KEY_WINDOW),
+                    ("sinks", gguf_metadata.KEY_SINKS))
+
+
+def with_model_metadata(kv: KvConfig, model_path: Path, n_layer: int) -> KvConfig:
     """The model's kvq.* defaults (per-layer types, window, sinks) where the command line gives none: it wins."""
     kvq = gguf_metadata.read_kvq(model_path)
-    from_model = {field: kvq[key] for field, key in (("layers", gguf_metadata.KEY_LAYERS),
-                                                    ("window", gguf_metadata.KEY_WINDOW),
-                                                    ("sinks", gguf_metadata.KEY_SINKS))
-                  if getattr(kv, field) is None and key in kvq}
+    used = {key: kvq[key] for field, key in _METADATA_FIELDS if getattr(kv, field) is None and key in kvq}
+    gguf_metadata.validate_settings(used, n_layer)
+    from_model = {field: kvq[key] for field, key in _METADATA_FIELDS if key in used}
     for field, value in from_model.items():
         log.info("KV %s from the model's kvq.* metadata: %s", field, value)
     return replace(kv, **from_model)
