@@ -80,6 +80,29 @@ def test_a_window_or_sink_count_past_the_context_is_bounded_by_it(model: Model, 
     np.testing.assert_array_equal(got, want)
 
 
+def save_session_file(ctx, path: Path, tokens: list[int]) -> bool:
+    """llama_state_save_file, as llama.cpp's tools save --prompt-cache."""
+    lib = ctx._lib
+    return bool(lib.llama.llama_state_save_file(ctx._ptr, str(path).encode(), lib.ffi.new("llama_token[]", tokens),
+                                                len(tokens)))
+
+
+def test_a_session_file_of_a_mixed_cache_is_saved_and_leaves_nothing_beside_it(model: Model, tokens: list[int],
+                                                                              tmp_path: Path) -> None:
+    """Session files go through a temporary name (llama_kvq_atomic_file): a kivi + f16 mix saves (it aborted,
+    leaving a truncated file), and a destination the finished file cannot replace is refused untouched."""
+    with context(model, MIXED_F16_FIRST) as ctx:
+        ctx.eval(tokens[:100])
+        saved = tmp_path / "session.bin"
+        assert save_session_file(ctx, saved, tokens[:100])
+        # a destination the finished file cannot replace (a folder): refused, left as it was, nothing beside it
+        taken = tmp_path / "taken"
+        (taken / "inside").mkdir(parents=True)
+        assert not save_session_file(ctx, taken, tokens[:100])
+    assert saved.stat().st_size > 0 and (taken / "inside").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["session.bin", "taken"]
+
+
 def test_after_a_refused_load_the_positions_follow_the_cache(model: Model, tokens: list[int]) -> None:
     """A refused load may leave the cache cleared: the next eval must continue from what the cache holds, not
     from the context's old position (which decoded at the wrong positions)."""

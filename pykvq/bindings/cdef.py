@@ -168,6 +168,8 @@ LLAMA_CDEF = """
     size_t llama_state_get_size(struct llama_context * ctx);
     size_t llama_state_get_data(struct llama_context * ctx, uint8_t * dst, size_t size);
     size_t llama_state_set_data(struct llama_context * ctx, const uint8_t * src, size_t size);
+    bool   llama_state_save_file(struct llama_context * ctx, const char * path_session, const llama_token * tokens,
+                                 size_t n_token_count);
     size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
     size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
     size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size,
