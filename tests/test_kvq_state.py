@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pykvq import KvConfig, LlamaError, Model, llama_tools
+from pykvq.bindings.log import sink
 
 import device
 
@@ -99,6 +100,7 @@ def test_a_session_file_of_a_mixed_cache_is_saved_and_leaves_nothing_beside_it(m
         taken = tmp_path / "taken"
         (taken / "inside").mkdir(parents=True)
         assert not save_session_file(ctx, taken, tokens[:100])
+        assert any("cannot rename" in problem for problem in sink().take_problems())
     assert saved.stat().st_size > 0 and (taken / "inside").is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["session.bin", "taken"]
 
