@@ -6,8 +6,8 @@ command line gives none). The rest records how the types were chosen, for later 
 
     kvq.version                    uint32   1
     kvq.kv_layers                  string   per-layer K/V types, the --kv-layers form
-    kvq.window                     uint32   default kivi window (recent tokens kept in fp16)
-    kvq.sinks                      uint32   default kivi sinks (first tokens kept in fp16)
+    kvq.window                     uint32   default kivi window (recent tokens kept in fp16), at most 2^31-1
+    kvq.sinks                      uint32   default kivi sinks (first tokens kept in fp16), at most 2^31-1
     kvq.kv_budget                  float32  mean code bits per element the mix was chosen for
     kvq.calibration.text           string   file name of the calibration text
     kvq.calibration.n_tokens       uint32   tokens it measured over
@@ -24,6 +24,10 @@ command line gives none). The rest records how the types were chosen, for later 
     kvq.calibration.k_channel_absmax                 float32[n_layer * n_embd_k_gqa]  per-channel K range,
                                                      layer-major, channels in the HF model's order
 
+Whole numbers may be stored in any GGUF integer type, numbers in any integer or float type; a value of another
+kind (a bool, a string for a number, an array for a scalar, an array of arrays) is refused, by every reader: pykvq's
+(validate) and the patched llama.cpp's, which sees kvq.version and kvq.kv_layers as text.
+
 The copy is written next to the output under a temporary name and renamed into place only when complete.
 """
 
@@ -38,6 +42,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pykvq.bindings import gguf_py
+from pykvq.bindings.native import INT32_MAX
 
 log = logging.getLogger("pykvq.gguf")
 
@@ -46,6 +51,12 @@ KEY_VERSION = "kvq.version"
 KEY_LAYERS = "kvq.kv_layers"
 KEY_WINDOW = "kvq.window"
 KEY_SINKS = "kvq.sinks"
+KEY_BUDGET = "kvq.kv_budget"
+KEY_CALIBRATION_TEXT = "kvq.calibration.text"
+
+# whole-number keys and their largest value: the settings reach llama.cpp's int32 fields
+WHOLE_NUMBERS = {KEY_WINDOW: INT32_MAX, KEY_SINKS: INT32_MAX, "kvq.calibration.window": INT32_MAX,
+                 "kvq.calibration.sinks": INT32_MAX, "kvq.calibration.n_tokens": 2**32 - 1}
 
 
 # copies smaller than this are quick enough not to need a progress bar
@@ -66,25 +77,44 @@ def _reader(path: Path):
 
 def read_fields(path: Path) -> dict[str, object]:
     """All metadata of a GGUF file, name -> value."""
+    gguf = gguf_py.gguf()
     fields = _reader(path).fields
+    for name, f in fields.items():
+        # gguf-py reads them flattened; llama.cpp refuses the whole file
+        if f.types.count(gguf.GGUFValueType.ARRAY) > 1:
+            raise GgufError(f"{path}: {name} is an array of arrays, which llama.cpp cannot load")
     try:
         return {name: f.contents() for name, f in fields.items()}
     except (ValueError, IndexError) as exc:     # UnicodeDecodeError included: a corrupt string
         raise GgufError(f"{path} has corrupt metadata: {exc}") from exc
 
 
+def kvq_fields(fields: dict[str, object], path: Path) -> dict[str, object]:
+    """The kvq.* entries of a GGUF file's metadata (``fields``, from ``path``); GgufError for a version other
+    than this pykvq's, or one that is not a whole number."""
+    kvq = {name: value for name, value in fields.items() if name.startswith("kvq.")}
+    version = kvq.get(KEY_VERSION)
+    if kvq and not (_is_whole(version) and version == KVQ_VERSION):
+        raise GgufError(f"{path}: kvq.* metadata version {version!r}; this pykvq reads version {KVQ_VERSION}")
+    return kvq
+
+
 def read_kvq(path: Path) -> dict[str, object]:
     """The kvq.* metadata of a GGUF file (empty when it has none); GgufError for an unknown version."""
-    fields = {name: value for name, value in read_fields(path).items() if name.startswith("kvq.")}
-    version = fields.get(KEY_VERSION)
-    if fields and version != KVQ_VERSION:
-        raise GgufError(f"{path}: kvq.* metadata version {version!r}; this pykvq reads version {KVQ_VERSION}")
-    return fields
+    return kvq_fields(read_fields(path), path)
+
+
+def _is_whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def allocation_fields(spec: str, budget: float) -> dict[str, object]:
     """The per-layer types a budget was allocated to, as kvq.* fields."""
-    return {KEY_LAYERS: spec, "kvq.kv_budget": float(budget)}
+    return {KEY_LAYERS: spec, KEY_BUDGET: float(budget)}
 
 
 # per-layer arrays: one value per layer; the per-channel one: every layer's K channels
@@ -99,13 +129,25 @@ def validate(kvq: dict[str, object], n_layer: int, n_embd_k_total: int) -> None:
     validate_settings(kvq, n_layer)
     for key, value in kvq.items():
         wanted = n_embd_k_total if key == PER_CHANNEL else n_layer if key.startswith(PER_LAYER_PREFIXES) else None
-        if wanted is not None and (isinstance(value, (str, int, float)) or len(value) != wanted):  # type: ignore[arg-type]
+        if wanted is not None and (not isinstance(value, list) or len(value) != wanted):
             raise GgufError(f"{key} must hold {wanted} values for this model ({n_layer} layers)")
+        if wanted is not None and not all(_is_number(x) for x in value):  # type: ignore[union-attr]
+            raise GgufError(f"{key} must hold numbers, not {_kind(value)}")
+        if key == KEY_BUDGET and not _is_number(value):
+            raise GgufError(f"{key} must be a number, not {_kind(value)}")
+        if key == KEY_CALIBRATION_TEXT and not isinstance(value, str):
+            raise GgufError(f"{key} must be a string, not {_kind(value)}")
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, list):
+        return f"an array of {', '.join(sorted({type(x).__name__ for x in value})) or 'nothing'}"
+    return f"{value!r}" if len(repr(value)) <= 40 else type(value).__name__
 
 
 def validate_settings(kvq: dict[str, object], n_layer: int) -> None:
-    """GgufError when the kvq.* settings a KV cache takes (per-layer types, window, sinks) are of the wrong kind or
-    do not fit a model of ``n_layer`` layers."""
+    """GgufError when the kvq.* settings a KV cache takes (per-layer types, window, sinks), or the whole numbers
+    recorded with them, are of the wrong kind or do not fit a model of ``n_layer`` layers."""
     from pykvq import kv_types
 
     layers = kvq.get(KEY_LAYERS)
@@ -113,13 +155,18 @@ def validate_settings(kvq: dict[str, object], n_layer: int) -> None:
         if not isinstance(layers, str):
             raise GgufError(f"{KEY_LAYERS} must be a string, not {type(layers).__name__}")
         try:
-            kv_types.layer_types(layers, n_layer, "kivi2", "kivi2")
+            types_k, types_v = kv_types.layer_types(layers, n_layer, "kivi2", "kivi2")
         except ValueError as exc:
             raise GgufError(f"the model's {KEY_LAYERS} does not fit its {n_layer} layers: {exc}") from exc
-    for key in (KEY_WINDOW, KEY_SINKS):
+        for il, (type_k, type_v) in enumerate(zip(types_k, types_v, strict=True)):
+            # the cache's own rule (llama_kv_cache::kvq_init), so that what inspect accepts a context takes
+            if (type_k in kv_types.KIVI_BITS) != (type_v in kv_types.KIVI_BITS):
+                raise GgufError(f"the model's {KEY_LAYERS} gives layer {il} K {type_k} and V {type_v}: a kivi K "
+                                "type needs a kivi V type and the other way round")
+    for key, largest in WHOLE_NUMBERS.items():
         value = kvq.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise GgufError(f"{key} must be a whole number >= 0, not {value!r}")
+        if value is not None and not (_is_whole(value) and 0 <= value <= largest):  # type: ignore[operator]
+            raise GgufError(f"{key} must be a whole number from 0 to {largest}, not {_kind(value)}")
 
 
 def write_copy(src: Path, dst: Path, metadata: dict[str, object]) -> None:

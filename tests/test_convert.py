@@ -95,10 +95,10 @@ def test_converted_model_has_default_kv_metadata(tiny_gguf: Path) -> None:
 def test_run_takes_window_and_sinks_from_the_model(tiny_gguf: Path) -> None:
     from pykvq.commands.run import with_model_metadata
 
-    assert with_model_metadata(KvConfig("kivi2", "kivi2"), tiny_gguf, 3) == KvConfig("kivi2", "kivi2", 48, 2)
+    assert with_model_metadata(KvConfig("kivi2", "kivi2"), tiny_gguf) == KvConfig("kivi2", "kivi2", 48, 2)
     # the command line wins
     given = KvConfig("kivi2", "kivi2", 16, 0, layers="none")
-    assert with_model_metadata(given, tiny_gguf, 3) == given
+    assert with_model_metadata(given, tiny_gguf) == given
 
 
 def test_calibrated_metadata(calibrated: tuple[Path, subprocess.CompletedProcess]) -> None:

@@ -81,7 +81,9 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
         const ggml_type tk = kvq_types_k[il];
         const ggml_type tv = kvq_types_v[il];
         if (ggml_kvq_is_kivi(tk) != ggml_kvq_is_kivi(tv)) {
-            throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + kvq_types_text(tk, tv) +
+            // name where the pair came from: a model's kvq.kv_layers is not on the command line
+            throw std::runtime_error((spec.empty() || spec == "none" ? "" : source + ": ") + "KV cache layer " +
+                                     std::to_string(il) + " " + kvq_types_text(tk, tv) +
                                      ": a kivi K type needs a kivi V type and the other way round (kivi4, kivi2, kivi1)");
         }
         any_kivi = any_kivi || kvq_either_kivi(tk, tv);

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -108,11 +109,25 @@ def costs(shape: KvShape, kvq: dict[str, object], window: int, sinks: int) -> li
     return out
 
 
+def checked_kvq(path: Path, ignored: Collection[str] = ()) -> dict[str, object]:
+    """A model's kvq.* metadata, checked against its shape: the one check of `pykvq inspect`, `run` and
+    `perplexity`. Keys in ``ignored`` (settings the command line gives instead) are left out, unchecked."""
+    fields = gguf_metadata.read_fields(path)
+    kvq = {k: v for k, v in gguf_metadata.kvq_fields(fields, path).items() if k not in ignored}
+    if kvq:
+        _validate(kvq, read_shape(fields))
+    return kvq
+
+
+def _validate(kvq: dict[str, object], shape: KvShape) -> None:
+    gguf_metadata.validate(kvq, shape.n_layer, sum(shape.n_embd_k))
+
+
 def collect(path: Path) -> dict:
     fields = gguf_metadata.read_fields(path)
     shape = read_shape(fields)
-    kvq = gguf_metadata.read_kvq(path)
-    gguf_metadata.validate(kvq, shape.n_layer, sum(shape.n_embd_k))
+    kvq = gguf_metadata.kvq_fields(fields, path)
+    _validate(kvq, shape)
     defaults = native.kvq_default_params()
     window = int(kvq.get(gguf_metadata.KEY_WINDOW, defaults.window))  # type: ignore[call-overload]
     sinks = int(kvq.get(gguf_metadata.KEY_SINKS, defaults.n_sink))  # type: ignore[call-overload]

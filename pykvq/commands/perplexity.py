@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from pykvq import gguf_metadata, kv_types, llama_tools, paths
 from pykvq.bindings import native
+from pykvq.commands import inspect as model_info
 from pykvq.kv_types import KvSpec
 
 log = logging.getLogger("pykvq.perplexity")
@@ -159,9 +160,12 @@ def run(args: argparse.Namespace) -> int:
         if not f.is_file():
             raise FileNotFoundError(f"{what} file not found: {f}")
     # the model's kvq.* metadata: its window and sinks are the defaults, its per-layer types one more run
-    kvq = gguf_metadata.read_kvq(args.model)
+    overrides = ((gguf_metadata.KEY_LAYERS, args.kv_layers or None), (gguf_metadata.KEY_WINDOW, args.kv_window),
+                 (gguf_metadata.KEY_SINKS, args.kv_sinks))
+    given = [key for key, value in overrides if value is not None]
+    kvq = model_info.checked_kvq(args.model, ignored=given)
     model_layers_spec = kvq.get(gguf_metadata.KEY_LAYERS)
-    if isinstance(model_layers_spec, str) and not args.kv_layers:
+    if model_layers_spec:
         log.info("the model's kvq.kv_layers joins the comparison: %s", model_layers_spec)
         specs.append(KvSpec.per_layer(model_layers_spec))
     defaults = native.kvq_default_params()

@@ -27,6 +27,7 @@ from pykvq.api.llama import (
 )
 from pykvq.api.sampling import LLAMA_DEFAULT_SEED, Sampler, SamplerSettings
 from pykvq.bindings import devices, native
+from pykvq.commands import inspect as model_info
 from pykvq.kv_types import KvSpec
 
 log = logging.getLogger("pykvq.run")
@@ -146,7 +147,7 @@ def run_command(args: argparse.Namespace) -> int:
         log.info("layers on the GPU (-ngl %d): %s", n_gpu_layers,
                  ", ".join(f"{d.name} ({d.description})" for d in devices.offload_devices()))
     with Model(_model_path(args), n_gpu_layers=n_gpu_layers) as model:
-        kv = with_model_metadata(kv, model.path, model.n_layer)
+        kv = with_model_metadata(kv, model.path)
         check_layers(kv, model)
         config = ContextConfig(args.ctx_size, args.batch_size, args.ubatch_size, args.threads, args.flash_attn, kv,
                                op_offload=args.op_offload)
@@ -159,12 +160,12 @@ _METADATA_FIELDS = (("layers", gguf_metadata.KEY_LAYERS), ("window", gguf_metada
                     ("sinks", gguf_metadata.KEY_SINKS))
 
 
-def with_model_metadata(kv: KvConfig, model_path: Path, n_layer: int) -> KvConfig:
-    """The model's kvq.* defaults (per-layer types, window, sinks) where the command line gives none: it wins."""
-    kvq = gguf_metadata.read_kvq(model_path)
-    used = {key: kvq[key] for field, key in _METADATA_FIELDS if getattr(kv, field) is None and key in kvq}
-    gguf_metadata.validate_settings(used, n_layer)
-    from_model = {field: kvq[key] for field, key in _METADATA_FIELDS if key in used}
+def with_model_metadata(kv: KvConfig, model_path: Path) -> KvConfig:
+    """The model's kvq.* defaults (per-layer types, window, sinks) where the command line gives none: it wins.
+    The rest of its kvq.* metadata is checked as `pykvq inspect` checks it."""
+    given = [key for field, key in _METADATA_FIELDS if getattr(kv, field) is not None]
+    kvq = model_info.checked_kvq(model_path, ignored=given)
+    from_model = {field: kvq[key] for field, key in _METADATA_FIELDS if key in kvq}
     for field, value in from_model.items():
         log.info("KV %s from the model's kvq.* metadata: %s", field, value)
     return replace(kv, **from_model)

@@ -17,8 +17,11 @@ The OpenAI-compatible server on the same terms: ``python -m pykvq.llama_cpp.serv
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -29,6 +32,7 @@ from pykvq.bindings import native
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the release whose llama.cpp pykvq patches (pykvq/upstream.py)
 LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"
+GGML_LOG_LEVEL_ERROR = 4
 INSTALL_HINT = f'CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install "llama-cpp-python[server]=={LLAMA_CPP_PYTHON_VERSION}"'
 
 
@@ -90,6 +94,27 @@ def _kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None
     return KvConfig(name(kwargs.get("type_k")), name(kwargs.get("type_v")), window, sinks, rotate, layers, rollback)
 
 
+@contextmanager
+def _errors_kept(llama_cpp: ModuleType) -> Iterator[list[str]]:
+    """llama.cpp's error lines while the block runs, collected on their way to llama-cpp-python's own log callback
+    (which prints them only when verbose): its exceptions do not carry them."""
+    from llama_cpp import _logger
+
+    errors: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def keep(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        if level == GGML_LOG_LEVEL_ERROR and text.strip():
+            errors.append(text.decode(errors="replace").strip())
+        _logger.llama_log_callback(level, text, user_data)
+
+    llama_cpp.llama_log_set(keep, ctypes.c_void_p(0))
+    try:
+        yield errors
+    finally:
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+
+
 @cache
 def _llama_class() -> type:
     llama_cpp = load()
@@ -118,8 +143,15 @@ def _llama_class() -> type:
             kv = _kv_config(kwargs, kv_window, kv_sinks, kv_rotate, kv_layers, kv_rollback)
             if kv.is_kivi:
                 kwargs["flash_attn"] = True
-            with kvq_params_applied(kv):
-                super().__init__(*args, **kwargs)
+            with kvq_params_applied(kv), _errors_kept(llama_cpp) as errors:
+                try:
+                    super().__init__(*args, **kwargs)
+                except ValueError as exc:
+                    # "Failed to create llama_context" says nothing of the model's kvq.* metadata it could not use:
+                    # llama.cpp's first error line is the cause
+                    if errors:
+                        raise ValueError(f"{exc}: {errors[0]}") from exc
+                    raise
 
         def load_state(self, state) -> None:
             try:

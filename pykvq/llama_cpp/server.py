@@ -82,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
               f"llama-cpp-python[server]", file=sys.stderr)
         return 1
     sys.argv = ["python -m llama_cpp.server", *rest]
-    server_main()
+    try:
+        server_main()
+    except ValueError as exc:
+        # the model loads before the server starts: a model or KV setting llama.cpp refused
+        print(f"pykvq: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
