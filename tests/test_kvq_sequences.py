@@ -256,14 +256,14 @@ def test_whole_state_of_several_sequences_round_trips(model: Model, texts: list[
     assert_same(got[1], alone(model, ASYMKV, b[:120])[0])
 
 
-def decode_shared_token(ctx: Context, token: int, seqs: list[int]) -> int:
-    """llama_decode of one token at position 0 of several sequences at once (a shared prompt)."""
+def decode_token(ctx: Context, token: int, pos: int, seqs: list[int]) -> int:
+    """llama_decode of one token at ``pos`` of several sequences at once (a shared prompt), past Python's checks."""
     llama = ctx._lib.llama
     batch = llama.llama_batch_init(1, 0, len(seqs))
     try:
         batch.n_tokens = 1
         batch.token[0] = token
-        batch.pos[0] = 0
+        batch.pos[0] = pos
         batch.n_seq_id[0] = len(seqs)
         for i, seq in enumerate(seqs):
             batch.seq_id[0][i] = seq
@@ -280,12 +280,13 @@ def test_a_unified_cache_refuses_what_it_cannot_keep_apart(model: Model, texts: 
     n_region = 128
     with multi(model, KIVI2, 2, unified=True, n_ctx_seq=n_region) as ctx:
         sink().take_problems()
-        assert decode_shared_token(ctx, a[0], [0, 1]) != 0
+        assert decode_token(ctx, a[0], 0, [0, 1]) != 0
         assert any("several sequences" in p for p in sink().take_problems())
-        with pytest.raises(LlamaError, match=r"invalid seq_id.* = 2 >= 2"):  # upstream checks this first
+        with pytest.raises(ValueError, match=r"sequence 2 is not one of this context's sequences \(0..1"):
             ctx.eval_seqs({2: a[:5]})
         ctx.eval_seqs({0: a[:n_region - 8]})
-        with pytest.raises(LlamaError, match=rf"sequence 0 is full: .* 2 sequences {n_region} cells"):
+        assert ctx.n_seq_cells == n_region
+        with pytest.raises(LlamaError, match=rf"sequence 0: 16 more tokens do not fit its {n_region - 8} used cells"):
             ctx.eval_seqs({0: a[n_region - 8:n_region + 8]})
         with pytest.raises(LlamaError, match="from its first token"):
             ctx.seq_cp(0, 1, 10, -1)
@@ -293,6 +294,40 @@ def test_a_unified_cache_refuses_what_it_cannot_keep_apart(model: Model, texts: 
         got = ctx.eval_seqs({0: a[n_region - 8:n_region - 2], 1: a[:30]})
     assert_same(got[0], alone(model, KIVI2, a[:n_region - 2])[0])
     assert_same(got[1], alone(model, KIVI2, a[:30])[0])
+
+
+def test_an_evaluation_past_a_sequence_s_region_is_refused_before_any_batch(model: Model,
+                                                                           texts: list[list[int]]) -> None:
+    """Python checks the region up front: a kivi cache cannot take back every batch of a call that fails halfway
+    (a removal past the window's slack)."""
+    a = texts[0]
+    config = device.context_config(n_ctx=2 * 128, n_batch=4, n_threads=2, kv=KvConfig.preset("kivi1"), n_seq_max=2,
+                                   kv_unified=True)
+    with model.context(config) as ctx:
+        ctx.eval_seqs({0: a[:86]})
+        with pytest.raises(LlamaError, match="do not fit"):
+            ctx.eval_seqs({0: a[86:86 + 171]})
+        assert (ctx.seq_len(0), ctx.n_past) == (86, 86)
+        got = ctx.eval_seqs({0: a[86:100]})[0]
+        ctx.eval_seqs({0: a[100:128]})
+        sink().take_problems()
+        assert decode_token(ctx, a[128], 128, [0]) != 0  # llama.cpp's own check, behind Python's
+        assert any("sequence 0 is full: a unified kivi cache gives each of its 2 sequences 128 cells" in p
+                   for p in sink().take_problems())
+        assert ctx.seq_len(0) == 128
+    assert_same(got, alone(model, KvConfig.preset("kivi1"), a[:100])[0])
+
+
+def test_a_unified_cache_wider_than_its_regions_decodes_each_sequence_as_alone(model: Model,
+                                                                                texts: list[list[int]]) -> None:
+    """n_ctx 128 for 3 sequences: llama.cpp pads the cache to 256 cells, the regions take 3 x 64 of them, and the
+    attention's mask spans all 256 (this aborted at context creation)."""
+    config = device.context_config(n_ctx=128, n_threads=2, kv=KIVI2, n_seq_max=3, kv_unified=True)
+    with model.context(config) as ctx:
+        assert ctx.n_seq_cells == 64
+        got = ctx.eval_seqs({s: texts[s][:40] for s in range(3)})
+    for s in range(3):
+        assert_same(got[s], alone(model, KIVI2, texts[s][:40])[0])
 
 
 def test_a_unified_cache_too_small_for_its_sequences_is_refused(model: Model) -> None:

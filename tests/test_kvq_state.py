@@ -122,17 +122,35 @@ def test_after_a_refused_load_the_positions_follow_the_cache(model: Model, token
     np.testing.assert_array_equal(got, fresh_logits(model, other, tokens[:held + 10], (held,) if held else ())[held:])
 
 
-# where the first layer's saved K/V type ids sit: after the kivi block header ("KVQ2", n_layer, window, sinks,
-# n_fp16 as int64, n_cells, rotation: 32 bytes)
+# where the first layer's saved K/V type ids sit: after the kivi block header ("KVQ3", n_layer, window, sinks,
+# n_fp16 as int64, n_cells, what is rotated: 32 bytes)
 KVQ_HEADER_BYTES = 32
 
 
-def test_a_state_of_the_format_before_rotation_was_recorded_is_refused(model: Model, tokens: list[int]) -> None:
+@pytest.mark.parametrize("older", [b"KVQ1", b"KVQ2"])
+def test_a_state_of_a_format_before_rotation_was_recorded_is_refused(model: Model, tokens: list[int],
+                                                                     older: bytes) -> None:
     kv = KvConfig.preset("kivi2", window=64)
     with context(model, kv) as first:
         first.eval(tokens[:100])
-        state = first.save_state().replace(b"KVQ2", b"KVQ1")
+        state = first.save_state().replace(b"KVQ3", older)
     with context(model, kv) as second, pytest.raises(LlamaError, match="saved by an older pykvq"):
+        second.load_state(state)
+
+
+# a kivi layer beside a q8_0 one: the context's type decides what is rotated (q8_0 rotates, as upstream does),
+# not only the kivi rotation setting, and the state records the outcome
+ROTATED_BY_TYPE = KvConfig("q8_0", "q8_0", window=64, layers="k:0-9=kivi2,10-=q8_0;v:0-9=kivi2,10-=q8_0")
+
+
+def test_a_state_of_a_cache_rotated_by_its_type_is_refused_where_nothing_is_rotated(model: Model,
+                                                                                    tokens: list[int]) -> None:
+    plain = KvConfig("kivi2", "kivi2", window=64, layers=ROTATED_BY_TYPE.layers)
+    with context(model, ROTATED_BY_TYPE) as first:
+        first.eval(tokens[:100])
+        state = first.save_state()
+    with context(model, plain) as second, pytest.raises(LlamaError, match="rotation on for K and V; this cache .* "
+                                                                          "rotation off"):
         second.load_state(state)
 
 
@@ -142,7 +160,7 @@ def test_a_corrupt_type_id_in_a_state_is_named_not_looked_up(model: Model, token
     with context(model, kv) as first:
         first.eval(tokens[:100])
         state = bytearray(first.save_state())
-    at = state.index(b"KVQ2") + KVQ_HEADER_BYTES
+    at = state.index(b"KVQ3") + KVQ_HEADER_BYTES
     state[at:at + 4] = bad_id.to_bytes(4, "little", signed=True)
     with context(model, kv) as second, pytest.raises(LlamaError) as refused:
         second.load_state(bytes(state))

@@ -79,10 +79,11 @@ struct ggml_tensor * ggml_kvq_attn(
     const int64_t kv_size = k_tiles->ne[1]*QK_KIVI;
     GGML_ASSERT(ggml_is_contiguous(k_tiles) && ggml_is_contiguous(v_rows) && mask->ne[2] == 1);
     GGML_ASSERT(k_tiles->ne[2] == k_fp16->ne[2] && ggml_nrows(v_rows) == kv_size*k_fp16->ne[2]);
-    // one mask plane per segment over its stream's cells, or one plane for the whole batch over all cells
+    // one mask plane per segment over its stream's cells, or one plane for the whole batch over all cells; a
+    // unified cache's cells may outnumber its regions' (n_ctx not a multiple of n_seq_max*32): the kernels read
+    // a region's columns only
     GGML_ASSERT(mask->ne[1]*mask->ne[3] == q->ne[2]);
-    GGML_ASSERT(mask_all_streams ? mask->ne[3] == 1 && mask->ne[0] <= kv_size*k_fp16->ne[2]
-                                 : mask->ne[3] == n_seq && mask->ne[0] <= kv_size);
+    GGML_ASSERT(mask_all_streams ? mask->ne[3] == 1 : mask->ne[3] == n_seq && mask->ne[0] <= kv_size);
     GGML_ASSERT(window >= 0);
     kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink, n_seq);
     kvq_check_batch(v_fp16, v_cur, k_idxs, n_sink, n_seq);

@@ -61,6 +61,7 @@ struct llama_kvq_memory_info {
     uint64_t n_elements;   // K and V elements the cache holds at full occupancy
     uint64_t n_cells;
     uint32_t n_layers_kv;
+    uint32_t n_seq_cells;  // cells one sequence can hold: less than n_cells with streams, or a unified kivi cache
 };
 
 // false when the context has no KV cache

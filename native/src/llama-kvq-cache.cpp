@@ -291,8 +291,9 @@ bool llama_kv_cache::kvq_active() const {
 // Saved state of a kivi cache, after upstream's cell metadata: every setting that changes what the bytes mean
 // (checked on load: data of another type, window or sink count would be read into the wrong layout, rotated
 // codes would be read as plain ones), then per layer the sealed K tiles, the V rows and the fp16 sinks and ring.
-static constexpr uint32_t KVQ_STATE_MAGIC    = 0x3251564b; // "KVQ2"
+static constexpr uint32_t KVQ_STATE_MAGIC    = 0x3351564b; // "KVQ3"
 static constexpr uint32_t KVQ_STATE_MAGIC_V1 = 0x3151564b; // "KVQ1": before the rotation was recorded
+static constexpr uint32_t KVQ_STATE_MAGIC_V2 = 0x3251564b; // "KVQ2": the rotation setting, not what was rotated
 
 struct kvq_state_header {
     uint32_t magic;
@@ -301,13 +302,24 @@ struct kvq_state_header {
     int32_t  n_sink;
     int64_t  n_fp16;
     uint32_t n_cells;
-    int32_t  rotate;
+    int32_t  rotate;   // KVQ_ROT_K | KVQ_ROT_V: what the cache rotates, whatever made it (type or setting)
 };
+
+enum { KVQ_ROT_K = 1, KVQ_ROT_V = 2 };
+
+static int32_t kvq_rotation(bool rot_k, bool rot_v) {
+    return (rot_k ? KVQ_ROT_K : 0) | (rot_v ? KVQ_ROT_V : 0);
+}
+
+static std::string kvq_rotation_text(int32_t rotate) {
+    static const char * texts[] = { "off", "on for K", "on for V", "on for K and V" };
+    return rotate >= 0 && rotate <= (KVQ_ROT_K | KVQ_ROT_V) ? texts[rotate] : "invalid";
+}
 
 // one block per saved part: its first n_cells cells
 void llama_kv_cache::kvq_state_write_part(llama_io_write_i & io, uint32_t part, uint32_t n_cells) const {
     const kvq_state_header header = { KVQ_STATE_MAGIC, (uint32_t) layers.size(), kvq_params.window, kvq_params.n_sink,
-                                      kvq_n_fp16(layers), n_cells, kvq_params.rotate ? 1 : 0 };
+                                      kvq_n_fp16(layers), n_cells, kvq_rotation(attn_rot_k, attn_rot_v) };
     io.write(&header, sizeof(header));
     for (const kv_layer & layer : layers) {
         const int32_t types[2] = { (int32_t) layer.k->type, (int32_t) layer.v->type };
@@ -371,11 +383,19 @@ bool llama_kv_cache::kvq_state_read_data(llama_io_read_i & io, uint32_t strm, ui
     // a whole-cache restore puts the cells first to last; in a unified cache they go to their sequences' regions
     std::vector<uint32_t> from;
     std::vector<uint32_t> to;
+    std::vector<std::pair<uint32_t, uint32_t>> parts; // (part, n_cells)
     for (uint32_t done = 0; done < cell_count; ) {
+        uint32_t part    = 0;
         uint32_t n_cells = 0;
-        if (!kvq_state_read_part(io, strm, cell_count - done, sinfo.idxs[0].data() + done, from, to, n_cells)) {
+        if (!kvq_state_read_part(io, strm, cell_count - done, sinfo.idxs[0].data() + done, from, to, part, n_cells)) {
             return false;
         }
+        for (const auto & seen : parts) {
+            if (seen.first == part) {
+                return kvq_state_fail("it holds sequence " + std::to_string(part) + " twice");
+            }
+        }
+        parts.emplace_back(part, n_cells);
         done += n_cells;
     }
     llama_kv_cells & cells = v_cells[strm];
@@ -384,38 +404,110 @@ bool llama_kv_cache::kvq_state_read_data(llama_io_read_i & io, uint32_t strm, ui
         cells.rm(idx);
     }
     cells.set(to, moved);
+    for (const auto & part : parts) {
+        if (!kvq_check_restored_part(strm, part.first, part.second)) {
+            return false;
+        }
+    }
     return true;
 }
 
+// The cells of a restored part must be what the kivi layout reads: its sequence's tokens at consecutive positions,
+// the k-th in the part's k-th cell, and no other cell of that sequence (a corrupt state's metadata says anything).
+bool llama_kv_cache::kvq_check_restored_part(uint32_t strm, uint32_t part, uint32_t n_cells) const {
+    const llama_kv_cells & cells = v_cells[strm];
+    const uint32_t base = kvq_in_regions() ? part*kvq_part_cells : 0;
+    if (cells.is_empty(base) || cells.seq_count(base) != 1) {
+        return kvq_state_fail("its first cell of sequence part " + std::to_string(part) + " is not one sequence's");
+    }
+    const llama_seq_id seq = cells.seq_get(base);
+    if (kvq_in_regions() ? (uint32_t) seq != part : seq_to_stream[seq] != strm) {
+        return kvq_state_fail("it puts sequence " + std::to_string(seq) + " in the part of another");
+    }
+    const int64_t pos0 = cells.pos_get(base);
+    if (pos0 < 0 || pos0 + n_cells - 1 > std::numeric_limits<llama_pos>::max()) {
+        return kvq_state_fail("sequence " + std::to_string(seq) + " starts at position " + std::to_string(pos0));
+    }
+    for (uint32_t k = 0; k < n_cells; ++k) {
+        const uint32_t cell = base + k;
+        if (cells.is_empty(cell) || cells.seq_count(cell) != 1 || !cells.seq_has(cell, seq) ||
+            cells.pos_get(cell) != pos0 + k) {
+            return kvq_state_fail("the cells of sequence " + std::to_string(seq) + " are not its positions " +
+                                  std::to_string(pos0) + " .. " + std::to_string(pos0 + n_cells - 1) + " in order");
+        }
+    }
+    uint32_t n_seq_cells = 0;
+    for (uint32_t cell = 0; cell < cells.size(); ++cell) {
+        n_seq_cells += !cells.is_empty(cell) && cells.seq_has(cell, seq);
+    }
+    if (n_seq_cells != n_cells) {
+        return kvq_state_fail("it gives sequence " + std::to_string(seq) + " " + std::to_string(n_seq_cells) +
+                              " cells, its data " + std::to_string(n_cells));
+    }
+    return true;
+}
+
+// A refused sequence load takes every cell of the sequence, at whatever position a corrupt state gave it (seq_rm
+// takes positions 0 .. INT32_MAX - 1 only); any cache
+void llama_kv_cache::kvq_forget_seq(llama_seq_id seq_id, uint32_t strm) {
+    llama_kv_cells & cells = v_cells[strm];
+    for (uint32_t cell = 0; cell < cells.size(); ++cell) {
+        if (cells.seq_has(cell, seq_id)) {
+            cells.seq_rm(cell, seq_id);
+        }
+    }
+    v_heads[strm] = 0;
+}
+
+// A refused sequence load of a kivi cache: the sequence goes, and its part's data with it (a file load writes as it reads, and a
+// corrupt value left in a free cell can still reach the attention's arithmetic)
+void llama_kv_cache::kvq_state_clear(llama_seq_id seq_id, uint32_t strm) {
+    kvq_forget_seq(seq_id, strm);
+    const uint32_t part = kvq_in_regions() ? (uint32_t) seq_id : strm;
+    for (const kv_layer & layer : layers) {
+        if (layer.k_fp16 == nullptr) {
+            for (ggml_tensor * t : { layer.k, layer.v }) {
+                llama_clear_tensor_data(t, kvq_plain_part_offset(t, part, kvq_in_regions(), kvq_part_cells),
+                                        (size_t) kvq_part_cells*t->nb[1]);
+            }
+            continue;
+        }
+        for (ggml_tensor * t : { layer.k, layer.v, layer.k_fp16, layer.v_fp16 }) {
+            llama_clear_tensor_data(t, part*t->nb[2], t->nb[2]);
+        }
+    }
+}
+
 bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, uint32_t n_left, const uint32_t * idxs,
-        std::vector<uint32_t> & from, std::vector<uint32_t> & to, uint32_t & n_cells) {
+        std::vector<uint32_t> & from, std::vector<uint32_t> & to, uint32_t & part, uint32_t & n_cells) {
     kvq_state_header header = {};
     io.read(&header, sizeof(header));
-    if (header.magic == KVQ_STATE_MAGIC_V1) {
-        return kvq_state_fail("it was saved by an older pykvq (kivi state format 1, which does not record the "
-                              "rotation): save it again with this one");
+    if (header.magic == KVQ_STATE_MAGIC_V1 || header.magic == KVQ_STATE_MAGIC_V2) {
+        return kvq_state_fail("it was saved by an older pykvq (kivi state format " +
+                              std::string(header.magic == KVQ_STATE_MAGIC_V1 ? "1" : "2") +
+                              ", which does not record what the cache rotates): save it again with this one");
     }
     if (header.magic != KVQ_STATE_MAGIC) {
         return kvq_state_fail("it was not saved from a kivi KV cache");
     }
     const int64_t n_fp16 = kvq_n_fp16(layers);
-    const bool    rotate = kvq_params.rotate;
+    const int32_t rotate = kvq_rotation(attn_rot_k, attn_rot_v);
     if (header.n_layer != layers.size() || header.window != kvq_params.window || header.n_sink != kvq_params.n_sink ||
-        header.n_fp16 != n_fp16 || header.rotate != (rotate ? 1 : 0)) {
+        header.n_fp16 != n_fp16 || header.rotate != rotate) {
         return kvq_state_fail("it was saved with " + std::to_string(header.n_layer) + " layers, window " +
                               std::to_string(header.window) + ", sinks " + std::to_string(header.n_sink) + ", " +
                               std::to_string(header.n_fp16) + " fp16 cells (sinks + ring, --kv-rollback widens it), " +
-                              "rotation " + (header.rotate == 1 ? "on" : header.rotate == 0 ? "off" : "invalid") +
+                              "rotation " + kvq_rotation_text(header.rotate) +
                               "; this cache has " + std::to_string(layers.size()) + " layers, window " +
                               std::to_string(kvq_params.window) + ", sinks " + std::to_string(kvq_params.n_sink) +
-                              ", " + std::to_string(n_fp16) + " fp16 cells, rotation " + (rotate ? "on" : "off"));
+                              ", " + std::to_string(n_fp16) + " fp16 cells, rotation " + kvq_rotation_text(rotate));
     }
     n_cells = header.n_cells;
     if (n_cells == 0 || n_cells > n_left) {
         return kvq_state_fail("its cell count does not match its metadata");
     }
     // the part: a stream, or in a unified cache the region of the cells' sequence
-    const uint32_t part = kvq_in_regions() ? (uint32_t) v_cells[strm].seq_get(idxs[0]) : strm;
+    part = kvq_in_regions() ? (uint32_t) v_cells[strm].seq_get(idxs[0]) : strm;
     if (part >= kvq_n_part || n_cells > kvq_part_cells) {
         return kvq_state_fail("it holds " + std::to_string(n_cells) + " cells of sequence " + std::to_string(part) +
                               "; this cache holds " + std::to_string(kvq_n_part) + " sequences of " +
@@ -520,6 +612,11 @@ bool llama_kv_cache::kvq_refuse_position_edit(const char * func) const {
 bool llama_kv_cache::kvq_is_layer(int32_t il) const {
     const auto it = map_layer_ids.find(il);
     return it != map_layer_ids.end() && layers[it->second].k_fp16 != nullptr;
+}
+
+// a unified kivi cache still keeps each sequence in a region of its own
+uint32_t llama_kv_cache::kvq_seq_cells() const {
+    return kvq_active() ? kvq_part_cells : v_cells[0].size();
 }
 
 // Batches with at least this many tokens per sequence (prefill) attend through upstream's flash attention over

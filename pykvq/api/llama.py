@@ -13,7 +13,7 @@ from __future__ import annotations
 import codecs
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +99,7 @@ class KvMemory:
     n_elements: int
     n_cells: int
     n_layers: int
+    n_seq_cells: int  # what one sequence can hold: fewer than n_cells with streams or a unified kivi cache
 
     @property
     def bits_per_element(self) -> float:
@@ -316,6 +317,10 @@ class Context(_Handle):
         params.n_ubatch = min(config.n_ubatch, params.n_batch)
         params.n_threads = params.n_threads_batch = config.n_threads
         params.n_seq_max = config.n_seq_max
+        if params.n_batch < config.n_seq_max:
+            # llama.cpp reserves one output per sequence within a batch, and aborts when they do not fit
+            raise LlamaError(f"a batch of {params.n_batch} tokens (-b, at most -c) cannot hold one token of each of "
+                             f"{config.n_seq_max} sequences (-np): raise -b to at least {config.n_seq_max}")
         params.kv_unified = config.kv_unified
         params.op_offload = config.op_offload
         params.flash_attn_type = FLASH_ATTN[flash_attn]
@@ -336,14 +341,23 @@ class Context(_Handle):
     def n_ctx(self) -> int:
         return self._lib.llama.llama_n_ctx(self._ptr)
 
+    @property
+    def n_seq_cells(self) -> int:
+        """The cells one sequence can hold: n_ctx, or its share with streams or a unified kivi cache (checked
+        before decoding: a kivi cache cannot always take back the batches of a call that fails halfway)."""
+        info = self._lib.ffi.new("struct llama_kvq_memory_info *")
+        if not self._lib.llama.llama_kvq_memory_info(self._ptr, info):
+            return self.n_ctx
+        return info.n_seq_cells
+
     def eval(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Append ``tokens`` to the sequence; returns the logits of the last token, or of every token
         (shape [len(tokens), n_vocab]) with ``all_logits``."""
         if not tokens:
             raise ValueError("nothing to evaluate: no tokens")
-        if self.n_past + len(tokens) > self.n_ctx:
-            raise LlamaError(f"{len(tokens)} more tokens do not fit the context: {self.n_past} of {self.n_ctx} "
-                             "cells are used (raise -c)")
+        if self.n_past + len(tokens) > self.n_seq_cells:
+            raise LlamaError(f"{len(tokens)} more tokens do not fit the context: {self.n_past} of the "
+                             f"{self.n_seq_cells} cells of a sequence are used (raise -c)")
         lib = self._lib
         n_vocab = self.model.n_vocab
         n_batch = lib.llama.llama_n_batch(self._ptr)
@@ -361,7 +375,7 @@ class Context(_Handle):
                 batch.logits[i] = all_logits or (last_chunk and i == len(chunk) - 1)
             status = lib.llama.llama_decode(self._ptr, batch)
             if status != 0:
-                raise _fail(f"llama_decode failed with status {status}")
+                raise self._undo_eval({0: self.n_past - start}, status)
             self.n_past += len(chunk)
             rows = range(len(chunk)) if all_logits else ([len(chunk) - 1] if last_chunk else [])
             for i in rows:
@@ -370,9 +384,20 @@ class Context(_Handle):
                     lib.ffi.buffer(logits, 4 * n_vocab), dtype=np.float32)
         return out if all_logits else out[0]
 
+    def _undo_eval(self, starts: Mapping[int, int], status: int) -> LlamaError:
+        """The error of a failed llama_decode, once the batches this evaluation decoded before it are removed
+        again (llama.cpp removes those of the failed one): an evaluation that fails adds nothing. Where the cache
+        cannot remove them (a kivi removal past the window's slack), the positions follow what it holds."""
+        error = _fail(f"llama_decode failed with status {status}")
+        for seq, start in starts.items():
+            self._lib.llama.llama_memory_seq_rm(self._mem, seq, start, -1)
+        sink().take_problems()
+        self._sync_n_past()
+        return error
+
     def check_fits(self, prompt: Sequence[int]) -> None:
-        if len(prompt) + self.n_past > self.n_ctx:
-            raise LlamaError(f"the prompt is {len(prompt)} tokens, the context has {self.n_ctx - self.n_past} "
+        if len(prompt) + self.n_past > self.n_seq_cells:
+            raise LlamaError(f"the prompt is {len(prompt)} tokens, the context has {self.n_seq_cells - self.n_past} "
                              "free cells (raise -c or shorten the prompt)")
 
     def generate_tokens(self, prompt: Sequence[int], n_predict: int, sampler: Sampler) -> Iterator[int]:
@@ -385,7 +410,7 @@ class Context(_Handle):
             token = sampler.sample(self._ptr)
             if self.model.is_eog(token):
                 return
-            if self.n_past >= self.n_ctx:
+            if self.n_past >= self.n_seq_cells:
                 self.context_full = True
                 return
             # evaluated before it is handed out, so that the cache always holds everything yielded
@@ -423,9 +448,17 @@ class Context(_Handle):
     def _mem(self):
         return self._lib.llama.llama_get_memory(self._ptr)
 
+    def _seq(self, seq: int, what: str = "sequence", every: bool = False) -> int:
+        """``seq`` when this context holds it (-1 too with ``every``): llama.cpp aborts on any other id."""
+        if not (-1 if every else 0) <= seq < self.config.n_seq_max:
+            held = f"0..{self.config.n_seq_max - 1}" if self.config.n_seq_max > 1 else "only 0"
+            raise ValueError(f"{what} {seq} is not one of this context's sequences ({held}; -np / n_seq_max "
+                             f"{self.config.n_seq_max}){', or -1 for all' if every else ''}")
+        return seq
+
     def seq_len(self, seq: int) -> int:
         """Tokens of sequence ``seq`` in the cache (its last position + 1)."""
-        return self._lib.llama.llama_memory_seq_pos_max(self._mem, seq) + 1
+        return self._lib.llama.llama_memory_seq_pos_max(self._mem, self._seq(seq)) + 1
 
     def _sync_n_past(self) -> None:
         self.n_past = self.seq_len(0)
@@ -437,9 +470,11 @@ class Context(_Handle):
         n_vocab = self.model.n_vocab
         n_batch = lib.llama.llama_n_batch(self._ptr)
         items = []  # (seq, position, token, wants its logits)
+        starts = {seq: self.seq_len(seq) for seq in feeds}
+        room = self.n_seq_cells
         for seq, tokens in feeds.items():
-            start = self.seq_len(seq)
-            if start + len(tokens) > self.n_ctx // (1 if self.config.kv_unified else self.config.n_seq_max):
+            start = starts[seq]
+            if start + len(tokens) > room:
                 raise LlamaError(f"sequence {seq}: {len(tokens)} more tokens do not fit its {start} used cells")
             items += [(seq, start + i, token, i == len(tokens) - 1) for i, token in enumerate(tokens)]
         out: dict[int, np.ndarray] = {}
@@ -455,7 +490,7 @@ class Context(_Handle):
                 batch.logits[i] = last
             status = lib.llama.llama_decode(self._ptr, batch)
             if status != 0:
-                raise _fail(f"llama_decode failed with status {status}")
+                raise self._undo_eval(starts, status)
             for i, (seq, _, _, last) in enumerate(chunk):
                 if last:
                     logits = lib.llama.llama_get_logits_ith(self._ptr, i)
@@ -465,12 +500,21 @@ class Context(_Handle):
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
         """Remove positions [p0, p1) of sequence ``seq`` (-1: from the start, to the end; ``seq`` -1: all)."""
-        if not self._lib.llama.llama_memory_seq_rm(self._mem, seq, p0, p1):
+        if not self._lib.llama.llama_memory_seq_rm(self._mem, self._seq(seq, every=True), p0, p1):
             raise _fail(f"cannot remove positions [{p0}, {p1}) of sequence {seq}")
         self._sync_n_past()
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make sequence ``dst`` a copy of positions [p0, p1) of ``src`` (-1: from the start, to the end)."""
+        self._seq(src, "source sequence")
+        self._seq(dst, "destination sequence")
+        if self.config.n_seq_max > 1 and not self.config.kv_unified and src != dst:
+            # per-sequence streams copy a whole stream (llama.cpp aborts on a part of one)
+            if p0 > 0 or 0 <= p1 < self.seq_len(src):
+                raise ValueError(f"cannot copy positions [{p0}, {p1}) of sequence {src}: a cache of per-sequence "
+                                 "streams copies whole sequences only (p0 = p1 = -1), a unified one (--kv-unified) "
+                                 "copies prefixes too")
+            p0 = p1 = -1
         sink().take_problems()
         self._lib.llama.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
         self._sync_n_past()
@@ -478,13 +522,21 @@ class Context(_Handle):
             raise LlamaError(f"cannot copy positions [{p0}, {p1}) of sequence {src} to {dst}: {problems[0]}")
 
     def seq_keep(self, seq: int) -> None:
-        self._lib.llama.llama_memory_seq_keep(self._mem, seq)
+        """Remove every sequence but ``seq``."""
+        self._seq(seq)
+        if self.config.kv_unified or self.config.n_seq_max == 1:
+            self._lib.llama.llama_memory_seq_keep(self._mem, seq)
+        else:
+            # llama.cpp's seq_keep looks at the stream of ``seq`` only: the others are cleared here
+            for other in range(self.config.n_seq_max):
+                if other != seq:
+                    self._lib.llama.llama_memory_seq_rm(self._mem, other, -1, -1)
         self._sync_n_past()
 
     def save_seq_state(self, seq: int) -> bytes:
         """The state of one sequence, as llama_state_seq_get_data writes it."""
         llama = self._lib.llama
-        size = llama.llama_state_seq_get_size(self._ptr, seq)
+        size = llama.llama_state_seq_get_size(self._ptr, self._seq(seq))
         buf = self._lib.ffi.new("uint8_t[]", size)
         written = llama.llama_state_seq_get_data(self._ptr, buf, size, seq)
         if written == 0:
@@ -493,11 +545,24 @@ class Context(_Handle):
 
     def load_seq_state(self, state: bytes, seq: int) -> None:
         """Restore a sequence saved by save_seq_state into sequence ``seq`` (replacing it)."""
-        loaded = self._lib.llama.llama_state_seq_set_data(self._ptr, state, len(state), seq) != 0
-        # a refused load may have cleared the sequence: the positions follow what the cache holds
+        # llama.cpp leaves the sequence as it was when the state holds no cells: it is replaced here in any case
+        self._lib.llama.llama_memory_seq_rm(self._mem, self._seq(seq), -1, -1)
+        n_read = self._lib.llama.llama_state_seq_set_data(self._ptr, state, len(state), seq)
+        self._check_loaded(n_read, len(state), f"cannot load the state into sequence {seq}",
+                           lambda: self._lib.llama.llama_memory_seq_rm(self._mem, seq, -1, -1))
+
+    def _check_loaded(self, n_read: int, size: int, what: str, forget: Callable[[], object]) -> None:
+        """After llama.cpp read ``n_read`` bytes of a state of ``size`` (0: refused)."""
+        if 0 < n_read < size:
+            # bytes past the state's end (a corrupt count, states run together): not a state this API wrote, so
+            # what llama.cpp took from it goes too, as after any refused load
+            forget()
+        # a refused load may have cleared the cache or the sequence: the positions follow what it holds
         self._sync_n_past()
-        if not loaded:
-            raise _fail(f"cannot load the state into sequence {seq}")
+        if n_read == 0:
+            raise _fail(what)
+        if n_read != size:
+            raise LlamaError(f"{what}: {size - n_read} of its {size} bytes lie past the state's end")
 
     def save_state(self) -> bytes:
         """The context's state (KV cache, logits), as llama_state_get_data writes it."""
@@ -511,17 +576,16 @@ class Context(_Handle):
 
     def load_state(self, state: bytes) -> None:
         """Restore a state saved by save_state (a context of the same model and KV settings)."""
-        loaded = self._lib.llama.llama_state_set_data(self._ptr, state, len(state)) != 0
-        # a refused load may have cleared or half-restored the cache: the positions follow what it holds
-        self._sync_n_past()
-        if not loaded:
-            raise _fail("cannot load the state")
+        n_read = self._lib.llama.llama_state_set_data(self._ptr, state, len(state))
+        self._check_loaded(n_read, len(state), "cannot load the state",
+                           lambda: self._lib.llama.llama_memory_clear(self._mem, True))
 
     def memory(self) -> KvMemory:
         info = self._lib.ffi.new("struct llama_kvq_memory_info *")
         if not self._lib.llama.llama_kvq_memory_info(self._ptr, info):
             raise LlamaError("this context has no KV cache")
-        return KvMemory(info.bytes, info.f16_bytes, info.n_elements, info.n_cells, info.n_layers_kv)
+        return KvMemory(info.bytes, info.f16_bytes, info.n_elements, info.n_cells, info.n_layers_kv,
+                        info.n_seq_cells)
 
     def timings(self) -> Timings:
         perf = self._lib.llama.llama_perf_context(self._ptr)

@@ -156,6 +156,7 @@ LLAMA_CDEF = """
 
     typedef struct llama_memory_i * llama_memory_t;
     llama_memory_t llama_get_memory(const struct llama_context * ctx);
+    void      llama_memory_clear(llama_memory_t mem, bool data);
     bool      llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
     void      llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0,
                                   llama_pos p1);
@@ -192,6 +193,7 @@ LLAMA_CDEF = """
         uint64_t n_elements;
         uint64_t n_cells;
         uint32_t n_layers_kv;
+        uint32_t n_seq_cells;
     };
     bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_memory_info * info);
 """

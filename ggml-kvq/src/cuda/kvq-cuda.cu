@@ -720,7 +720,8 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
     const bool mask_all_streams = ggml_get_op_params_i32(dst, 6) != 0;
     GGML_ASSERT(mask->ne[0] > 0 && mask->ne[1]*mask->ne[3] == n_tokens && k_tiles->ne[1]*QK_KIVI == p.k.kv_size);
-    GGML_ASSERT(mask->ne[0] <= (mask_all_streams ? p.k.kv_size*k_tiles->ne[2] : p.k.kv_size));
+    // a unified cache's mask may be wider than its regions (see ggml_kvq_attn)
+    GGML_ASSERT(mask_all_streams || mask->ne[0] <= p.k.kv_size);
     GGML_ASSERT(ggml_is_contiguous(v_rows) && ggml_is_contiguous(k_tiles));
     GGML_ASSERT(p.k.n_ring == p.v.n_ring && p.k.n_ring >= ggml_kvq_ring_size(ggml_get_op_params_i32(dst, 1)));
     GGML_ASSERT(dst->type == GGML_TYPE_F32 && dst->nb[0] == sizeof(float));
