@@ -1,7 +1,8 @@
 """State files fuzzed (issue 23): every field of a whole state and of each sequence's state set to extremes, and
 random byte flips, truncations and extensions, loaded into a context holding another history, for each cache
 configuration of tests/state_fuzz_worker.py (which says what a load must do). The worker runs in a process of its
-own, so that a crash fails one configuration and names the case that caused it.
+own, so that a crash fails one configuration and names the case that caused it. Session files the same way
+through the patched llama-completion (--prompt-cache): loaded, or refused with the file left as it was.
 
 A new seed each run, so that CI keeps looking: PYKVQ_FUZZ_SEED=N replays one (the failure message says which)."""
 
@@ -16,8 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from pykvq import paths
 from pykvq.devtools import random_model
 
+import device
+import state_format
 import state_fuzz_worker
 
 WORKER = Path(__file__).with_name("state_fuzz_worker.py")
@@ -55,3 +59,43 @@ def test_a_corrupt_state_is_refused_with_its_reason_and_leaves_no_trace(fuzz_mod
     assert len(outcomes) == len(cases) > 1000
     # the mutations reach the checks behind the header: some are refused, some pass as data
     assert any(o.startswith("refused") for o in outcomes) and any(o.startswith("accepted") for o in outcomes)
+
+
+N_TOOL_CASES = 40
+TOOL_KV = ["-fa", "on", "-ctk", "kivi2", "-ctv", "kivi2", "--kv-window", "16", "-t", "1"]
+
+
+def completion(model: Path, session: Path) -> subprocess.CompletedProcess:
+    """llama-completion continuing from a session file (--prompt-cache): it loads the file, and saves it again
+    when it took it."""
+    return subprocess.run([str(paths.tool("llama-completion")), *device.TOOL_ARGS, "-m", str(model), "-p",
+                           "the prompt that the session holds, and a little more", "-n", "2", "-c", "128",
+                           "--temp", "0", "-no-cnv", "--no-warmup", "--prompt-cache", str(session), *TOOL_KV],
+                          capture_output=True, text=True, errors="replace", timeout=120, stdin=subprocess.DEVNULL)
+
+
+def test_a_corrupt_session_file_is_refused_by_the_patched_tool_and_left_as_it_was(fuzz_model: Path, seed: int,
+                                                                                     tmp_path: Path) -> None:
+    session = tmp_path / "session.bin"
+    first = completion(fuzz_model, session)
+    assert first.returncode == 0 and session.is_file(), first.stderr[-2000:]
+    saved = session.read_bytes()
+    with device.load_model(fuzz_model) as model:
+        layout = state_format.parse(saved, state_format.Geometry.of(model, kivi=True), "session")
+    rng = random.Random(seed)
+    fields = rng.sample(list(state_fuzz_worker.field_mutations(saved, layout, rng)), N_TOOL_CASES // 2)
+    cases = [*fields, *state_fuzz_worker.random_mutations(saved, layout, N_TOOL_CASES // 2, rng)]
+    replay = f"PYKVQ_FUZZ_SEED={seed}"
+    outcomes = []
+    for name, blob in cases:
+        session.write_bytes(blob)
+        proc = completion(fuzz_model, session)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode in (0, 1), f"{replay} {name}: exit {proc.returncode}\n{output[-2000:]}"
+        if proc.returncode == 1:
+            assert "failed to load session file" in output, f"{replay} {name}:\n{output[-2000:]}"
+            assert session.read_bytes() == blob, f"{replay} {name}: the refused file was changed"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["session.bin"], f"{replay} {name}: left files behind"
+        outcomes.append(proc.returncode)
+    # random flips land in the cells' data too, which a load cannot tell from real data
+    assert 0 in outcomes and 1 in outcomes, outcomes
