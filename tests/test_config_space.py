@@ -179,9 +179,8 @@ def op_seq_state(src: int, dst: int) -> Op:
     return Op(f"seq_state({src} -> {dst})", lambda ctx: ctx.load_seq_state(ctx.save_seq_state(src), dst), effect)
 
 
-def continuation(held: Held, n_ctx: int, n_seq_max: int, unified: bool, rng: np.random.Generator) -> dict[int, list[int]]:
-    """One more token for each sequence that holds any and has room."""
-    room = n_ctx if unified else n_ctx // n_seq_max
+def continuation(held: Held, room: int, rng: np.random.Generator) -> dict[int, list[int]]:
+    """One more token for each sequence that holds any and has room (``room`` cells a sequence can hold)."""
     return {s: [int(rng.integers(FIRST_TOKEN, SHAPE.n_vocab))] for s in range(held.n_seq)
             if 0 < held.length(s) < room}
 
@@ -239,7 +238,7 @@ class Script:
 
     def continue_both(self, a, b, what: str) -> None:
         """Both contexts take the same next tokens; A's twin will replay them too."""
-        feed = continuation(self.held, self.config.n_ctx, self.config.n_seq_max, self.config.kv_unified, self.rng)
+        feed = continuation(self.held, min(a.n_seq_cells, b.n_seq_cells), self.rng)
         if not feed:
             return
         try:
@@ -303,13 +302,17 @@ def round_trip(script: Script, ctx, through_file: bool) -> None:
 
 def mutated(data: st.DataObject, config: ContextConfig) -> ContextConfig:
     kv = config.kv
+
+    def kv_with(**changes: object) -> ContextConfig:
+        return dataclasses.replace(config, kv=dataclasses.replace(kv, **changes))
+
     changes = {
-        "window": lambda: dataclasses.replace(config, kv=dataclasses.replace(kv, window=(kv.window or 0) + 32)),
-        "sinks": lambda: dataclasses.replace(config, kv=dataclasses.replace(kv, sinks=(kv.sinks or 0) + 1)),
-        "rollback": lambda: dataclasses.replace(config, kv=dataclasses.replace(kv, rollback=(kv.rollback or 0) + 8)),
-        "rotate": lambda: dataclasses.replace(config, kv=dataclasses.replace(kv, rotate=not kv.rotate)),
-        "type_k": lambda: dataclasses.replace(config, kv=dataclasses.replace(kv, type_k=data.draw(st.sampled_from(TYPES)))),
-        "layers": lambda: dataclasses.replace(config, kv=dataclasses.replace(kv, layers=data.draw(layer_specs()))),
+        "window": lambda: kv_with(window=(kv.window or 0) + 32),
+        "sinks": lambda: kv_with(sinks=(kv.sinks or 0) + 1),
+        "rollback": lambda: kv_with(rollback=(kv.rollback or 0) + 8),
+        "rotate": lambda: kv_with(rotate=not kv.rotate),
+        "type_k": lambda: kv_with(type_k=data.draw(st.sampled_from(TYPES))),
+        "layers": lambda: kv_with(layers=data.draw(layer_specs())),
         "n_ctx": lambda: dataclasses.replace(config, n_ctx=data.draw(st.sampled_from([64, 256, 1024]))),
         "n_seq_max": lambda: dataclasses.replace(config, n_seq_max=data.draw(st.integers(1, 4))),
         "kv_unified": lambda: dataclasses.replace(config, kv_unified=not config.kv_unified),

@@ -16,7 +16,6 @@ import importlib.util
 import json
 import math
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from pykvq.devtools import random_model
 from pykvq.paths import tool
 
 import device
+from server_process import free_port
 
 gguf = gguf_py.gguf()
 T = gguf.GGUFValueType
@@ -444,15 +444,9 @@ def test_patched_tools(base: Base, text: Path, tmp_path: Path, key: str, v: Valu
             assert f"layer types = {layers}" in output
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(path: Path, log: Path) -> tuple[int | None, dict | None]:
     """Start the server on ``path`` and send one completion: (exit status if it stopped, the answer if any)."""
-    port = _free_port()
+    port = free_port()
     with log.open("w") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "pykvq.llama_cpp.server", "--model", str(path),
                                  "--kv-type", "kivi2", "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "256",

@@ -5,10 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import pykvq
 from pykvq import ChatMessage, KvConfig, Model, Sampler, SamplerSettings
 
 import device
+from server_process import free_port, wait_for
 
 # not imported here: pykvq.llama_cpp must point it at our library first
 if importlib.util.find_spec("llama_cpp") is None:
@@ -99,27 +98,8 @@ def test_unknown_type_int_is_refused(smollm2: Path) -> None:
         Llama(model_path=str(smollm2), type_k=99, type_v=99, verbose=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for(url: str, proc: subprocess.Popen, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}")
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            return
-        except OSError:
-            time.sleep(0.3)
-    raise AssertionError(f"server did not answer {url} within {seconds} s")
-
-
 def test_server_answers_a_chat_completion_with_kivi2(smollm2: Path, model: Model, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "server.log"
     with log.open("w") as sink:
         proc = subprocess.Popen(
@@ -127,7 +107,7 @@ def test_server_answers_a_chat_completion_with_kivi2(smollm2: Path, model: Model
              "--kv-window", "32", "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "1024", "--n_threads", "2",
              "--verbose", "true"], stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path)
         try:
-            _wait_for(f"http://127.0.0.1:{port}/v1/models", proc, 60)
+            wait_for(f"http://127.0.0.1:{port}/v1/models", proc, 60)
             body = json.dumps({"messages": [{"role": "user", "content": QUESTION}], "max_tokens": N_PREDICT,
                                "temperature": 0}).encode()
             request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,

@@ -1,0 +1,166 @@
+"""The llama-cpp-python server under load, for every --kv-type form and a per-layer mix with an upstream type on
+layer 0 (the mix that killed the server on its second request): rounds of requests four at a time, prompts that
+share prefixes (the server reuses its cache), streams cancelled after their first piece, prompts longer than the
+context. Every completed answer is the one a fresh Llama gives the same prompt alone (greedy, same settings), token
+for token up to the first near tie of the reference: the server reuses cached prefixes, so it decodes in other
+batch shapes, whose rounding may tip a near tie (upstream's f16 cache included) but nothing else. The refused
+requests are HTTP errors, and the server's memory levels off."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from pykvq import kv_types
+
+import device
+from server_process import Server, served
+
+if importlib.util.find_spec("llama_cpp") is None:
+    pytest.skip("llama-cpp-python is not installed (.ci/run installs it)", allow_module_level=True)
+
+N_CTX = 512
+N_PREDICT = 6
+N_ROUNDS = 5
+# how far the last rounds' memory may rise above the peak of rounds 2 and 3 (round 1 touches the logits buffer's
+# pages as longer requests come); one malloc arena, so that the threads answering requests do not each grow
+# their own
+RSS_GROWTH_MAX = 32 * 2**20
+SERVER_ENV = {"MALLOC_ARENA_MAX": "1"}
+# a near tie: the reference's two best tokens this close (log-probability); batch shapes' rounding may tip it
+NEAR_TIE = 0.5
+
+
+@dataclass(frozen=True)
+class Variant:
+    server_args: tuple[str, ...]
+    llama_kwargs: dict = field(default_factory=dict)
+
+
+def kivi(name: str, **kwargs) -> dict:
+    type_id = kv_types.type_id(name)
+    return {"type_k": type_id, "type_v": type_id, **kwargs}
+
+
+VARIANTS = {
+    "kivi2": Variant(("--kv-type", "kivi2"), kivi("kivi2")),
+    "kivi4-window-sinks": Variant(("--kv-type", "kivi4", "--kv-window", "16", "--kv-sinks", "4"),
+                                  kivi("kivi4", kv_window=16, kv_sinks=4)),
+    "kivi1": Variant(("--kv-type", "kivi1"), kivi("kivi1")),
+    "kivi2+rot": Variant(("--kv-type", "kivi2+rot"), kivi("kivi2", kv_rotate=True)),
+    "asymkv": Variant(("--kv-type", "asymkv:16/0"), kivi("kivi2", kv_layers="asymkv:16/0")),
+    "f16-layer0": Variant(("--kv-type", "kivi2", "--kv-layers", "k:0=f16,1-=kivi2;v:0=f16,1-=kivi2"),
+                          kivi("kivi2", kv_layers="k:0=f16,1-=kivi2;v:0=f16,1-=kivi2")),
+    "q8_0": Variant(("--kv-type", "q8_0", "--flash_attn", "true"), {**kivi("q8_0"), "flash_attn": True}),
+    "f16": Variant(("--kv-type", "f16"), {**kivi("f16")}),
+}
+
+
+def prompts(text: str) -> list[str]:
+    """Prompts that share prefixes of different lengths, and some that share nothing."""
+    base = text[20000:20600]
+    shared = [base[:n] for n in (200, 350, 500)] + [base[:300] + " And then", base[:300] + " But why"]
+    alone = [text[start:start + 250] for start in (40000, 60000, 80000)]
+    return shared + alone
+
+
+@dataclass(frozen=True)
+class Answer:
+    tokens: list[str]
+    top: list[dict[str, float]]  # the two best tokens at each step, with their log-probabilities
+
+    @staticmethod
+    def of(completion: dict) -> Answer:
+        logprobs = completion["choices"][0]["logprobs"]
+        return Answer(logprobs["tokens"], logprobs["top_logprobs"])
+
+    def first_difference(self, other: Answer) -> int | None:
+        for i, (a, b) in enumerate(zip(self.tokens, other.tokens, strict=False)):
+            if a != b:
+                return i
+        return None if len(self.tokens) == len(other.tokens) else min(len(self.tokens), len(other.tokens))
+
+    def margin(self, i: int) -> float:
+        best = sorted(self.top[i].values(), reverse=True)
+        return best[0] - best[1] if len(best) > 1 else float("inf")
+
+
+# the server's request defaults differ from Llama.create_completion's (repeat_penalty 1.1): one request for both
+REQUEST = {"max_tokens": N_PREDICT, "temperature": 0, "repeat_penalty": 1.0, "logprobs": 2}
+
+
+def references(smollm2: Path, variant: Variant, texts: list[str]) -> dict[str, Answer]:
+    from pykvq.llama_cpp import Llama
+    llm = Llama(model_path=str(smollm2), n_ctx=N_CTX, n_threads=2, verbose=False, logits_all=True,
+                **variant.llama_kwargs, **device.LLAMA_KWARGS)
+    out = {}
+    for prompt in texts:
+        llm.reset()
+        out[prompt] = Answer.of(llm.create_completion(prompt, **REQUEST))
+    return out
+
+
+def complete(server: Server, prompt: str) -> Answer:
+    return Answer.of(server.post("/v1/completions", {"prompt": prompt, **REQUEST}))
+
+
+def check(name: str, prompt: str, got: Answer, want: Answer) -> None:
+    i = want.first_difference(got)
+    assert i is None or i < len(want.tokens) and want.margin(i) < NEAR_TIE, (
+        f"{name}: {prompt[-40:]!r} -> {''.join(got.tokens)!r}, alone {''.join(want.tokens)!r}"
+        + (f" (they part at token {i}, where the reference's margin is {want.margin(i):.3f})"
+           if i is not None and i < len(want.tokens) else ""))
+
+
+def cancel_stream(server: Server, prompt: str) -> None:
+    """A streamed completion the client hangs up on after its first piece."""
+    body = json.dumps({"prompt": prompt, "max_tokens": 64, "temperature": 0, "stream": True}).encode()
+    request = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        response.readline()
+
+
+def too_long(server: Server, text: str) -> int:
+    """A prompt longer than the context: the status of the refusal."""
+    try:
+        server.post("/v1/completions", {"prompt": text[:N_CTX * 8], "max_tokens": 4})
+    except urllib.error.HTTPError as err:
+        return err.code
+    raise AssertionError("a prompt longer than the context was answered")
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_the_server_answers_every_request_as_alone(smollm2: Path, hamlet: Path, tmp_path: Path, name: str) -> None:
+    variant = VARIANTS[name]
+    text = hamlet.read_text()
+    texts = prompts(text)
+    want = references(smollm2, variant, texts)
+    rng = random.Random(name)
+    log = tmp_path / "server.log"
+    with served(smollm2, [*variant.server_args, "--n_ctx", str(N_CTX), "--n_threads", "2"], log,
+                env=SERVER_ENV) as server:
+        rss = []
+        for _ in range(N_ROUNDS):
+            order = list(texts)
+            rng.shuffle(order)
+            with ThreadPoolExecutor(4) as pool:
+                answers = [(prompt, pool.submit(complete, server, prompt)) for prompt in order]
+                cancelled = [pool.submit(cancel_stream, server, prompt) for prompt in order[:3]]
+                refused = pool.submit(too_long, server, text)
+            for prompt, got in answers:
+                check(name, prompt, got.result(), want[prompt])
+            for f in cancelled:
+                f.result()
+            assert refused.result() == 400
+            assert server.proc.poll() is None, log.read_text()[-3000:]
+            rss.append(server.rss_bytes())
+    assert max(rss[3:]) - max(rss[1:3]) < RSS_GROWTH_MAX, f"{name}: RSS per round {[r >> 20 for r in rss]} MiB"
