@@ -138,20 +138,25 @@ def test_a_state_of_a_format_before_rotation_was_recorded_is_refused(model: Mode
         second.load_state(state)
 
 
-# a kivi layer beside a q8_0 one: the context's type decides what is rotated (q8_0 rotates, as upstream does),
-# not only the kivi rotation setting, and the state records the outcome
-ROTATED_BY_TYPE = KvConfig("q8_0", "q8_0", window=64, layers="k:0-9=kivi2,10-=q8_0;v:0-9=kivi2,10-=q8_0")
+# the same layers under two context types: what is rotated follows the layers, not the context's type (a q8_0
+# context type rotated its kivi layers, and an f16 one with q8_0 layers did not rotate them, states unaware)
+MIX_LAYERS = "k:0-9=kivi2,10-=q8_0;v:0-9=kivi2,10-=q8_0"
+ALL_F16_LAYERS = "k:*=f16;v:*=f16"
 
 
-def test_a_state_of_a_cache_rotated_by_its_type_is_refused_where_nothing_is_rotated(model: Model,
-                                                                                    tokens: list[int]) -> None:
-    plain = KvConfig("kivi2", "kivi2", window=64, layers=ROTATED_BY_TYPE.layers)
-    with context(model, ROTATED_BY_TYPE) as first:
+@pytest.mark.parametrize(("type_a", "type_b", "layers"), [("q8_0", "kivi2", MIX_LAYERS),
+                                                          ("q8_0", "f16", ALL_F16_LAYERS)], ids=["mix", "all-f16"])
+def test_the_rotation_follows_the_layer_types_not_the_context_type(model: Model, tokens: list[int], type_a: str,
+                                                                    type_b: str, layers: str) -> None:
+    a, b = (KvConfig(t, t, window=64, layers=layers) for t in (type_a, type_b))
+    with context(model, a) as first:
         first.eval(tokens[:100])
         state = first.save_state()
-    with context(model, plain) as second, pytest.raises(LlamaError, match="rotation on for K and V; this cache .* "
-                                                                          "rotation off"):
+        want = first.eval(tokens[100:110], all_logits=True)
+    with context(model, b) as second:
         second.load_state(state)
+        got = second.eval(tokens[100:110], all_logits=True)
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("bad_id", [999, -5, 4], ids=["past-the-end", "negative", "removed-type"])

@@ -279,6 +279,19 @@ void llama_kv_cache::kvq_copy_parts(const stream_copy_info & copies) const {
     }
 }
 
+// Upstream rotates K (V) when its cache type is quantized. With per-layer types the layers decide: a cache with kivi
+// layers rotates as the kivi setting says, any other when one of its layers is quantized. Caches of the same layer
+// types then rotate alike, which upstream's state format, recording no rotation, relies on.
+bool llama_kv_cache::kvq_rotates(const std::vector<ggml_type> & types) const {
+    bool any_kivi      = false;
+    bool any_quantized = false;
+    for (const ggml_type type : types) {
+        any_kivi      = any_kivi || ggml_kvq_is_kivi(type);
+        any_quantized = any_quantized || ggml_is_quantized(type);
+    }
+    return any_kivi ? kvq_params.rotate : any_quantized;
+}
+
 bool llama_kv_cache::kvq_active() const {
     for (const kv_layer & layer : layers) {
         if (layer.k_fp16 != nullptr) {
