@@ -146,8 +146,8 @@ def test_metadata_of_another_version_is_refused(smollm2: Path, tmp_path: Path) -
 
 
 @pytest.mark.parametrize(("metadata", "message"), [
-    ({gguf_metadata.KEY_WINDOW: "wide"}, "kvq.window must be a whole number >= 0, not 'wide'"),
-    ({gguf_metadata.KEY_SINKS: 2.5}, "kvq.sinks must be a whole number >= 0, not 2.5"),
+    ({gguf_metadata.KEY_WINDOW: "wide"}, "kvq.window must be a whole number from 0 to 2147483647, not 'wide'"),
+    ({gguf_metadata.KEY_SINKS: 2.5}, "kvq.sinks must be a whole number from 0 to 2147483647, not 2.5"),
     ({gguf_metadata.KEY_LAYERS: 7}, "kvq.kv_layers must be a string, not int"),
 ], ids=["window-string", "sinks-float", "layers-int"])
 def test_kvq_metadata_of_the_wrong_kind_is_one_clear_error_in_run(smollm2: Path, tmp_path: Path,
