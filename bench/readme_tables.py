@@ -19,6 +19,9 @@ def perplexity_table(path: Path) -> str:
              f"{s['chunks']} chunks, kivi window {s['window']}, sinks {s['n_sink']}:", "",
              "| KV type | K bpe | V bpe | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in record["runs"]:
+        if r.get("failure"):
+            lines.append(f"| {r['kv_type']} | | | failed: {r['failure'].splitlines()[0]} | | |")
+            continue
         delta = "" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}"
         lines.append(f"| {r['kv_type']} | {r['bpe_k']:.2f} | {r['bpe_v']:.2f} | {r['ppl']:.4f} | {r['error']:.4f} "
                      f"| {delta} |")

@@ -11,7 +11,19 @@ from pykvq import paths
 
 
 class ToolError(RuntimeError):
-    """A tool exited non-zero; the message carries the tail of its output."""
+    """A tool exited non-zero; the message's first line says why (the tool's first error line), then its tail."""
+
+
+# an error line of llama.cpp's common log ("0.00.167.930 E llama_init_from_model: ...")
+_ERROR_LINE = re.compile(r"^[0-9.]+ E (?:cmn  )?(.+)$", re.MULTILINE)
+
+
+def tool_failure(name: str, returncode: int, output: str) -> ToolError:
+    """The error of a tool that exited with ``returncode``: its first logged error (usually the cause) first."""
+    status = f"was killed by signal {-returncode}" if returncode < 0 else f"exited with status {returncode}"
+    first = _ERROR_LINE.search(output)
+    tail = "\n".join(output.strip().splitlines()[-10:])
+    return ToolError(f"{name} {status}" + (f": {first.group(1).strip()}" if first else "") + f"\n{tail}")
 
 
 def run_tool(name: str, args: list[str], timeout: float | None = None) -> str:
@@ -19,8 +31,7 @@ def run_tool(name: str, args: list[str], timeout: float | None = None) -> str:
     proc = subprocess.run([str(paths.tool(name)), *args], capture_output=True, text=True, timeout=timeout)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        tail = "\n".join(output.strip().splitlines()[-10:])
-        raise ToolError(f"{name} exited with status {proc.returncode}:\n{tail}")
+        raise tool_failure(name, proc.returncode, output)
     return output
 
 

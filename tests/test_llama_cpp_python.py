@@ -180,6 +180,26 @@ def test_a_refused_state_load_leaves_the_token_count_in_sync(smollm2: Path, llm)
     assert other.create_completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"] == fresh
 
 
+
+def test_our_errors_keep_their_reason_once_llama_cpp_python_shares_the_library(llm, model: Model) -> None:
+    """Importing llama_cpp sets its own log callback (one per process): pykvq's exceptions lost llama.cpp's
+    reasons in every later test of the same process ("cannot create the context")."""
+    from pykvq import LlamaError
+    config = device.context_config(n_ctx=256, n_threads=2, kv=KvConfig.preset("kivi2"), n_seq_max=16,
+                                   kv_unified=True)
+    with pytest.raises(LlamaError, match="kivi types need a multiple of 32 cells"):
+        model.context(config)
+
+
+def test_llama_cpp_python_still_gets_the_log(smollm2: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from pykvq.llama_cpp import Llama
+    with pytest.raises(ValueError, match="Failed to create llama_context: .*kivi types need a multiple of 32"):
+        # embedding=True: one unified cache for as many sequences as a batch has tokens, 1 cell each
+        Llama(model_path=str(smollm2), n_ctx=256, embedding=True, n_threads=2, verbose=True,
+              type_k=pykvq.GGML_TYPE_KIVI2, type_v=pykvq.GGML_TYPE_KIVI2, **device.LLAMA_KWARGS)
+    assert "kivi types need a multiple of 32 cells" in capfd.readouterr().err
+
+
 SERVER_ARGV = """
 import sys
 from pykvq.bindings import native

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -27,10 +28,18 @@ from pykvq.bindings.log import sink
 from pykvq.kv_types import KIVI_BITS
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+T = TypeVar("T")
 
 
 class LlamaError(RuntimeError):
     """llama.cpp refused or failed; the message is llama.cpp's own where it gave one."""
+
+
+def _call(function: Callable[..., T], *args: object) -> T:
+    """``function(*args)`` into llama.cpp, with the error lines logged before it forgotten: a failure is explained
+    by its own (the log is the process's, shared with anything else on this libllama, llama-cpp-python too)."""
+    sink().take_problems()
+    return function(*args)
 
 
 def _fail(what: str) -> LlamaError:
@@ -197,7 +206,7 @@ class Model(_Handle):
         sink()
         params = self._lib.llama.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
-        self._ptr = self._lib.llama.llama_model_load_from_file(str(self.path).encode(), params)
+        self._ptr = _call(self._lib.llama.llama_model_load_from_file, str(self.path).encode(), params)
         if self._ptr == self._lib.ffi.NULL:
             raise _fail(f"cannot load model {self.path}")
         self._vocab = self._lib.llama.llama_model_get_vocab(self._ptr)
@@ -228,8 +237,8 @@ class Model(_Handle):
         capacity = len(data) + 8
         while True:
             tokens = self._lib.ffi.new("llama_token[]", capacity)
-            n = self._lib.llama.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_special,
-                                               parse_special)
+            n = _call(self._lib.llama.llama_tokenize, self._vocab, data, len(data), tokens, capacity, add_special,
+                      parse_special)
             if n >= 0:
                 return list(tokens[0:n])
             if n == -(2**31):
@@ -328,7 +337,7 @@ class Context(_Handle):
         params.type_k = kv_types.type_id(kv.type_k)
         params.type_v = kv_types.type_id(kv.type_v)
         with kvq_params_applied(kv):
-            ptr = lib.llama.llama_init_from_model(self.model._ptr, params)
+            ptr = _call(lib.llama.llama_init_from_model, self.model._ptr, params)
         if ptr == lib.ffi.NULL:
             raise _fail("cannot create the context")
         return ptr
@@ -373,7 +382,7 @@ class Context(_Handle):
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = 0
                 batch.logits[i] = all_logits or (last_chunk and i == len(chunk) - 1)
-            status = lib.llama.llama_decode(self._ptr, batch)
+            status = _call(lib.llama.llama_decode, self._ptr, batch)
             if status != 0:
                 raise self._undo_eval({0: self.n_past - start}, status)
             self.n_past += len(chunk)
@@ -438,7 +447,7 @@ class Context(_Handle):
         if not 0 <= n_tokens <= self.n_past:
             raise ValueError(f"cannot keep {n_tokens} tokens of a sequence of {self.n_past}")
         llama = self._lib.llama
-        if not llama.llama_memory_seq_rm(llama.llama_get_memory(self._ptr), 0, n_tokens, -1):
+        if not _call(llama.llama_memory_seq_rm, llama.llama_get_memory(self._ptr), 0, n_tokens, -1):
             raise _fail(f"cannot remove tokens {n_tokens}.. of {self.n_past}")
         self.n_past = n_tokens
 
@@ -488,7 +497,7 @@ class Context(_Handle):
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = seq
                 batch.logits[i] = last
-            status = lib.llama.llama_decode(self._ptr, batch)
+            status = _call(lib.llama.llama_decode, self._ptr, batch)
             if status != 0:
                 raise self._undo_eval(starts, status)
             for i, (seq, _, _, last) in enumerate(chunk):
@@ -500,7 +509,7 @@ class Context(_Handle):
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
         """Remove positions [p0, p1) of sequence ``seq`` (-1: from the start, to the end; ``seq`` -1: all)."""
-        if not self._lib.llama.llama_memory_seq_rm(self._mem, self._seq(seq, every=True), p0, p1):
+        if not _call(self._lib.llama.llama_memory_seq_rm, self._mem, self._seq(seq, every=True), p0, p1):
             raise _fail(f"cannot remove positions [{p0}, {p1}) of sequence {seq}")
         self._sync_n_past()
 
@@ -515,8 +524,7 @@ class Context(_Handle):
                                  "streams copies whole sequences only (p0 = p1 = -1), a unified one (--kv-unified) "
                                  "copies prefixes too")
             p0 = p1 = -1
-        sink().take_problems()
-        self._lib.llama.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+        _call(self._lib.llama.llama_memory_seq_cp, self._mem, src, dst, p0, p1)
         self._sync_n_past()
         if problems := sink().take_problems():
             raise LlamaError(f"cannot copy positions [{p0}, {p1}) of sequence {src} to {dst}: {problems[0]}")
@@ -538,7 +546,7 @@ class Context(_Handle):
         llama = self._lib.llama
         size = llama.llama_state_seq_get_size(self._ptr, self._seq(seq))
         buf = self._lib.ffi.new("uint8_t[]", size)
-        written = llama.llama_state_seq_get_data(self._ptr, buf, size, seq)
+        written = _call(llama.llama_state_seq_get_data, self._ptr, buf, size, seq)
         if written == 0:
             raise _fail(f"cannot save sequence {seq}")
         return self._lib.ffi.buffer(buf, written)[:]
@@ -547,7 +555,7 @@ class Context(_Handle):
         """Restore a sequence saved by save_seq_state into sequence ``seq`` (replacing it)."""
         # llama.cpp leaves the sequence as it was when the state holds no cells: it is replaced here in any case
         self._lib.llama.llama_memory_seq_rm(self._mem, self._seq(seq), -1, -1)
-        n_read = self._lib.llama.llama_state_seq_set_data(self._ptr, state, len(state), seq)
+        n_read = _call(self._lib.llama.llama_state_seq_set_data, self._ptr, state, len(state), seq)
         self._check_loaded(n_read, len(state), f"cannot load the state into sequence {seq}",
                            lambda: self._lib.llama.llama_memory_seq_rm(self._mem, seq, -1, -1))
 
@@ -569,14 +577,14 @@ class Context(_Handle):
         llama = self._lib.llama
         size = llama.llama_state_get_size(self._ptr)
         buf = self._lib.ffi.new("uint8_t[]", size)
-        written = llama.llama_state_get_data(self._ptr, buf, size)
+        written = _call(llama.llama_state_get_data, self._ptr, buf, size)
         if written == 0:
             raise _fail("cannot save the context's state")
         return self._lib.ffi.buffer(buf, written)[:]
 
     def load_state(self, state: bytes) -> None:
         """Restore a state saved by save_state (a context of the same model and KV settings)."""
-        n_read = self._lib.llama.llama_state_set_data(self._ptr, state, len(state))
+        n_read = _call(self._lib.llama.llama_state_set_data, self._ptr, state, len(state))
         self._check_loaded(n_read, len(state), "cannot load the state",
                            lambda: self._lib.llama.llama_memory_clear(self._mem, True))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from functools import cache
 
 from pykvq.bindings import native
@@ -26,6 +27,12 @@ class LogSink:
         self._pending_level = logging.DEBUG
         self._problems: deque[str] = deque(maxlen=keep)
         self.callback: object = None  # the cffi callback, alive as long as the sink
+        # llama.cpp has one log callback per process: a library sharing it (llama-cpp-python) gets its lines here
+        self.forward: Callable[[int, bytes], None] | None = None
+
+    def install(self) -> None:
+        """Make this sink llama.cpp's log callback again (after another library set its own)."""
+        native.libs().llama.llama_log_set(self.callback, native.libs().ffi.NULL)
 
     def write(self, level: int, text: str) -> None:
         with self._lock:
@@ -59,8 +66,11 @@ def sink() -> LogSink:
 
     @lib.ffi.callback("void(int, const char *, void *)")
     def callback(level: int, text, _user_data) -> None:
-        installed.write(level, lib.ffi.string(text).decode(errors="replace"))
+        raw = lib.ffi.string(text)
+        installed.write(level, raw.decode(errors="replace"))
+        if installed.forward is not None:
+            installed.forward(level, raw)
 
     installed.callback = callback
-    lib.llama.llama_log_set(callback, lib.ffi.NULL)
+    installed.install()
     return installed

@@ -38,14 +38,22 @@ class Settings:
 
 @dataclass
 class Run:
+    """One row of the comparison; a type that could not be run (refused, out of memory, a bad spec) keeps its row,
+    with ``failure`` saying why and no figures."""
+
     kv_type: str
-    ppl: float
-    error: float
-    bpe_k: float
-    bpe_v: float
+    ppl: float | None
+    error: float | None
+    bpe_k: float | None
+    bpe_v: float | None
     seconds: float
     running_ppl: list[float] = field(default_factory=list)
     delta_pct: float | None = None
+    failure: str | None = None
+
+    @classmethod
+    def failed(cls, kv_type: str, why: str, seconds: float = 0.0) -> Run:
+        return cls(kv_type, None, None, None, None, seconds, failure=why)
 
 
 def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
@@ -76,8 +84,7 @@ def run_one(settings: Settings, spec: KvSpec, progress: tqdm) -> Run:
             done = finished
     text = output.decode(errors="replace")
     if proc.returncode != 0:
-        tail = "\n".join(text.strip().splitlines()[-6:])
-        raise llama_tools.ToolError(f"llama-perplexity failed for KV type {spec.label}:\n{tail}")
+        raise llama_tools.tool_failure("llama-perplexity", proc.returncode, text)
     result = llama_tools.parse_perplexity(text)
     progress.update(settings.chunks - done)
     bpe_k, bpe_v = kv_types.layer_bits_per_element(spec, model_layers(settings.model), settings.n_ctx,
@@ -94,22 +101,62 @@ def model_layers(model: Path) -> int:
         return m.n_layer
 
 
-def compare(settings: Settings, specs: list[KvSpec]) -> list[Run]:
+def compare(settings: Settings, specs: list[KvSpec | Run]) -> list[Run]:
+    """Runs every spec in turn; a ``Run`` among them is a row decided before (a spec that did not parse)."""
     runs = []
     with tqdm(total=settings.chunks * len(specs), unit="chunk", desc="perplexity") as progress:
         for spec in specs:
+            if isinstance(spec, Run):
+                runs.append(spec)
+                progress.update(settings.chunks)
+                continue
             progress.set_postfix_str(spec.label)
-            runs.append(run_one(settings, spec, progress))
-    base = next((r for r in runs if r.kv_type == "f16"), None)
+            runs.append(run_or_failure(settings, spec, progress))
+    base = next((r for r in runs if r.kv_type == "f16" and r.ppl is not None), None)
     for r in runs:
-        r.delta_pct = None if base is None else 100.0 * (r.ppl - base.ppl) / base.ppl
+        if base is not None and r.ppl is not None:
+            r.delta_pct = 100.0 * (r.ppl - base.ppl) / base.ppl
     return runs
+
+
+def run_or_failure(settings: Settings, spec: KvSpec, progress: tqdm) -> Run:
+    """One row: the run, or why it failed, so that the other types of a long comparison still report."""
+    start = time.monotonic()
+    done = progress.n
+    try:
+        return run_one(settings, spec, progress)
+    except (llama_tools.ToolError, OSError, ValueError) as exc:
+        log.error("KV type %s: %s", spec.label, str(exc).splitlines()[0])
+        progress.update(done + settings.chunks - progress.n)
+        return Run.failed(spec.label, str(exc), time.monotonic() - start)
+
+
+def parse_specs(kv_types_text: str, layer_specs: list[str]) -> list[KvSpec | Run]:
+    """The --kv-types and --kv-layers entries; one that does not parse becomes a failed row, so that a typo in one
+    entry does not cost the comparison of the others."""
+    entries: list[KvSpec | Run] = []
+    for text in [part.strip() for part in kv_types_text.split(",") if part.strip()]:
+        try:
+            entries.append(KvSpec.parse(text))
+        except ValueError as exc:
+            entries.append(Run.failed(text, str(exc)))
+    for text in layer_specs:
+        try:
+            entries.append(KvSpec.per_layer(text))
+        except ValueError as exc:
+            entries.append(Run.failed(text, str(exc)))
+    if not entries:
+        raise kv_types.KvTypeError("no KV cache type given")
+    return entries
 
 
 def format_table(runs: list[Run]) -> str:
     header = f"{'KV type':<12} {'K bpe':>6} {'V bpe':>6} {'PPL':>9} {'± err':>8} {'Δ% vs f16':>10}"
     lines = [header, "-" * len(header)]
     for r in runs:
+        if r.failure is not None:
+            lines.append(f"{r.kv_type:<12} failed: {r.failure.splitlines()[0]}")
+            continue
         delta = "" if r.delta_pct is None else f"{r.delta_pct:+.2f}"
         lines.append(f"{r.kv_type:<12} {r.bpe_k:>6.2f} {r.bpe_v:>6.2f} {r.ppl:>9.4f} {r.error:>8.4f} {delta:>10}")
     return "\n".join(lines)
@@ -155,7 +202,7 @@ def load_json(path: Path) -> tuple[Settings, list[Run]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    specs = kv_types.parse_list(args.kv_types) + [KvSpec.per_layer(spec) for spec in args.kv_layers]
+    specs = parse_specs(args.kv_types, args.kv_layers)
     for f, what in ((args.model, "model"), (args.file, "text")):
         if not f.is_file():
             raise FileNotFoundError(f"{what} file not found: {f}")
@@ -167,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     model_layers_spec = kvq.get(gguf_metadata.KEY_LAYERS)
     if model_layers_spec:
         log.info("the model's kvq.kv_layers joins the comparison: %s", model_layers_spec)
-        specs.append(KvSpec.per_layer(model_layers_spec))
+        specs.extend(parse_specs("", [model_layers_spec]))
     defaults = native.kvq_default_params()
     window = int(kvq.get(gguf_metadata.KEY_WINDOW, defaults.window) if args.kv_window is None else args.kv_window)
     n_sink = int(kvq.get(gguf_metadata.KEY_SINKS, defaults.n_sink) if args.kv_sinks is None else args.kv_sinks)
@@ -180,6 +227,10 @@ def run(args: argparse.Namespace) -> int:
     write_json(out.with_suffix(".json"), settings, runs)
     plot(out.with_suffix(".png"), settings, runs)
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    failed = [r.kv_type for r in runs if r.failure is not None]
+    if failed:
+        log.error("%d of %d KV types failed: %s", len(failed), len(runs), ", ".join(failed))
+        return 1
     return 0
 
 

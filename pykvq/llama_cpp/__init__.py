@@ -17,11 +17,8 @@ The OpenAI-compatible server on the same terms: ``python -m pykvq.llama_cpp.serv
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -29,10 +26,10 @@ from types import ModuleType
 from pykvq import kv_types, paths
 from pykvq.api.llama import KvConfig, add_rpc_servers, kvq_params_applied
 from pykvq.bindings import native
+from pykvq.bindings.log import sink
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the release whose llama.cpp pykvq patches (pykvq/upstream.py)
 LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"
-GGML_LOG_LEVEL_ERROR = 4
 INSTALL_HINT = f'CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install "llama-cpp-python[server]=={LLAMA_CPP_PYTHON_VERSION}"'
 
 
@@ -72,6 +69,7 @@ def load() -> ModuleType:
                             f"llama.cpp of {LLAMA_CPP_PYTHON_VERSION}, whose C API it mirrors: {INSTALL_HINT}")
     if _loaded_library(llama_cpp) != ours:
         raise LlamaCppError(f"llama_cpp loaded {_loaded_library(llama_cpp)} instead of pykvq's {ours}")
+    _share_log()
     return llama_cpp
 
 
@@ -94,25 +92,14 @@ def _kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None
     return KvConfig(name(kwargs.get("type_k")), name(kwargs.get("type_v")), window, sinks, rotate, layers, rollback)
 
 
-@contextmanager
-def _errors_kept(llama_cpp: ModuleType) -> Iterator[list[str]]:
-    """llama.cpp's error lines while the block runs, collected on their way to llama-cpp-python's own log callback
-    (which prints them only when verbose): its exceptions do not carry them."""
+def _share_log() -> None:
+    """llama-cpp-python replaced llama.cpp's log callback when imported (one per process): pykvq's takes it back,
+    so pykvq's exceptions keep llama.cpp's reasons, and hands every line on to llama-cpp-python's."""
     from llama_cpp import _logger
 
-    errors: list[str] = []
-
-    @llama_cpp.llama_log_callback
-    def keep(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        if level == GGML_LOG_LEVEL_ERROR and text.strip():
-            errors.append(text.decode(errors="replace").strip())
-        _logger.llama_log_callback(level, text, user_data)
-
-    llama_cpp.llama_log_set(keep, ctypes.c_void_p(0))
-    try:
-        yield errors
-    finally:
-        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+    kept = sink()
+    kept.forward = lambda level, text: _logger.llama_log_callback(level, text, None)
+    kept.install()
 
 
 @cache
@@ -143,14 +130,15 @@ def _llama_class() -> type:
             kv = _kv_config(kwargs, kv_window, kv_sinks, kv_rotate, kv_layers, kv_rollback)
             if kv.is_kivi:
                 kwargs["flash_attn"] = True
-            with kvq_params_applied(kv), _errors_kept(llama_cpp) as errors:
+            sink().take_problems()
+            with kvq_params_applied(kv):
                 try:
                     super().__init__(*args, **kwargs)
                 except ValueError as exc:
                     # "Failed to create llama_context" says nothing of the model's kvq.* metadata it could not use:
                     # llama.cpp's first error line is the cause
-                    if errors:
-                        raise ValueError(f"{exc}: {errors[0]}") from exc
+                    if problems := sink().take_problems():
+                        raise ValueError(f"{exc}: {problems[0]}") from exc
                     raise
 
         def load_state(self, state) -> None:

@@ -1,0 +1,31 @@
+"""`pykvq perplexity`: one type that cannot run must not cost the comparison of the others."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REFUSED = "k:*=kivi2;v:*=f16"  # parses, but llama.cpp refuses a kivi K beside a plain V at context creation
+
+
+def test_a_failing_type_keeps_its_row_and_the_others_report(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
+    out = tmp_path / "compare"
+    proc = subprocess.run([sys.executable, "-P", "-m", "pykvq", "perplexity", "-m", str(smollm2), "-f", str(hamlet),
+                           "-c", "128", "--chunks", "1", "-t", "2", "--kv-types", "f16,kivi7,kivi2",
+                           "--kv-layers", REFUSED, "-o", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    rows = {r["kv_type"]: r for r in json.loads(out.with_suffix(".json").read_text())["runs"]}
+    assert list(rows) == ["f16", "kivi7", "kivi2", REFUSED]
+    assert rows["f16"]["failure"] is None and rows["f16"]["delta_pct"] == 0.0
+    assert rows["kivi2"]["failure"] is None and rows["kivi2"]["ppl"] > rows["f16"]["ppl"] > 1.0
+    assert "unknown KV cache type 'kivi7'" in rows["kivi7"]["failure"]
+    assert "a kivi K type needs a kivi V type" in rows[REFUSED]["failure"]
+    assert all(rows[name]["ppl"] is None for name in ("kivi7", REFUSED))
+    assert out.with_suffix(".png").stat().st_size > 0
+    table = proc.stdout.splitlines()
+    assert any(line.startswith("kivi7") and "failed: unknown KV cache type" in line for line in table)
+    assert "2 of 4 KV types failed: kivi7, k:*=kivi2;v:*=f16" in proc.stderr
