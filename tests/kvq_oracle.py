@@ -81,9 +81,10 @@ def dequantized_v_rows(v: np.ndarray, bits: int) -> np.ndarray:
 
 
 def kivi_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_cells: np.ndarray, *, window: int,
-                   n_sink: int, k_bits: int, v_bits: int, scale: float) -> np.ndarray:
+                   n_sink: int, k_bits: int, v_bits: int, scale: float, n_swa: int = 0) -> np.ndarray:
     """DESIGN.md §5 in plain numpy (float64 softmax): q [n_q, n_head, d], k/v [n_cells, n_head_kv, d];
-    the query at cell i attends cells 0..i. Q is taken in fp16, as upstream's flash attention does."""
+    the query at cell i attends cells 0..i, or with a sliding window (n_swa > 0, llama.cpp's standard SWA) the
+    last n_swa of them. Q is taken in fp16, as upstream's flash attention does."""
     n_cells, n_head_kv, d = k.shape
     dv = v.shape[2]
     group = q.shape[1] // n_head_kv
@@ -92,7 +93,7 @@ def kivi_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_cells: np.
     k16, v16 = fp16_round(k), fp16_round(v)
     out = np.zeros((q.shape[0], q.shape[1], dv))
     for n, i in enumerate(query_cells):
-        j = np.arange(i + 1)
+        j = np.arange(max(0, i - n_swa + 1) if n_swa else 0, i + 1)
         lim_v = i - window + 1
         lim_k = min(lim_v, i // QK * QK)
         k_quant = (j >= n_sink) & (j < lim_k)

@@ -43,10 +43,17 @@ def wide_attention(ctx: g.Context, case: Case, q, sealed, v_store, k_fp16, v_fp1
                                    wide_mask, 1.0 / np.sqrt(case.head_dim), 0.0, 0.0)
 
 
+def causal_mask(cells: np.ndarray, n_kv: int, n_swa: int = 0) -> np.ndarray:
+    """llama.cpp's mask for queries at ``cells``: causal, and with n_swa > 0 the standard sliding window."""
+    j = np.arange(n_kv)[None, :]
+    visible = (j <= cells[:, None]) & ((cells[:, None] - j < n_swa) if n_swa else True)
+    return np.where(visible, 0.0, -np.inf).astype(np.float32)
+
+
 def run_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches: list[int],
-              wide: bool = False) -> np.ndarray:
+              wide: bool = False, n_swa: int = 0) -> np.ndarray:
     """Feed the tokens through one cache layer in the given ubatch sizes; return every query's output (through
-    the fused kernel, or with `wide` through flash attention over wide cells)."""
+    the fused kernel, or with `wide` through flash attention over wide cells); n_swa: a sliding-window mask."""
     n_cells = k.shape[0]
     n_embd = case.n_head_kv * case.head_dim
     n_alloc = (n_cells + 31) // 32 * 32
@@ -62,7 +69,7 @@ def run_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches:
         for n in ubatches:
             cells = np.arange(first, first + n, dtype=np.int64)
             n_kv = (first + n + 31) // 32 * 32
-            mask = np.where(np.arange(n_kv)[None, :] <= cells[:, None], 0.0, -np.inf).astype(np.float32)
+            mask = causal_mask(cells, n_kv, n_swa)
             k_cur = ctx.tensor(k[first:first + n].astype(np.float32))
             v_cur = ctx.tensor(v[first:first + n].astype(np.float32))
             idxs = ctx.tensor(cells)
@@ -96,10 +103,10 @@ def random_qkv(case: Case, n_cells: int, seed: int) -> tuple[np.ndarray, np.ndar
     return q, k, v
 
 
-def reference(case: Case, q, k, v) -> np.ndarray:
+def reference(case: Case, q, k, v, n_swa: int = 0) -> np.ndarray:
     return oracle.kivi_attention(q, k, v, np.arange(k.shape[0]), window=case.window, n_sink=case.n_sink,
                                  k_bits=KIVI_BITS[case.k_type], v_bits=KIVI_BITS[case.v_type],
-                                 scale=1.0 / np.sqrt(case.head_dim))
+                                 scale=1.0 / np.sqrt(case.head_dim), n_swa=n_swa)
 
 
 CASES = [
@@ -133,6 +140,31 @@ def test_flash_attention_prefill_matches_reference(case: Case) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=4e-3)
     # the rounding is far below the quantization's own effect
     assert np.abs(got - fused).max() < 0.1 * np.abs(fused - run_layer(replace(case, window=4096), q, k, v, [150])).max()
+
+
+SWA_CASES = [
+    (Case(head_dim=256, n_head=4, n_head_kv=2, window=32, n_sink=0), 96),   # Gemma-3's head size
+    (Case(head_dim=64, n_head=8, n_head_kv=2, window=16, n_sink=4), 40),    # the window cuts through tiles
+    (Case(head_dim=128, n_head=4, n_head_kv=4, window=0, n_sink=0), 33),    # every tile sealed, one cell past
+    (Case(head_dim=64, n_head=2, n_head_kv=1, window=100, n_sink=0), 64),   # kivi window wider than the SWA
+]
+
+
+@pytest.mark.parametrize(("case", "n_swa"), SWA_CASES, ids=lambda c: str(c.head_dim) if isinstance(c, Case) else str(c))
+@pytest.mark.parametrize("wide", [False, True], ids=["fused", "flash"])
+def test_sliding_window_layers_attend_only_their_window(case: Case, n_swa: int, wide: bool) -> None:
+    """A kivi sliding-window cache keeps every token (llama-kvq-cache.h): cells that left the window, sealed
+    tiles cut by it included, are hidden by llama.cpp's mask alone, exactly as the oracle's sliding window."""
+    q, k, v = random_qkv(case, 170, seed=n_swa)
+    ubatches = [37, 1, 64, 20, 48]
+    got = run_layer(case, q, k, v, ubatches, wide=wide, n_swa=n_swa)
+    want = reference(case, q, k, v, n_swa=n_swa)
+    if wide:
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=4e-3)
+    else:
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+    # the window matters: the causal result differs
+    assert np.abs(got - reference(case, q, k, v)).max() > 1e-2
 
 
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"d{c.head_dim}-w{c.window}-s{c.n_sink}")

@@ -35,8 +35,18 @@ LLAMA_API struct llama_kvq_params llama_kvq_get_params(void);
 LLAMA_API const char *            llama_kvq_last_error(void);
 
 // One setting by name, as the tools' command lines give it: "window", "sinks" and "rollback" take a count,
-// "rotate" takes on/off, "layers" a per-layer spec (llama_kvq_set_layer_types). Returns false (see llama_kvq_last_error) for an unknown name or a bad value.
+// "rotate" takes on/off, "layers" a per-layer spec (llama_kvq_set_layer_types), "type_swa" a type name
+// (llama_kvq_set_swa_types). Returns false (see llama_kvq_last_error) for an unknown name or a bad value.
 LLAMA_API bool llama_kvq_set_param(const char * name, const char * value);
+
+// Types of the sliding-window cache of a model that interleaves sliding-window and global layers (upstream's
+// iSWA cache: Gemma 2/3, gpt-oss, Cohere 2), for caches created afterwards. GGML_TYPE_COUNT (the default)
+// follows the context's type_k / type_v, as upstream does; per-layer types (below) still decide the layers they
+// name. A kivi sliding-window cache holds the whole context, masked to the window. Returns false (see
+// llama_kvq_last_error) for a type a KV cache cannot hold. Also "type_swa" in llama_kvq_set_param (one type for
+// K and V, "" to follow the context's).
+LLAMA_API bool llama_kvq_set_swa_types(enum ggml_type type_k, enum ggml_type type_v);
+LLAMA_API void llama_kvq_get_swa_types(enum ggml_type * type_k, enum ggml_type * type_v);
 
 // Per-layer K and V types for KV caches created afterwards, e.g. "k:0-15=kivi2,16-=kivi1;v:*=kivi1" (ranges
 // inclusive, "16-" up to the last layer, "*" all) or AsymKV's "asymkv:16/0" (K kivi2 in the first 16 layers

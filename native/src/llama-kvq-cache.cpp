@@ -11,6 +11,7 @@
 
 #include "llama-impl.h"
 #include "llama-io.h"
+#include "llama-kvq-cache.h"
 #include "llama-kvq-layers.h"
 #include "llama-model.h"
 
@@ -60,21 +61,68 @@ static std::string kvq_model_layer_spec(const llama_model & model) {
     return n < 0 ? "" : std::string(buf, n);
 }
 
-void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_type type_v, uint32_t n_stream_wanted,
-        uint32_t kv_size) {
-    std::string spec = llama_kvq_layer_spec();
-    std::string source = "--kv-layers";
-    if (spec.empty()) {
-        spec   = kvq_model_layer_spec(model);
-        source = "the model's kvq.kv_layers";
+// The K and V type of every layer: --kv-layers (llama_kvq_set_layer_types), else the model's kvq.kv_layers, else
+// type_k/type_v everywhere
+struct kvq_layer_plan {
+    llama_kvq_layer_types types;
+    std::string           spec;     // "" or "none": type_k/type_v everywhere
+    std::string           source;   // where the spec came from, for messages
+};
+
+static kvq_layer_plan kvq_plan_layers(const llama_model & model, uint32_t n_layer, ggml_type type_k, ggml_type type_v) {
+    kvq_layer_plan plan = { {}, llama_kvq_layer_spec(), "--kv-layers" };
+    if (plan.spec.empty()) {
+        plan.spec   = kvq_model_layer_spec(model);
+        plan.source = "the model's kvq.kv_layers";
     }
     try {
-        llama_kvq_layer_types types = llama_kvq_resolve_layer_spec(spec, (int32_t) hparams.n_layer_all, type_k, type_v);
-        kvq_types_k = std::move(types.k);
-        kvq_types_v = std::move(types.v);
+        plan.types = llama_kvq_resolve_layer_spec(plan.spec, (int32_t) n_layer, type_k, type_v);
     } catch (const std::invalid_argument & err) {
-        throw std::runtime_error(source + ": " + err.what());
+        throw std::runtime_error(plan.source + ": " + err.what());
     }
+    return plan;
+}
+
+llama_kvq_swa_plan llama_kvq_plan_swa_cache(const llama_model & model, const llama_hparams & hparams, ggml_type type_k,
+        ggml_type type_v, const llama_memory_i::layer_filter_cb & filter_swa,
+        const llama_memory_i::layer_reuse_cb & reuse) {
+    llama_kvq_swa_plan plan = { type_k, type_v, false };
+    llama_kvq_get_swa_types(&plan.type_k, &plan.type_v);
+    if (plan.type_k == GGML_TYPE_COUNT) {
+        plan.type_k = type_k;
+    }
+    if (plan.type_v == GGML_TYPE_COUNT) {
+        plan.type_v = type_v;
+    }
+    const kvq_layer_plan base = kvq_plan_layers(model, hparams.n_layer_all, type_k, type_v);
+    const kvq_layer_plan swa  = kvq_plan_layers(model, hparams.n_layer_all, plan.type_k, plan.type_v);
+    for (uint32_t il = 0; il < hparams.n_layer_all; ++il) {
+        if (filter_swa(il) && kvq_either_kivi(swa.types.k[il], swa.types.v[il])) {
+            plan.full = true;
+        }
+        const int32_t il_src = reuse ? reuse(il) : -1;
+        if (il_src < 0) {
+            continue;
+        }
+        const kvq_layer_plan & src = hparams.is_swa(il_src) ? swa : base;
+        if (kvq_either_kivi(src.types.k[il_src], src.types.v[il_src])) {
+            throw std::runtime_error("KV cache layer " + std::to_string(il) + " reads the cache of layer " +
+                                     std::to_string(il_src) + " (shared KV layers), which is " +
+                                     kvq_types_text(src.types.k[il_src], src.types.v[il_src]) +
+                                     ": kivi types do not support shared layers yet; give layer " +
+                                     std::to_string(il_src) + " another type with --kv-layers");
+        }
+    }
+    return plan;
+}
+
+void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_type type_v, uint32_t n_stream_wanted,
+        uint32_t kv_size) {
+    kvq_layer_plan plan = kvq_plan_layers(model, hparams.n_layer_all, type_k, type_v);
+    const std::string & spec   = plan.spec;
+    const std::string & source = plan.source;
+    kvq_types_k = std::move(plan.types.k);
+    kvq_types_v = std::move(plan.types.v);
 
     bool any_kivi = false;
     for (uint32_t il = 0; il < kvq_types_k.size(); ++il) {
@@ -108,13 +156,34 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
     // stays below f16's and huge values cannot overflow the ring's size
     kvq_params.window = std::min<int32_t>(kvq_params.window, (int32_t) kvq_part_cells);
     kvq_params.n_sink = std::min<int32_t>(kvq_params.n_sink, (int32_t) kvq_part_cells);
-    if (other != nullptr || n_swa != 0) {
-        throw std::runtime_error("KV cache " + types + ": kivi types do not support shared or sliding-window caches yet");
+    if (other != nullptr) {
+        throw std::runtime_error("KV cache " + types + ": kivi types do not support a cache that shares another's cells yet");
     }
-    LLAMA_LOG_INFO("%s: kivi KV cache: window = %d, sinks = %d, rollback = %d, rotation = %s, %u %s of %u cells%s%s\n",
-            __func__, kvq_params.window, kvq_params.n_sink, kvq_params.n_rollback, kvq_params.rotate ? "on" : "off",
+    LLAMA_LOG_INFO("%s: kivi %sKV cache: window = %d, sinks = %d, rollback = %d, rotation = %s, %u %s of %u cells%s%s\n",
+            __func__, n_swa != 0 ? "sliding-window " : "", kvq_params.window, kvq_params.n_sink, kvq_params.n_rollback, kvq_params.rotate ? "on" : "off",
             kvq_n_part, unified ? "sequence regions" : "sequence streams", kvq_part_cells,
             spec.empty() || spec == "none" ? "" : ", layer types = ", spec == "none" ? "" : spec.c_str());
+}
+
+// What the fused kernels do not compute is refused here, at context creation, rather than answered wrongly: they
+// take Q, K, V, the mask and the KQ scale, and nothing else of llama.cpp's attention.
+static void kvq_check_attention(const llama_model & model, const llama_hparams & hparams, uint32_t il,
+        const std::string & types) {
+    const char * missing = nullptr;
+    if (hparams.attn_soft_cap) {
+        missing = "attention logit soft-capping (Gemma 2)";
+    } else if (hparams.use_alibi) {
+        missing = "ALiBi position biases";
+    } else if (il < model.layers.size() && model.layers[il].attn_sinks != nullptr) {
+        missing = "learned attention sinks (gpt-oss)";
+    } else if (!hparams.causal_attn) {
+        missing = "non-causal attention";
+    }
+    if (missing != nullptr) {
+        throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + types + ": the model uses " + missing +
+                                 ", which kivi types do not support yet; use an upstream type for this model "
+                                 "(e.g. -ctk q8_0 -ctv q8_0)");
+    }
 }
 
 bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type type_k, ggml_type type_v,
@@ -128,6 +197,7 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
         throw std::runtime_error("KV cache " + kvq_types_text(type_k, type_v) + ": unsupported head size " + std::to_string(dk) + "/" + std::to_string(dv) + " in layer " +
                                  std::to_string(il) + " (kivi types need a multiple of 32, at most 512)");
     }
+    kvq_check_attention(model, hparams, il, kvq_types_text(type_k, type_v));
     const uint32_t n_embd_k = hparams.n_embd_k_gqa(il);
     const uint32_t n_embd_v = hparams.n_embd_v_gqa(il);
     // the ring holds the window, and n_rollback more cells so that that many tokens can be removed exactly
@@ -285,7 +355,9 @@ void llama_kv_cache::kvq_copy_parts(const stream_copy_info & copies) const {
 bool llama_kv_cache::kvq_rotates(const std::vector<ggml_type> & types) const {
     bool any_kivi      = false;
     bool any_quantized = false;
-    for (const ggml_type type : types) {
+    // the layers this cache holds: the two caches of an iSWA model may be of different types
+    for (const kv_layer & layer : layers) {
+        const ggml_type type = types[layer.il];
         any_kivi      = any_kivi || ggml_kvq_is_kivi(type);
         any_quantized = any_quantized || ggml_is_quantized(type);
     }

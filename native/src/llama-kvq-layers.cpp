@@ -17,6 +17,23 @@
 #include <cstdlib>
 #include <stdexcept>
 
+std::string llama_kvq_cache_type_names(void) {
+    std::string out;
+    for (size_t i = 0; i < llama_kvq_n_cache_types(); ++i) {
+        out += (i ? ", " : "") + std::string(ggml_type_name(llama_kvq_cache_type(i)));
+    }
+    return out;
+}
+
+ggml_type llama_kvq_cache_type_by_name(const std::string & name) {
+    for (size_t i = 0; i < llama_kvq_n_cache_types(); ++i) {
+        if (name == ggml_type_name(llama_kvq_cache_type(i))) {
+            return llama_kvq_cache_type(i);
+        }
+    }
+    return GGML_TYPE_COUNT;
+}
+
 namespace {
 
 struct kvq_rule {
@@ -68,21 +85,12 @@ int32_t kvq_parse_layer(const std::string & text, const std::string & where) {
     return (int32_t) v;
 }
 
-std::string kvq_valid_types() {
-    std::string out;
-    for (size_t i = 0; i < llama_kvq_n_cache_types(); ++i) {
-        out += (i ? ", " : "") + std::string(ggml_type_name(llama_kvq_cache_type(i)));
-    }
-    return out;
-}
-
 ggml_type kvq_parse_type(const std::string & name, const std::string & where) {
-    for (size_t i = 0; i < llama_kvq_n_cache_types(); ++i) {
-        if (name == ggml_type_name(llama_kvq_cache_type(i))) {
-            return llama_kvq_cache_type(i);
-        }
+    const ggml_type type = llama_kvq_cache_type_by_name(name);
+    if (type == GGML_TYPE_COUNT) {
+        kvq_fail(where, "unknown type '" + name + "' (valid: " + llama_kvq_cache_type_names() + ")");
     }
-    kvq_fail(where, "unknown type '" + name + "' (valid: " + kvq_valid_types() + ")");
+    return type;
 }
 
 kvq_rule kvq_parse_rule(const std::string & text) {

@@ -11,6 +11,10 @@ struct llama_kvq_layer_types {
     std::vector<ggml_type> v;
 };
 
+// the types a KV cache can hold, as the tools list them; a name's type, GGML_TYPE_COUNT when none
+std::string llama_kvq_cache_type_names(void);
+ggml_type   llama_kvq_cache_type_by_name(const std::string & name);
+
 // throws std::invalid_argument naming the part of the spec that does not parse; "" and "none" are valid
 void llama_kvq_check_layer_spec(const std::string & spec);
 

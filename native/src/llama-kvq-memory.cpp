@@ -1,6 +1,7 @@
 #include "llama-kvq.h"
 
 #include "llama-context.h"
+#include "llama-kv-cache-iswa.h"
 #include "llama-kv-cache.h"
 #include "llama-memory.h"
 #include "llama-model.h"
@@ -30,7 +31,9 @@ bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_me
         info->n_elements += n_cells * (hparams.n_embd_k_gqa(il) + hparams.n_embd_v_gqa(il));
     }
     info->f16_bytes = info->n_elements * sizeof(ggml_fp16_t);
-    const auto * kv = dynamic_cast<const llama_kv_cache *>(mem);
+    // an iSWA cache: its global layers bound what a sequence holds (the sliding-window ones forget)
+    const auto * iswa = dynamic_cast<const llama_kv_cache_iswa *>(mem);
+    const auto * kv   = iswa != nullptr ? iswa->get_base() : dynamic_cast<const llama_kv_cache *>(mem);
     info->n_seq_cells = kv != nullptr ? kv->kvq_seq_cells() : llama_n_ctx_seq(ctx);
     return true;
 }

@@ -22,6 +22,8 @@ static llama_kvq_params kvq_params = llama_kvq_default_params();
 static std::string      kvq_error;
 static std::string      kvq_layer_spec;
 static std::string      kvq_layer_spec_out;   // what llama_kvq_get_layer_types hands out
+static ggml_type        kvq_swa_type_k = GGML_TYPE_COUNT;
+static ggml_type        kvq_swa_type_v = GGML_TYPE_COUNT;
 
 struct llama_kvq_params llama_kvq_default_params(void) {
     return { /*.window =*/ 128, /*.n_sink =*/ 0, /*.rotate =*/ false, /*.n_rollback =*/ 0 };
@@ -83,6 +85,40 @@ static bool kvq_parse_switch(const char * value, bool & out) {
     return false;
 }
 
+bool llama_kvq_set_swa_types(enum ggml_type type_k, enum ggml_type type_v) {
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    for (const ggml_type type : { type_k, type_v }) {
+        if (type != GGML_TYPE_COUNT && (type < 0 || type > GGML_TYPE_COUNT ||
+                                        llama_kvq_cache_type_by_name(ggml_type_name(type)) != type)) {
+            kvq_error = "type " + std::to_string((int) type) + " for the sliding-window cache: not a KV cache type (valid: " +
+                        llama_kvq_cache_type_names() + ")";
+            return false;
+        }
+    }
+    kvq_swa_type_k = type_k;
+    kvq_swa_type_v = type_v;
+    kvq_error.clear();
+    return true;
+}
+
+void llama_kvq_get_swa_types(enum ggml_type * type_k, enum ggml_type * type_v) {
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    *type_k = kvq_swa_type_k;
+    *type_v = kvq_swa_type_v;
+}
+
+// "type_swa": a type name for both, "" to follow the context's types
+static bool kvq_set_swa_type_name(const char * value) {
+    const ggml_type type = value[0] == '\0' ? GGML_TYPE_COUNT : llama_kvq_cache_type_by_name(value);
+    if (value[0] != '\0' && type == GGML_TYPE_COUNT) {
+        std::lock_guard<std::mutex> lock(kvq_params_mutex);
+        kvq_error = std::string("unknown KV cache type '") + value + "' for the sliding-window cache (valid: " +
+                    llama_kvq_cache_type_names() + ")";
+        return false;
+    }
+    return llama_kvq_set_swa_types(type, type);
+}
+
 bool llama_kvq_set_param(const char * name, const char * value) {
     llama_kvq_params params = llama_kvq_get_params();
     bool ok = false;
@@ -96,9 +132,11 @@ bool llama_kvq_set_param(const char * name, const char * value) {
         ok = kvq_parse_switch(value, params.rotate);
     } else if (std::strcmp(name, "layers") == 0) {
         return llama_kvq_set_layer_types(value);
+    } else if (std::strcmp(name, "type_swa") == 0) {
+        return kvq_set_swa_type_name(value);
     } else {
         std::lock_guard<std::mutex> lock(kvq_params_mutex);
-        kvq_error = std::string("unknown kivi setting '") + name + "' (valid: window, sinks, rollback, rotate, layers)";
+        kvq_error = std::string("unknown kivi setting '") + name + "' (valid: window, sinks, rollback, rotate, layers, type_swa)";
         return false;
     }
     if (!ok) {

@@ -52,7 +52,9 @@ class KvConfig:
     """The KV cache of a context: K and V types, and the kivi settings (None: pykvq's defaults). ``layers``:
     per-layer types (``"asymkv:16/0"``, ``"k:0-15=kivi2,16-=kivi1;v:*=kivi1"``); None lets a model's
     kvq.kv_layers metadata apply, ``"none"`` ignores it. ``rollback``: how many of a sequence's last tokens can
-    be removed exactly (Context.truncate, speculative decoding), at the cost of that many more fp16 cells."""
+    be removed exactly (Context.truncate, speculative decoding), at the cost of that many more fp16 cells.
+    ``type_swa``: K and V type of the sliding-window cache of a model with sliding-window layers (Gemma 2/3,
+    gpt-oss); None: type_k / type_v, as for the global layers."""
 
     type_k: str = "f16"
     type_v: str = "f16"
@@ -61,6 +63,7 @@ class KvConfig:
     rotate: bool | None = None
     layers: str | None = None
     rollback: int | None = None
+    type_swa: str | None = None
 
     @classmethod
     def preset(cls, name: str, **settings) -> KvConfig:
@@ -70,7 +73,8 @@ class KvConfig:
     @property
     def is_kivi(self) -> bool:
         """Whether the cache may hold kivi layers (then it needs flash attention)."""
-        return self.type_k in KIVI_BITS or self.type_v in KIVI_BITS or self.layers not in (None, "none")
+        return (self.type_k in KIVI_BITS or self.type_v in KIVI_BITS or self.type_swa in KIVI_BITS
+                or self.layers not in (None, "none"))
 
     def kvq_params(self) -> native.KvqParams:
         defaults = native.kvq_default_params()
@@ -97,6 +101,9 @@ class ContextConfig:
     kv_unified: bool = False
     # upstream's op offload (--no-op-offload turns it off): large CPU-resident matmuls run on the GPU
     op_offload: bool = True
+    # a model with sliding-window layers (Gemma 2/3, gpt-oss): their cache holds the whole context (--swa-full)
+    # rather than the window and a batch; a kivi sliding-window cache always does
+    swa_full: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,14 +163,16 @@ _context_lock = threading.Lock()
 def kvq_params_applied(kv: KvConfig) -> Iterator[None]:
     """Hold ``kv``'s kivi settings in the C API while a context is created in this block."""
     with _context_lock:
-        previous, previous_layers = native.kvq_params(), native.kvq_layer_types()
+        previous, previous_layers, previous_swa = native.kvq_params(), native.kvq_layer_types(), native.swa_types()
         try:
             native.set_kvq_params(kv.kvq_params())
             native.set_kvq_layer_types(kv.layers or "")
+            native.set_swa_type_name(kv.type_swa)
             yield
         finally:
             native.set_kvq_params(previous)
             native.set_kvq_layer_types(previous_layers)
+            native.set_swa_types(*previous_swa)
 
 
 class _Handle:
@@ -332,6 +341,7 @@ class Context(_Handle):
                              f"{config.n_seq_max} sequences (-np): raise -b to at least {config.n_seq_max}")
         params.kv_unified = config.kv_unified
         params.op_offload = config.op_offload
+        params.swa_full = config.swa_full
         params.flash_attn_type = FLASH_ATTN[flash_attn]
         params.no_perf = False
         params.type_k = kv_types.type_id(kv.type_k)

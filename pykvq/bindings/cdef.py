@@ -181,6 +181,9 @@ LLAMA_CDEF = """
 
     bool llama_kvq_set_params(struct llama_kvq_params params);
     bool llama_kvq_set_layer_types(const char * spec);
+    bool llama_kvq_set_swa_types(int type_k, int type_v);
+    void llama_kvq_get_swa_types(int * type_k, int * type_v);
+    bool llama_kvq_set_param(const char * name, const char * value);
     bool llama_kvq_check_layer_types(const char * spec);
     const char * llama_kvq_get_layer_types(void);
     bool llama_kvq_resolve_layer_types(const char * spec, int32_t n_layer, int type_k, int type_v, int * types_k,

@@ -213,6 +213,27 @@ def set_kvq_layer_types(spec: str) -> None:
         raise ValueError(_str(lib.llama.llama_kvq_last_error()))
 
 
+def swa_types() -> tuple[int, int]:
+    """The process-wide types of an iSWA model's sliding-window cache, as set_swa_types takes them back."""
+    lib = libs()
+    types = lib.ffi.new("int[2]")
+    lib.llama.llama_kvq_get_swa_types(types, types + 1)
+    return types[0], types[1]
+
+
+def set_swa_types(type_k: int, type_v: int) -> None:
+    lib = libs()
+    if not lib.llama.llama_kvq_set_swa_types(type_k, type_v):
+        raise ValueError(_str(lib.llama.llama_kvq_last_error()))
+
+
+def set_swa_type_name(name: str | None) -> None:
+    """K and V of the sliding-window cache of an iSWA model by type name; None follows the context's types."""
+    lib = libs()
+    if not lib.llama.llama_kvq_set_param(b"type_swa", (name or "").encode()):
+        raise ValueError(_str(lib.llama.llama_kvq_last_error()))
+
+
 def resolve_layer_types(spec: str, n_layer: int, type_k: int, type_v: int) -> tuple[list[int], list[int]]:
     """The K and V type id of each layer under ``spec``; ValueError naming the offending part."""
     lib = libs()

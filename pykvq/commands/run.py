@@ -64,6 +64,8 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
                    help="RPC servers as devices, HOST:PORT[,HOST:PORT...] (each running ggml-rpc-server)")
     p.add_argument("--op-offload", action=argparse.BooleanOptionalAction, default=True,
                    help="offload host tensor operations to the GPU (default: on)")
+    p.add_argument("--swa-full", action="store_true",
+                   help="a full-size cache for sliding-window layers (Gemma 2/3, gpt-oss); kivi ones always are")
     p.add_argument("-fa", "--flash-attn", choices=list(FLASH_ATTN), default="auto",
                    help="flash attention (kivi types always use it)")
     p.add_argument("--kv-type", metavar="TYPE", default="f16",
@@ -72,6 +74,9 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-layers", metavar="SPEC",
                    help="per-layer K and V types, e.g. 'k:0-15=kivi2,16-=kivi1;v:*=kivi1'; 'none' ignores a model's "
                         "kvq.kv_layers")
+    p.add_argument("--kv-type-swa", metavar="TYPE",
+                   help="K and V type of the sliding-window cache of a model with sliding-window layers (Gemma 2/3, "
+                        "gpt-oss), e.g. f16 beside a kivi2 global cache (default: as the global layers)")
     p.add_argument("-ctk", "--cache-type-k", metavar="TYPE", help="K cache type (overrides --kv-type)")
     p.add_argument("-ctv", "--cache-type-v", metavar="TYPE", help="V cache type (overrides --kv-type)")
     p.add_argument("--kv-window", type=int,
@@ -101,7 +106,10 @@ def kv_config(args: argparse.Namespace) -> KvConfig:
     layers = args.kv_layers if args.kv_layers is not None else preset.layers
     if layers is not None:
         native.check_layer_spec(layers)
-    return KvConfig(type_k, type_v, args.kv_window, args.kv_sinks, rotate, layers, args.kv_rollback)
+    if args.kv_type_swa is not None:
+        kv_types.type_id(args.kv_type_swa)  # an unknown name is refused here, with the valid ones
+    return KvConfig(type_k, type_v, args.kv_window, args.kv_sinks, rotate, layers, args.kv_rollback,
+                    args.kv_type_swa)
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -150,7 +158,7 @@ def run_command(args: argparse.Namespace) -> int:
         kv = with_model_metadata(kv, model.path)
         check_layers(kv, model)
         config = ContextConfig(args.ctx_size, args.batch_size, args.ubatch_size, args.threads, args.flash_attn, kv,
-                               op_offload=args.op_offload)
+                               op_offload=args.op_offload, swa_full=args.swa_full)
         with model.context(config) as ctx:
             _generate(model, ctx, args, kv)
     return 0

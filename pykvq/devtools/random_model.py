@@ -1,4 +1,5 @@
-"""Random-weight Llama-family GGUF files of a given shape, for speed and memory benchmarks.
+"""Random-weight GGUF files of a given shape and family (Llama, and Gemma 2/3 with their sliding-window
+layers), for speed and memory benchmarks and for tests of the KV cache on each family's graph.
 
 The weights are random Q4_0 blocks (small scales, so activations stay finite), the tokenizer a placeholder
 SentencePiece vocabulary of the right size: the model computes exactly what a real model of that shape
@@ -35,6 +36,19 @@ class Shape:
     n_vocab: int
     n_ctx_train: int
     rope_freq_base: float
+    # "llama"; "gemma3": every 6th layer global, the others sliding-window (n_swa), Q/K norms; "gemma2": every
+    # other layer sliding-window, attention logit soft-capping
+    arch: str = "llama"
+    head_dim: int | None = None  # None: n_embd / n_head
+    n_swa: int = 0
+
+    @property
+    def n_embd_head(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.arch in ("gemma2", "gemma3")
 
 
 SHAPES = {
@@ -43,6 +57,10 @@ SHAPES = {
     # small models for GPU-vs-CPU tests, head sizes 64 and 128 with GQA
     "small-h64": Shape(4, 512, 1024, 8, 2, 2048, 65536, 10000.0),
     "small-h128": Shape(4, 1024, 2048, 8, 2, 2048, 65536, 500000.0),
+    # Gemma-3's shape at small size: head size 256, 5 sliding-window layers to 1 global, a short window
+    "gemma3-small": Shape(6, 512, 1024, 4, 2, 2048, 32768, 1000000.0, arch="gemma3", head_dim=256, n_swa=96),
+    "gemma3-1b": Shape(26, 1152, 6912, 4, 1, 262144, 32768, 1000000.0, arch="gemma3", head_dim=256, n_swa=512),
+    "gemma2-small": Shape(2, 512, 1024, 4, 2, 2048, 8192, 10000.0, arch="gemma2", head_dim=128, n_swa=64),
 }
 
 
@@ -61,9 +79,10 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True) -> 
     vocabulary for tests."""
     gguf = gguf_py.gguf()
     rng = np.random.default_rng(seed)
-    head_dim = shape.n_embd // shape.n_head
+    head_dim = shape.n_embd_head
+    n_embd_q = head_dim * shape.n_head
     n_embd_kv = head_dim * shape.n_head_kv
-    writer = gguf.GGUFWriter(path, arch="llama")
+    writer = gguf.GGUFWriter(path, arch=shape.arch)
     writer.add_name(f"random {path.stem}")
     writer.add_context_length(shape.n_ctx_train)
     writer.add_embedding_length(shape.n_embd)
@@ -72,7 +91,13 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True) -> 
     writer.add_head_count(shape.n_head)
     writer.add_head_count_kv(shape.n_head_kv)
     writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(shape.rope_freq_base)
+    if shape.n_swa:
+        writer.add_sliding_window(shape.n_swa)
+    if shape.arch == "gemma2":
+        writer.add_attn_logit_softcapping(50.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(shape.n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
@@ -91,22 +116,29 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True) -> 
     def matrix(name: str, rows: int, cols: int) -> None:
         writer.add_tensor(name, random_q4_0(rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
 
-    def norm(name: str) -> None:
-        writer.add_tensor(name, np.ones(shape.n_embd, dtype=np.float32))
+    def norm(name: str, size: int = shape.n_embd) -> None:
+        writer.add_tensor(name, np.ones(size, dtype=np.float32))
 
     matrix("token_embd.weight", shape.n_vocab, shape.n_embd)
     for il in range(shape.n_layer):
         norm(f"blk.{il}.attn_norm.weight")
-        matrix(f"blk.{il}.attn_q.weight", shape.n_embd, shape.n_embd)
+        matrix(f"blk.{il}.attn_q.weight", n_embd_q, shape.n_embd)
         matrix(f"blk.{il}.attn_k.weight", n_embd_kv, shape.n_embd)
         matrix(f"blk.{il}.attn_v.weight", n_embd_kv, shape.n_embd)
-        matrix(f"blk.{il}.attn_output.weight", shape.n_embd, shape.n_embd)
+        matrix(f"blk.{il}.attn_output.weight", shape.n_embd, n_embd_q)
         norm(f"blk.{il}.ffn_norm.weight")
         matrix(f"blk.{il}.ffn_gate.weight", shape.n_ff, shape.n_embd)
         matrix(f"blk.{il}.ffn_up.weight", shape.n_ff, shape.n_embd)
         matrix(f"blk.{il}.ffn_down.weight", shape.n_embd, shape.n_ff)
+        if shape.is_gemma:
+            norm(f"blk.{il}.post_attention_norm.weight")
+            norm(f"blk.{il}.post_ffw_norm.weight")
+        if shape.arch == "gemma3":
+            norm(f"blk.{il}.attn_q_norm.weight", head_dim)
+            norm(f"blk.{il}.attn_k_norm.weight", head_dim)
     norm("output_norm.weight")
-    matrix("output.weight", shape.n_vocab, shape.n_embd)
+    if not shape.is_gemma:  # Gemma ties its output to the token embedding
+        matrix("output.weight", shape.n_vocab, shape.n_embd)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=True)

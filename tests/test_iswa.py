@@ -1,0 +1,132 @@
+"""kivi in upstream's iSWA cache (Gemma 2/3, gpt-oss, Cohere 2: sliding-window layers beside global ones), on
+random-weight GGUFs of the families' real shapes (pykvq/devtools/random_model.py). Judged on the CPU build:
+every comparison runs the same kernels with the same batch shapes, or checks against upstream's f16 cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pykvq import KvConfig, LlamaError, Model, llama_tools
+from pykvq.devtools import random_model
+
+import device
+
+N_CTX = 512
+GEMMA3 = random_model.SHAPES["gemma3-small"]  # 6 layers: 0-4 sliding-window (96 tokens), 5 global
+
+
+@pytest.fixture(scope="module")
+def gemma3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("iswa") / "gemma3-small.gguf"
+    random_model.write(GEMMA3, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_path: Path):
+    with device.load_model(gemma3_path) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def tokens() -> list[int]:
+    return [int(t) for t in np.random.default_rng(3).integers(300, GEMMA3.n_vocab, size=400)]
+
+
+def logits(model: Model, kv: KvConfig, tokens: list[int], n_ubatch: int = 512, flash_attn: str = "on") -> np.ndarray:
+    config = device.context_config(n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=n_ubatch, n_threads=2, kv=kv,
+                                   flash_attn=flash_attn)
+    with model.context(config) as ctx:
+        return ctx.eval(tokens, all_logits=True)
+
+
+@pytest.fixture(scope="module")
+def f16_logits(gemma3: Model, tokens: list[int]) -> np.ndarray:
+    return logits(gemma3, KvConfig(), tokens)
+
+
+def test_a_window_covering_the_context_is_upstream_f16(gemma3: Model, tokens: list[int], f16_logits) -> None:
+    """Everything in fp16: the sliding-window layers of a kivi cache see what upstream's f16 SWA cache shows them
+    (a kivi SWA cache keeps every token and hides the old ones by the mask alone)."""
+    kivi = logits(gemma3, KvConfig.preset("kivi2", window=N_CTX), tokens)
+    # as close as upstream's own two attention paths over the same f16 cache are (logits' std here: ~10)
+    upstream_noise = np.abs(logits(gemma3, KvConfig(), tokens, flash_attn="off") - f16_logits).max()
+    assert np.abs(kivi - f16_logits).max() < 2 * upstream_noise < 0.5
+
+
+def test_kivi_on_both_caches_is_close_to_f16(gemma3: Model, tokens: list[int], f16_logits) -> None:
+    errors = {name: np.abs(logits(gemma3, kv, tokens) - f16_logits).mean() for name, kv in {
+        "kivi4": KvConfig.preset("kivi4", window=32), "kivi2": KvConfig.preset("kivi2", window=32),
+        "kivi2 + f16 SWA": KvConfig("kivi2", "kivi2", window=32, type_swa="f16"),
+        "q4_0": KvConfig.preset("q4_0")}.items()}
+    assert errors["kivi4"] < errors["kivi2"]
+    # the global layer alone in 2 bits costs less than every layer in 2 bits
+    assert errors["kivi2 + f16 SWA"] < errors["kivi2"]
+    assert errors["kivi2"] < 5 * errors["q4_0"]
+
+
+def test_batching_does_not_change_logits(gemma3: Model, tokens: list[int]) -> None:
+    kv = KvConfig.preset("kivi2", window=32, sinks=4)
+    np.testing.assert_array_equal(logits(gemma3, kv, tokens), logits(gemma3, kv, tokens, n_ubatch=37))
+
+
+def test_the_sliding_window_cache_takes_its_own_type(gemma3: Model) -> None:
+    def memory(kv: KvConfig, swa_full: bool = False) -> int:
+        config = device.context_config(n_ctx=2048, n_threads=2, kv=kv, flash_attn="on", swa_full=swa_full)
+        with gemma3.context(config) as ctx:
+            return ctx.memory().bytes
+
+    f16, f16_full = memory(KvConfig()), memory(KvConfig(), swa_full=True)
+    kivi_all = memory(KvConfig.preset("kivi2", window=32))
+    kivi_global = memory(KvConfig("kivi2", "kivi2", window=32, type_swa="f16"))
+    # upstream's SWA cache holds the window and a batch; a kivi one every token, at 2 bits
+    assert f16 < f16_full
+    assert kivi_all < f16_full / 3
+    # 5 sliding-window layers in f16 (window + batch, padded to 256 cells) beside one kivi2 global layer
+    assert kivi_global == pytest.approx(f16_full * (768 / 2048) * 5 / 6 + kivi_all / 6, rel=0.05)
+
+
+def test_state_round_trip_continues_exactly(gemma3: Model, tokens: list[int]) -> None:
+    kv = KvConfig.preset("kivi2", window=32, sinks=4)
+    config = device.context_config(n_ctx=N_CTX, n_batch=N_CTX, n_threads=2, kv=kv, flash_attn="on")
+    with gemma3.context(config) as first:
+        first.eval(tokens[:250])
+        state = first.save_state()
+        expected = first.eval(tokens[250:300], all_logits=True)
+    with gemma3.context(config) as second:
+        second.load_state(state)
+        assert second.n_past == 250
+        np.testing.assert_array_equal(second.eval(tokens[250:300], all_logits=True), expected)
+    with gemma3.context(config) as other, pytest.raises(LlamaError, match="cannot load"):
+        other.load_state(state[:len(state) // 2])
+
+
+def test_an_unknown_sliding_window_type_is_refused(gemma3: Model) -> None:
+    config = device.context_config(n_ctx=N_CTX, n_threads=2, kv=KvConfig(type_swa="kivi3"), flash_attn="on")
+    with pytest.raises(ValueError, match="unknown KV cache type 'kivi3' for the sliding-window cache"):
+        gemma3.context(config)
+
+
+def test_the_tools_take_kv_type_swa(gemma3_path: Path, hamlet: Path) -> None:
+    args = ["-m", str(gemma3_path), "-f", str(hamlet), "-c", "256", "--chunks", "1", "-t", "2", "-fa", "on",
+            "-ctk", "kivi2", "-ctv", "kivi2", *device.TOOL_ARGS]
+    whole = llama_tools.run_tool("llama-perplexity", [*args, "-lv", "4"])
+    swa_f16 = llama_tools.run_tool("llama-perplexity", [*args, "-lv", "4", "--kv-type-swa", "f16"])
+    assert "kivi sliding-window KV cache" in whole and "kivi sliding-window KV cache" not in swa_f16
+    assert "kivi KV cache" in swa_f16  # the global layer's
+    assert llama_tools.parse_perplexity(whole).ppl != llama_tools.parse_perplexity(swa_f16).ppl
+
+
+def test_soft_capping_is_refused_not_ignored(tmp_path: Path) -> None:
+    """Gemma 2 soft-caps its attention logits, which the fused kernels do not: refused at context creation."""
+    path = tmp_path / "gemma2-small.gguf"
+    random_model.write(random_model.SHAPES["gemma2-small"], path)
+    with device.load_model(path) as model:
+        config = device.context_config(n_ctx=256, n_threads=2, kv=KvConfig.preset("kivi2"), flash_attn="on")
+        with pytest.raises(LlamaError, match="attention logit soft-capping .* kivi types do not support yet"):
+            model.context(config)
+        with model.context(device.context_config(n_ctx=256, n_threads=2, kv=KvConfig.preset("q8_0"))) as ctx:
+            assert np.isfinite(ctx.eval([5, 6, 7])).all()
