@@ -4,6 +4,7 @@ every comparison runs the same kernels with the same batch shapes, or checks aga
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -130,3 +131,45 @@ def test_soft_capping_is_refused_not_ignored(tmp_path: Path) -> None:
             model.context(config)
         with model.context(device.context_config(n_ctx=256, n_threads=2, kv=KvConfig.preset("q8_0"))) as ctx:
             assert np.isfinite(ctx.eval([5, 6, 7])).all()
+
+
+@pytest.mark.parametrize("type_swa", [None, "f16"], ids=["kivi-swa", "f16-swa"])
+def test_a_refused_removal_leaves_both_caches_as_they_were(gemma3: Model, tokens: list[int], type_swa) -> None:
+    """The global kivi cache refuses a removal past its window's slack; the sliding-window cache must not make it
+    alone (it did: the two then held different tokens). An accepted one continues as a fresh context would."""
+    kv = KvConfig("kivi2", "kivi2", window=32, type_swa=type_swa)
+    config = device.context_config(n_ctx=N_CTX, n_batch=N_CTX, n_threads=2, kv=kv, flash_attn="on")
+    with gemma3.context(config) as ctx, gemma3.context(config) as twin:
+        ctx.eval(tokens[:300])
+        twin.eval(tokens[:299])
+        with pytest.raises(LlamaError, match="cannot remove"):
+            ctx.truncate(100)
+        ctx.truncate(299)
+        np.testing.assert_array_equal(ctx.eval(tokens[299:340], all_logits=True),
+                                      twin.eval(tokens[299:340], all_logits=True))
+
+
+def test_sequences_of_one_context_attend_as_alone(gemma3: Model, tokens: list[int]) -> None:
+    kv = KvConfig.preset("kivi2", window=32)
+    a, b = tokens[:200], tokens[200:330]
+    both = device.context_config(n_ctx=2 * N_CTX, n_batch=N_CTX, n_threads=2, kv=kv, flash_attn="on", n_seq_max=2)
+    with gemma3.context(both) as ctx:
+        got = ctx.eval_seqs({0: a, 1: b})
+    for seq, feed in ((0, a), (1, b)):
+        np.testing.assert_array_equal(got[seq], logits(gemma3, kv, feed)[-1])
+
+
+def test_llama_cpp_python_takes_kv_type_swa(gemma3_path: Path, gemma3: Model, tokens: list[int]) -> None:
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (.ci/run installs it)")
+    import pykvq
+    from pykvq.llama_cpp import Llama
+    llm = Llama(model_path=str(gemma3_path), n_ctx=N_CTX, n_batch=N_CTX, n_threads=2, verbose=False,
+                logits_all=True, type_k=pykvq.GGML_TYPE_KIVI2, type_v=pykvq.GGML_TYPE_KIVI2, kv_window=32,
+                kv_type_swa="f16", **device.LLAMA_KWARGS)
+    try:
+        llm.eval(tokens[:100])
+        ours = logits(gemma3, KvConfig("kivi2", "kivi2", window=32, type_swa="f16"), tokens[:100])
+        np.testing.assert_array_equal(np.asarray(llm.scores[:100]), ours)
+    finally:
+        llm.close()

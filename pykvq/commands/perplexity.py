@@ -34,6 +34,7 @@ class Settings:
     threads: int
     window: int
     n_sink: int
+    type_swa: str | None = None
 
 
 @dataclass
@@ -64,6 +65,8 @@ def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
     if spec.is_kivi:
         args += ["--kv-window", str(settings.window), "--kv-sinks", str(settings.n_sink),
                  "--kv-rotate", "on" if spec.rotate else "off"]
+    if settings.type_swa is not None:
+        args += ["--kv-type-swa", settings.type_swa]
     # "none": the runs compare the named types, whatever per-layer types the model's metadata suggests
     return [*args, "--kv-layers", spec.layers or "none"]
 
@@ -220,7 +223,10 @@ def run(args: argparse.Namespace) -> int:
     n_sink = int(kvq.get(gguf_metadata.KEY_SINKS, defaults.n_sink) if args.kv_sinks is None else args.kv_sinks)
     if args.ctx_size < 64 or args.chunks < 1 or args.threads < 1 or window < 0 or n_sink < 0:
         raise ValueError("need -c >= 64, --chunks >= 1, -t >= 1, --kv-window >= 0 and --kv-sinks >= 0")
-    settings = Settings(args.model, args.file, args.ctx_size, args.chunks, args.threads, window, n_sink)
+    if args.kv_type_swa is not None:
+        kv_types.type_id(args.kv_type_swa)  # an unknown name is refused before any run, with the valid ones
+    settings = Settings(args.model, args.file, args.ctx_size, args.chunks, args.threads, window, n_sink,
+                        args.kv_type_swa)
     runs = compare(settings, specs)
     print(format_table(runs))
     out = Path(args.output)
@@ -250,6 +256,9 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
                    help="kivi: recent tokens kept in fp16 (default: the model's kvq.window, else 128)")
     p.add_argument("--kv-sinks", type=int,
                    help="kivi: first tokens kept in fp16 for good (default: the model's kvq.sinks, else 0)")
+    p.add_argument("--kv-type-swa", metavar="TYPE",
+                   help="every run: K and V type of the sliding-window cache of a model with sliding-window layers "
+                        "(Gemma 2/3, gpt-oss), e.g. f16 (default: each run's type)")
     p.add_argument("-o", "--output", default="pykvq-perplexity",
                    help="output prefix: writes PREFIX.json and PREFIX.png (default: %(default)s)")
     p.set_defaults(handler=run)
