@@ -5,12 +5,15 @@ every comparison runs the same kernels with the same batch shapes, or checks aga
 from __future__ import annotations
 
 import importlib.util
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pykvq import KvConfig, LlamaError, Model, llama_tools
+from pykvq import KvConfig, KvMemory, LlamaError, Model, llama_tools
 from pykvq.devtools import random_model
 
 import device
@@ -75,19 +78,31 @@ def test_batching_does_not_change_logits(gemma3: Model, tokens: list[int]) -> No
 
 
 def test_the_sliding_window_cache_takes_its_own_type(gemma3: Model) -> None:
-    def memory(kv: KvConfig, swa_full: bool = False) -> int:
+    def memory(kv: KvConfig, swa_full: bool = False) -> KvMemory:
         config = device.context_config(n_ctx=2048, n_threads=2, kv=kv, flash_attn="on", swa_full=swa_full)
         with gemma3.context(config) as ctx:
-            return ctx.memory().bytes
+            return ctx.memory()
 
     f16, f16_full = memory(KvConfig()), memory(KvConfig(), swa_full=True)
     kivi_all = memory(KvConfig.preset("kivi2", window=32))
     kivi_global = memory(KvConfig("kivi2", "kivi2", window=32, type_swa="f16"))
-    # upstream's SWA cache holds the window and a batch; a kivi one every token, at 2 bits
-    assert f16 < f16_full
-    assert kivi_all < f16_full / 3
-    # 5 sliding-window layers in f16 (window + batch, padded to 256 cells) beside one kivi2 global layer
-    assert kivi_global == pytest.approx(f16_full * (768 / 2048) * 5 / 6 + kivi_all / 6, rel=0.05)
+    # upstream's SWA cache holds the window and a batch (96 + 512, padded to 256 cells); a kivi one every token
+    assert (f16.swa_n_cells, f16_full.swa_n_cells, kivi_all.swa_n_cells, kivi_global.swa_n_cells) == (
+        768, 2048, 2048, 768)
+    assert kivi_all.bytes < f16_full.bytes / 3
+    # 5 sliding-window layers in f16 beside one kivi2 global layer
+    assert kivi_global.swa_bytes == f16.swa_bytes
+    assert kivi_global.bytes - kivi_global.swa_bytes == kivi_all.bytes - kivi_all.swa_bytes
+    assert kivi_all.swa_bytes == pytest.approx(kivi_all.bytes * 5 / 6, rel=0.01)
+
+
+def test_run_reports_each_cache(gemma3_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-P", "-m", "pykvq", "run", "-m", str(gemma3_path), "-p", "a b c d",
+                           "-n", "4", "--temp", "0", "-t", "2", "-c", "1024", "--kv-type", "kivi2", "--kv-type-swa",
+                           "f16", *device.TOOL_ARGS], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"of which the sliding-window layers' cache \(f16\): [0-9.]+ MiB for 768 cells; the global "
+                     r"layers' [0-9.]+ MiB", proc.stderr), proc.stderr[-2000:]
 
 
 def test_state_round_trip_continues_exactly(gemma3: Model, tokens: list[int]) -> None:

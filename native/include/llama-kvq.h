@@ -72,6 +72,8 @@ struct llama_kvq_memory_info {
     uint64_t n_cells;
     uint32_t n_layers_kv;
     uint32_t n_seq_cells;  // cells one sequence can hold: less than n_cells with streams, or a unified kivi cache
+    uint64_t swa_bytes;    // of bytes, those of the sliding-window cache of an iSWA model (Gemma 2/3); 0 without one
+    uint64_t swa_n_cells;  // its cells: the window and a batch, or every cell (--swa-full, kivi types)
 };
 
 // false when the context has no KV cache

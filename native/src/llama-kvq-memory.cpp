@@ -35,5 +35,11 @@ bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_me
     const auto * iswa = dynamic_cast<const llama_kv_cache_iswa *>(mem);
     const auto * kv   = iswa != nullptr ? iswa->get_base() : dynamic_cast<const llama_kv_cache *>(mem);
     info->n_seq_cells = kv != nullptr ? kv->kvq_seq_cells() : llama_n_ctx_seq(ctx);
+    if (iswa != nullptr) {
+        for (const auto & [buft, size] : iswa->get_swa()->memory_breakdown()) {
+            info->swa_bytes += size;
+        }
+        info->swa_n_cells = iswa->get_swa()->get_size();
+    }
     return true;
 }

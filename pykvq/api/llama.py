@@ -116,6 +116,9 @@ class KvMemory:
     n_cells: int
     n_layers: int
     n_seq_cells: int  # what one sequence can hold: fewer than n_cells with streams or a unified kivi cache
+    # of bytes, the sliding-window cache's, and its cells (a model with sliding-window layers; else 0)
+    swa_bytes: int = 0
+    swa_n_cells: int = 0
 
     @property
     def bits_per_element(self) -> float:
@@ -603,7 +606,7 @@ class Context(_Handle):
         if not self._lib.llama.llama_kvq_memory_info(self._ptr, info):
             raise LlamaError("this context has no KV cache")
         return KvMemory(info.bytes, info.f16_bytes, info.n_elements, info.n_cells, info.n_layers_kv,
-                        info.n_seq_cells)
+                        info.n_seq_cells, info.swa_bytes, info.swa_n_cells)
 
     def timings(self) -> Timings:
         perf = self._lib.llama.llama_perf_context(self._ptr)

@@ -197,6 +197,8 @@ LLAMA_CDEF = """
         uint64_t n_cells;
         uint32_t n_layers_kv;
         uint32_t n_seq_cells;
+        uint64_t swa_bytes;
+        uint64_t swa_n_cells;
     };
     bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_memory_info * info);
 """
