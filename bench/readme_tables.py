@@ -91,12 +91,26 @@ def asymkv_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def iswa_memory_table(path: Path) -> str:
+    record = json.loads(path.read_text())
+    f16 = record["rows"][0]["total_mib"]
+    lines = [f"KV memory with sliding-window layers ({record['model']}, n_ctx {record['n_ctx']}, "
+             "bench/iswa_memory.py):", "",
+             "| KV type | total MiB | global layers | sliding-window layers | SWA cells | vs f16 |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in record["rows"]:
+        lines.append(f"| {r['kv_type']} | {r['total_mib']:.1f} | {r['global_mib']:.1f} | {r['swa_mib']:.1f} | "
+                     f"{r['swa_cells']} | {r['total_mib'] / f16:.2f} |")
+    return "\n".join(lines)
+
+
 def render() -> str:
     parts = [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-c*.json"), key=lambda p: len(p.name))]
     parts += [asymkv_table(p) for p in sorted(RESULTS.glob("asymkv-c*.json"))]
     parts += [decode_table(p) for p in sorted(RESULTS.glob("decode-speed-*.json"))]
     parts += [batched_table(p) for p in sorted(RESULTS.glob("batched-speed-*.json"))]
     parts += [prefill_table(p) for p in sorted(RESULTS.glob("prefill-speed-*.json"))]
+    parts += [iswa_memory_table(p) for p in sorted(RESULTS.glob("iswa-memory-*.json"))]
     return "\n\n".join(parts)
 
 
