@@ -136,13 +136,16 @@ def test_the_tools_take_kv_type_swa(gemma3_path: Path, hamlet: Path) -> None:
     assert llama_tools.parse_perplexity(whole).ppl != llama_tools.parse_perplexity(swa_f16).ppl
 
 
-def test_soft_capping_is_refused_not_ignored(tmp_path: Path) -> None:
-    """Gemma 2 soft-caps its attention logits, which the fused kernels do not: refused at context creation."""
-    path = tmp_path / "gemma2-small.gguf"
-    random_model.write(random_model.SHAPES["gemma2-small"], path)
+@pytest.mark.parametrize(("shape", "option"), [("gemma2-small", "attention logit soft-capping"),
+                                               ("gpt-oss-small", "learned attention sinks")])
+def test_what_the_kernels_do_not_compute_is_refused_not_ignored(shape: str, option: str, tmp_path: Path) -> None:
+    """Gemma 2 soft-caps its attention logits, gpt-oss adds learned sink logits: the fused kernels do neither, so
+    a kivi cache is refused at context creation; upstream's types run."""
+    path = tmp_path / f"{shape}.gguf"
+    random_model.write(random_model.SHAPES[shape], path)
     with device.load_model(path) as model:
         config = device.context_config(n_ctx=256, n_threads=2, kv=KvConfig.preset("kivi2"), flash_attn="on")
-        with pytest.raises(LlamaError, match="attention logit soft-capping .* kivi types do not support yet"):
+        with pytest.raises(LlamaError, match=f"the model uses {option} .*, which kivi types do not support yet"):
             model.context(config)
         with model.context(device.context_config(n_ctx=256, n_threads=2, kv=KvConfig.preset("q8_0"))) as ctx:
             assert np.isfinite(ctx.eval([5, 6, 7])).all()

@@ -1,5 +1,5 @@
-"""Random-weight GGUF files of a given shape and family (Llama, and Gemma 2/3 with their sliding-window
-layers), for speed and memory benchmarks and for tests of the KV cache on each family's graph.
+"""Random-weight GGUF files of a given shape and family (Llama, Gemma 2/3 and gpt-oss with their
+sliding-window layers), for speed and memory benchmarks and for tests of the KV cache on each family's graph.
 
 The weights are random Q4_0 blocks (small scales, so activations stay finite), the tokenizer a placeholder
 SentencePiece vocabulary of the right size: the model computes exactly what a real model of that shape
@@ -37,10 +37,13 @@ class Shape:
     n_ctx_train: int
     rope_freq_base: float
     # "llama"; "gemma3": every 6th layer global, the others sliding-window (n_swa), Q/K norms; "gemma2": every
-    # other layer sliding-window, attention logit soft-capping
+    # other layer sliding-window, attention logit soft-capping; "gpt-oss": every other layer sliding-window,
+    # learned attention sinks, n_expert experts of n_ff
     arch: str = "llama"
     head_dim: int | None = None  # None: n_embd / n_head
     n_swa: int = 0
+    n_expert: int = 0
+    n_expert_used: int = 0
 
     @property
     def n_embd_head(self) -> int:
@@ -61,6 +64,8 @@ SHAPES = {
     "gemma3-small": Shape(6, 512, 1024, 4, 2, 2048, 32768, 1000000.0, arch="gemma3", head_dim=256, n_swa=96),
     "gemma3-1b": Shape(26, 1152, 6912, 4, 1, 262144, 32768, 1000000.0, arch="gemma3", head_dim=256, n_swa=512),
     "gemma2-small": Shape(2, 512, 1024, 4, 2, 2048, 8192, 10000.0, arch="gemma2", head_dim=128, n_swa=64),
+    "gpt-oss-small": Shape(2, 256, 128, 4, 2, 2048, 8192, 150000.0, arch="gpt-oss", head_dim=64, n_swa=64,
+                           n_expert=4, n_expert_used=2),
 }
 
 
@@ -98,6 +103,10 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True) -> 
         writer.add_sliding_window(shape.n_swa)
     if shape.arch == "gemma2":
         writer.add_attn_logit_softcapping(50.0)
+    if shape.n_expert:
+        writer.add_expert_count(shape.n_expert)
+        writer.add_expert_used_count(shape.n_expert_used)
+        writer.add_expert_feed_forward_length(shape.n_ff)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(shape.n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
@@ -119,6 +128,18 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True) -> 
     def norm(name: str, size: int = shape.n_embd) -> None:
         writer.add_tensor(name, np.ones(size, dtype=np.float32))
 
+    def small(name: str, *dims: int) -> None:
+        writer.add_tensor(name, (rng.standard_normal(dims) * 0.05).astype(np.float32))
+
+    def experts(il: int) -> None:
+        """gpt-oss's MoE block: a biased router and biased expert matrices (f32: they are 3-D)."""
+        small(f"blk.{il}.ffn_gate_inp.weight", shape.n_expert, shape.n_embd)
+        small(f"blk.{il}.ffn_gate_inp.bias", shape.n_expert)
+        for part, rows, cols in (("gate", shape.n_ff, shape.n_embd), ("up", shape.n_ff, shape.n_embd),
+                                 ("down", shape.n_embd, shape.n_ff)):
+            small(f"blk.{il}.ffn_{part}_exps.weight", shape.n_expert, rows, cols)
+            small(f"blk.{il}.ffn_{part}_exps.bias", shape.n_expert, rows)
+
     matrix("token_embd.weight", shape.n_vocab, shape.n_embd)
     for il in range(shape.n_layer):
         norm(f"blk.{il}.attn_norm.weight")
@@ -126,10 +147,17 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True) -> 
         matrix(f"blk.{il}.attn_k.weight", n_embd_kv, shape.n_embd)
         matrix(f"blk.{il}.attn_v.weight", n_embd_kv, shape.n_embd)
         matrix(f"blk.{il}.attn_output.weight", shape.n_embd, n_embd_q)
-        norm(f"blk.{il}.ffn_norm.weight")
-        matrix(f"blk.{il}.ffn_gate.weight", shape.n_ff, shape.n_embd)
-        matrix(f"blk.{il}.ffn_up.weight", shape.n_ff, shape.n_embd)
-        matrix(f"blk.{il}.ffn_down.weight", shape.n_embd, shape.n_ff)
+        if shape.n_expert:
+            experts(il)
+        else:
+            norm(f"blk.{il}.ffn_norm.weight")
+            matrix(f"blk.{il}.ffn_gate.weight", shape.n_ff, shape.n_embd)
+            matrix(f"blk.{il}.ffn_up.weight", shape.n_ff, shape.n_embd)
+            matrix(f"blk.{il}.ffn_down.weight", shape.n_embd, shape.n_ff)
+        if shape.arch == "gpt-oss":
+            norm(f"blk.{il}.post_attention_norm.weight")
+            small(f"blk.{il}.attn_output.bias", shape.n_embd)
+            small(f"blk.{il}.attn_sinks.weight", shape.n_head)
         if shape.is_gemma:
             norm(f"blk.{il}.post_attention_norm.weight")
             norm(f"blk.{il}.post_ffw_norm.weight")
