@@ -22,6 +22,11 @@ class Case:
     n_sink: int
     k_type: int = GGML_TYPE_KIVI2
     v_type: int = GGML_TYPE_KIVI2
+    head_dim_v: int | None = None  # None: head_dim
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim_v or self.head_dim
 
 
 def wide_attention(ctx: g.Context, case: Case, q, sealed, v_store, k_fp16, v_fp16, k_cur, v_cur, mask, idxs,
@@ -35,11 +40,12 @@ def wide_attention(ctx: g.Context, case: Case, q, sealed, v_store, k_fp16, v_fp1
     n = q.shape[0]
     n_wide = (n_kv + 2 * n + 32 + window + 255) // 256 * 256
 
-    def heads(t, n_head: int, n_rows: int):
-        return lib.ggml_permute(ctx.ctx, lib.ggml_reshape_4d(ctx.ctx, t, case.head_dim, n_head, n_rows, 1), 0, 2, 1, 3)
+    def heads(t, d: int, n_head: int, n_rows: int):
+        return lib.ggml_permute(ctx.ctx, lib.ggml_reshape_4d(ctx.ctx, t, d, n_head, n_rows, 1), 0, 2, 1, 3)
 
-    return lib.ggml_flash_attn_ext(ctx.ctx, heads(ctx.tensor(q), case.n_head, n),
-                                   heads(k_wide, case.n_head_kv, n_wide), heads(v_wide, case.n_head_kv, n_wide),
+    return lib.ggml_flash_attn_ext(ctx.ctx, heads(ctx.tensor(q), case.head_dim, case.n_head, n),
+                                   heads(k_wide, case.head_dim, case.n_head_kv, n_wide),
+                                   heads(v_wide, case.dv, case.n_head_kv, n_wide),
                                    wide_mask, 1.0 / np.sqrt(case.head_dim), 0.0, 0.0)
 
 
@@ -56,14 +62,15 @@ def run_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches:
     the fused kernel, or with `wide` through flash attention over wide cells); n_swa: a sliding-window mask."""
     n_cells = k.shape[0]
     n_embd = case.n_head_kv * case.head_dim
+    n_embd_v = case.n_head_kv * case.dv
     n_alloc = (n_cells + 31) // 32 * 32
     n_fp16 = case.n_sink + g.ring_size(case.window)
     ctx = g.Context()
     try:
         k_tiles = ctx.new(case.k_type, n_embd * 32, n_alloc // 32)
-        v_rows = ctx.new(case.v_type, n_embd, n_alloc)
+        v_rows = ctx.new(case.v_type, n_embd_v, n_alloc)
         k_fp16 = ctx.new(g.GGML_TYPE_F16, n_embd, n_fp16)
-        v_fp16 = ctx.new(g.GGML_TYPE_F16, n_embd, n_fp16)
+        v_fp16 = ctx.new(g.GGML_TYPE_F16, n_embd_v, n_fp16)
         outputs = []
         first = 0
         for n in ubatches:
@@ -74,7 +81,7 @@ def run_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches:
             v_cur = ctx.tensor(v[first:first + n].astype(np.float32))
             idxs = ctx.tensor(cells)
             lib = g.libs().base
-            v_store = lib.ggml_set_rows(ctx.ctx, v_rows, lib.ggml_reshape_2d(ctx.ctx, v_cur, n_embd, n), idxs)
+            v_store = lib.ggml_set_rows(ctx.ctx, v_rows, lib.ggml_reshape_2d(ctx.ctx, v_cur, n_embd_v, n), idxs)
             sealed = lib.ggml_kvq_seal_k(ctx.ctx, k_tiles, k_fp16, k_cur, idxs, case.n_sink, 1)
             if wide:
                 attn = wide_attention(ctx, case, q[first:first + n].astype(np.float32), sealed, v_store, k_fp16,
@@ -86,7 +93,7 @@ def run_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches:
             put_k = lib.ggml_kvq_ring_put(ctx.ctx, k_fp16, k_cur, idxs, attn, case.n_sink, 1, n_alloc)
             put_v = lib.ggml_kvq_ring_put(ctx.ctx, v_fp16, v_cur, idxs, attn, case.n_sink, 1, n_alloc)
             ctx.compute(attn, put_k, put_v)
-            outputs.append(g.read(attn, np.float32, (n, case.n_head, case.head_dim)))
+            outputs.append(g.read(attn, np.float32, (n, case.n_head, case.dv)))
             first += n
         return np.concatenate(outputs)
     finally:
@@ -99,7 +106,7 @@ def random_qkv(case: Case, n_cells: int, seed: int) -> tuple[np.ndarray, np.ndar
     # per-channel offsets and scales, as real keys have (the reason K is quantized per channel)
     k = (rng.standard_normal((n_cells, case.n_head_kv, case.head_dim)) * rng.uniform(0.2, 3, case.head_dim)
          + rng.standard_normal(case.head_dim) * 2).astype(np.float32)
-    v = rng.standard_normal((n_cells, case.n_head_kv, case.head_dim)).astype(np.float32)
+    v = rng.standard_normal((n_cells, case.n_head_kv, case.dv)).astype(np.float32)
     return q, k, v
 
 
@@ -109,17 +116,24 @@ def reference(case: Case, q, k, v, n_swa: int = 0) -> np.ndarray:
                                  scale=1.0 / np.sqrt(case.head_dim), n_swa=n_swa)
 
 
+def case_id(c: Case) -> str:
+    bits = f"k{KIVI_BITS[c.k_type]}v{KIVI_BITS[c.v_type]}"
+    return f"d{c.head_dim}/{c.dv}-h{c.n_head}/{c.n_head_kv}-w{c.window}-s{c.n_sink}-{bits}"
+
+
 CASES = [
     Case(head_dim=64, n_head=9, n_head_kv=3, window=32, n_sink=0),
     Case(head_dim=64, n_head=4, n_head_kv=4, window=0, n_sink=0),
     Case(head_dim=128, n_head=8, n_head_kv=2, window=40, n_sink=5),
     Case(head_dim=32, n_head=2, n_head_kv=1, window=16, n_sink=3, k_type=GGML_TYPE_KIVI4, v_type=GGML_TYPE_KIVI1),
     Case(head_dim=64, n_head=6, n_head_kv=2, window=64, n_sink=0, k_type=GGML_TYPE_KIVI1, v_type=GGML_TYPE_KIVI4),
+    Case(head_dim=64, n_head=16, n_head_kv=1, window=32, n_sink=2),                 # GQA 16
+    Case(head_dim=192, n_head=4, n_head_kv=2, window=32, n_sink=0, head_dim_v=128),  # K head size != V's
+    Case(head_dim=96, n_head=6, n_head_kv=3, window=24, n_sink=0),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c.head_dim}-h{c.n_head}/{c.n_head_kv}-w{c.window}-s{c.n_sink}"
-                         f"-k{KIVI_BITS[c.k_type]}v{KIVI_BITS[c.v_type]}")
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_attention_matches_reference(case: Case) -> None:
     n_cells = 150
     q, k, v = random_qkv(case, n_cells, seed=case.head_dim + case.window)
@@ -127,8 +141,7 @@ def test_attention_matches_reference(case: Case) -> None:
     np.testing.assert_allclose(got, reference(case, q, k, v), rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c.head_dim}-h{c.n_head}/{c.n_head_kv}-w{c.window}-s{c.n_sink}"
-                         f"-k{KIVI_BITS[c.k_type]}v{KIVI_BITS[c.v_type]}")
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_flash_attention_prefill_matches_reference(case: Case) -> None:
     """The same contract through upstream's flash attention over wide cells; its K and V are fp16 values (the
     quantized ones dequantized and rounded) and it accumulates in fp16 as with an f16 cache: a tolerance of fp16."""
