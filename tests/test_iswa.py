@@ -191,3 +191,17 @@ def test_llama_cpp_python_takes_kv_type_swa(gemma3_path: Path, gemma3: Model, to
         np.testing.assert_array_equal(np.asarray(llm.scores[:100]), ours)
     finally:
         llm.close()
+
+
+def test_per_layer_types_address_the_layers_of_both_caches(gemma3: Model, tokens: list[int]) -> None:
+    """Layers 0-4 are the sliding-window ones, 5 the global one: a per-layer spec saying so is the same cache as
+    --kv-type-swa, bit for bit and byte for byte."""
+    by_layers = KvConfig("kivi2", "kivi2", window=32, layers="k:0-4=q8_0,5=kivi2;v:0-4=q8_0,5=kivi2")
+    by_swa_type = KvConfig("kivi2", "kivi2", window=32, type_swa="q8_0")
+    np.testing.assert_array_equal(logits(gemma3, by_layers, tokens), logits(gemma3, by_swa_type, tokens))
+    memory = {}
+    for name, kv in (("layers", by_layers), ("swa type", by_swa_type)):
+        with gemma3.context(device.context_config(n_ctx=2048, n_threads=2, kv=kv, flash_attn="on")) as ctx:
+            memory[name] = ctx.memory()
+    # an upstream type on every sliding-window layer: a window-sized cache
+    assert memory["layers"] == memory["swa type"] and memory["layers"].swa_n_cells == 768
