@@ -116,8 +116,24 @@ def test_state_round_trip_continues_exactly(gemma3: Model, tokens: list[int]) ->
         second.load_state(state)
         assert second.n_past == 250
         np.testing.assert_array_equal(second.eval(tokens[250:300], all_logits=True), expected)
-    with gemma3.context(config) as other, pytest.raises(LlamaError, match="cannot load"):
-        other.load_state(state[:len(state) // 2])
+
+
+@pytest.mark.parametrize("type_swa", [None, "f16"], ids=["kivi-swa", "f16-swa"])
+@pytest.mark.parametrize("part", [0.25, 0.5, 0.99])
+def test_a_refused_state_leaves_neither_cache_half_restored(gemma3: Model, tokens: list[int], type_swa, part) -> None:
+    """A state that ends inside the sliding-window cache's part: the global cache had restored its own, and the
+    next evaluation read half the old context (silently other logits) while n_past said 0."""
+    config = device.context_config(n_ctx=N_CTX, n_batch=N_CTX, n_threads=2, flash_attn="on",
+                                   kv=KvConfig("kivi2", "kivi2", window=32, type_swa=type_swa))
+    with gemma3.context(config) as first:
+        first.eval(tokens[:250])
+        state = first.save_state()
+    with gemma3.context(config) as ctx, gemma3.context(config) as fresh:
+        ctx.eval(tokens[:100])
+        with pytest.raises(LlamaError, match="cannot load the state"):
+            ctx.load_state(state[:int(len(state) * part)])
+        assert ctx.n_past == 0
+        np.testing.assert_array_equal(ctx.eval(tokens[:60], all_logits=True), fresh.eval(tokens[:60], all_logits=True))
 
 
 def test_an_unknown_sliding_window_type_is_refused(gemma3: Model) -> None:
