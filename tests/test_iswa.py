@@ -183,10 +183,14 @@ def test_a_refused_removal_leaves_both_caches_as_they_were(gemma3: Model, tokens
                                       twin.eval(tokens[299:340], all_logits=True))
 
 
-def test_sequences_of_one_context_attend_as_alone(gemma3: Model, tokens: list[int]) -> None:
+@pytest.mark.parametrize("unified", [False, True], ids=["streams", "unified"])
+def test_sequences_of_one_context_attend_as_alone(gemma3: Model, tokens: list[int], unified: bool) -> None:
+    """Two sequences in the same batches (a unified kivi iSWA cache aborted on them: its batches were not split
+    per sequence)."""
     kv = KvConfig.preset("kivi2", window=32)
     a, b = tokens[:200], tokens[200:330]
-    both = device.context_config(n_ctx=2 * N_CTX, n_batch=N_CTX, n_threads=2, kv=kv, flash_attn="on", n_seq_max=2)
+    both = device.context_config(n_ctx=2 * N_CTX, n_batch=N_CTX, n_threads=2, kv=kv, flash_attn="on", n_seq_max=2,
+                                 kv_unified=unified)
     with gemma3.context(both) as ctx:
         got = ctx.eval_seqs({0: a, 1: b})
     for seq, feed in ((0, a), (1, b)):
@@ -221,3 +225,18 @@ def test_per_layer_types_address_the_layers_of_both_caches(gemma3: Model, tokens
             memory[name] = ctx.memory()
     # an upstream type on every sliding-window layer: a window-sized cache
     assert memory["layers"] == memory["swa type"] and memory["layers"].swa_n_cells == 768
+
+
+def test_a_refused_copy_is_made_in_neither_cache(gemma3: Model, tokens: list[int]) -> None:
+    """A unified cache: the kivi global cache copies a sequence from its first token only; the f16 sliding-window
+    cache made the partial copy alone, and sequence 1 then saw tokens the global layers did not."""
+    kv = KvConfig("kivi2", "kivi2", window=32, type_swa="f16")
+    config = device.context_config(n_ctx=2 * N_CTX, n_batch=N_CTX, n_threads=2, kv=kv, flash_attn="on",
+                                   n_seq_max=2, kv_unified=True)
+    with gemma3.context(config) as ctx:
+        ctx.eval_seqs({0: tokens[:200]})
+        with pytest.raises(LlamaError, match="kivi types copy a sequence from its first token"):
+            ctx.seq_cp(0, 1, 50, -1)
+        assert ctx.seq_len(1) == 0
+        got = ctx.eval_seqs({1: tokens[200:260]})[1]
+    np.testing.assert_array_equal(got, logits(gemma3, kv, tokens[200:260])[-1])

@@ -277,15 +277,32 @@ llama_kv_cache::slot_info llama_kv_cache::kvq_find_slot(const llama_ubatch & uba
     return res;
 }
 
-// seq_cp in a unified kivi cache: the region of dst becomes a copy of src's (cells and data). Copies start at
-// the sequence's first token; one that stops earlier is the whole copy less a suffix, as far as seq_rm allows.
-void llama_kv_cache::kvq_seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) {
-    if (seq_id_src == seq_id_dst) {
-        return;
+// Whether seq_cp would copy these positions: a unified kivi cache copies a sequence from its first token, and one
+// that stops earlier is the whole copy less a suffix, as far as seq_rm allows (logs why not)
+bool llama_kv_cache::kvq_can_copy(llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) const {
+    if (!kvq_in_regions() || seq_id_src == seq_id_dst) {
+        return true;
     }
     if ((uint32_t) seq_id_src >= kvq_n_part || (uint32_t) seq_id_dst >= kvq_n_part) {
-        kvq_slot_fail("seq_cp " + std::to_string(seq_id_src) + " -> " + std::to_string(seq_id_dst) + ": this cache holds " +
-                      std::to_string(kvq_n_part) + " sequences (n_seq_max); nothing copied");
+        return kvq_slot_fail("seq_cp " + std::to_string(seq_id_src) + " -> " + std::to_string(seq_id_dst) +
+                             ": this cache holds " + std::to_string(kvq_n_part) + " sequences (n_seq_max); nothing copied");
+    }
+    const llama_kv_cells & cells = v_cells[0];
+    const llama_pos pos_min = cells.seq_pos_min(seq_id_src);
+    const llama_pos pos_max = cells.seq_pos_max(seq_id_src);
+    const uint32_t  n       = pos_min < 0 ? 0 : pos_max - pos_min + 1;
+    if (n > 0 && p0 > pos_min) {
+        return kvq_slot_fail("seq_cp " + std::to_string(seq_id_src) + " -> " + std::to_string(seq_id_dst) +
+                             " of positions [" + std::to_string(p0) + ", " + std::to_string(p1) + "): kivi types copy "
+                             "a sequence from its first token (" + std::to_string(pos_min) + "); nothing copied");
+    }
+    const bool to_end = p1 < 0 || p1 > pos_max;
+    return n == 0 || to_end || kvq_can_remove_stream(n, p1 - pos_min, -1, seq_id_src);
+}
+
+// seq_cp in a unified kivi cache: the region of dst becomes a copy of src's (cells and data)
+void llama_kv_cache::kvq_seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) {
+    if (seq_id_src == seq_id_dst || !kvq_can_copy(seq_id_src, seq_id_dst, p0, p1)) {
         return;
     }
     llama_kv_cells & cells = v_cells[0];
@@ -293,15 +310,6 @@ void llama_kv_cache::kvq_seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst
     const llama_pos pos_max = cells.seq_pos_max(seq_id_src);
     const uint32_t  n       = pos_min < 0 ? 0 : pos_max - pos_min + 1;
     const bool      to_end  = p1 < 0 || p1 > pos_max;
-    if (n > 0 && p0 > pos_min) {
-        kvq_slot_fail("seq_cp " + std::to_string(seq_id_src) + " -> " + std::to_string(seq_id_dst) + " of positions [" +
-                      std::to_string(p0) + ", " + std::to_string(p1) + "): kivi types copy a sequence from its first "
-                      "token (" + std::to_string(pos_min) + "); nothing copied");
-        return;
-    }
-    if (n > 0 && !to_end && !kvq_can_remove_stream(n, p1 - pos_min, -1, seq_id_src)) {
-        return;
-    }
     seq_rm(seq_id_dst, -1, -1);
 
     const uint32_t src0 = seq_id_src*kvq_part_cells;
