@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,22 +30,46 @@ from pykvq.devtools import random_model
 
 import device
 
-# three layers: per-layer mixes have a first, a middle and a last layer
-SHAPE = random_model.Shape(3, 256, 512, 4, 2, 1024, 65536, 10000.0)
 TYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "q5_1", "iq4_nl", "kivi1", "kivi2", "kivi4")
 KIVI = ("kivi1", "kivi2", "kivi4")
 UPSTREAM = tuple(t for t in TYPES if t not in KIVI)
+
+
+@dataclass(frozen=True)
+class Space:
+    """A model and the KV types its configurations draw from."""
+
+    shape: random_model.Shape
+    types: tuple[str, ...]
+    swa_types: tuple[str | None, ...] = (None,)
+
+
+# three layers: per-layer mixes have a first, a middle and a last layer. The Gemma-3 one (upstream's iSWA cache)
+# alternates sliding-window (0, 2) and global (1) layers; it draws kivi types only: upstream's own caches there
+# do not continue a state loaded across layouts bit for bit (their flash attention depends on the cells' places)
+LLAMA = Space(random_model.Shape(3, 256, 512, 4, 2, 1024, 65536, 10000.0), TYPES)
+GEMMA3 = Space(random_model.Shape(3, 256, 512, 4, 2, 1024, 65536, 10000.0, arch="gemma3", head_dim=64, n_swa=40,
+                                  swa_pattern=2), KIVI, (None, None, *KIVI))
 EXTREMES = (-1, -(2**31), 2**31 - 1, 2**31, 2**40)
 N_EXAMPLES = 1000
 FIRST_TOKEN = 3  # after <unk>, <s>, </s>
 
 
-@pytest.fixture(scope="module")
-def fuzz_model(tmp_path_factory: pytest.TempPathFactory):
-    path = tmp_path_factory.mktemp("config-space") / "three-layers.gguf"
-    random_model.write(SHAPE, path)
+def space_model(space: Space, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
+    path = tmp_path_factory.mktemp("config-space") / f"three-layers-{space.shape.arch}.gguf"
+    random_model.write(space.shape, path)
     with device.load_model(path) as m:
         yield m
+
+
+@pytest.fixture(scope="module")
+def llama_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
+    yield from space_model(LLAMA, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gemma3_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
+    yield from space_model(GEMMA3, tmp_path_factory)
 
 
 def amounts(small: int) -> st.SearchStrategy[int]:
@@ -55,11 +79,14 @@ def amounts(small: int) -> st.SearchStrategy[int]:
         lambda odds_value_extreme: odds_value_extreme[2] if odds_value_extreme[0] == 7 else odds_value_extreme[1])
 
 
-def type_pairs() -> st.SearchStrategy[tuple[str, str]]:
+def type_pairs(types: tuple[str, ...]) -> st.SearchStrategy[tuple[str, str]]:
     """K and V of a layer: mostly both kivi or both upstream types (what can run), sometimes anything."""
     kivi = st.tuples(st.sampled_from(KIVI), st.sampled_from(KIVI))
-    upstream = st.tuples(st.sampled_from(UPSTREAM), st.sampled_from(UPSTREAM))
-    return st.one_of(kivi, kivi, upstream, st.tuples(st.sampled_from(TYPES), st.sampled_from(TYPES)))
+    upstream = tuple(t for t in types if t not in KIVI)
+    if not upstream:
+        return kivi
+    return st.one_of(kivi, kivi, st.tuples(st.sampled_from(upstream), st.sampled_from(upstream)),
+                     st.tuples(st.sampled_from(types), st.sampled_from(types)))
 
 
 def per_layer(pairs: list[tuple[str, str]]) -> str:
@@ -68,26 +95,29 @@ def per_layer(pairs: list[tuple[str, str]]) -> str:
     return f"k:{k};v:{v}"
 
 
-def layer_specs() -> st.SearchStrategy[str | None]:
-    pairs = st.lists(type_pairs(), min_size=SHAPE.n_layer, max_size=SHAPE.n_layer).map(per_layer)
-    asymkv = st.tuples(st.integers(0, SHAPE.n_layer + 1), st.integers(0, SHAPE.n_layer + 1)).map(
+def layer_specs(space: Space) -> st.SearchStrategy[str | None]:
+    n_layer = space.shape.n_layer
+    pairs = st.lists(type_pairs(space.types), min_size=n_layer, max_size=n_layer).map(per_layer)
+    asymkv = st.tuples(st.integers(0, n_layer + 1), st.integers(0, n_layer + 1)).map(
         lambda lk_lv: f"asymkv:{lk_lv[0]}/{lk_lv[1]}")
     return st.one_of(st.none(), st.just("none"), pairs, pairs, asymkv)
 
 
-def kv_configs() -> st.SearchStrategy[KvConfig]:
-    return type_pairs().flatmap(lambda kv: st.builds(
+def kv_configs(space: Space) -> st.SearchStrategy[KvConfig]:
+    return type_pairs(space.types).flatmap(lambda kv: st.builds(
         KvConfig, type_k=st.just(kv[0]), type_v=st.just(kv[1]), window=st.one_of(st.none(), amounts(160)),
-        sinks=st.one_of(st.none(), amounts(40)), rotate=st.one_of(st.none(), st.booleans()), layers=layer_specs(),
-        rollback=st.one_of(st.none(), amounts(48))))
+        sinks=st.one_of(st.none(), amounts(40)), rotate=st.one_of(st.none(), st.booleans()),
+        layers=layer_specs(space), rollback=st.one_of(st.none(), amounts(48)),
+        type_swa=st.sampled_from(space.swa_types)))
 
 
-def context_configs() -> st.SearchStrategy[ContextConfig]:
+def context_configs(space: Space) -> st.SearchStrategy[ContextConfig]:
     return st.builds(device.context_config, n_ctx=st.one_of(st.sampled_from([64, 128, 256, 512]), st.integers(1, 600)),
                      n_batch=st.sampled_from([1, 4, 7, 32, 64, 512, 512, 512]),
                      n_ubatch=st.sampled_from([1, 5, 32, 512]), n_threads=st.just(1),
                      flash_attn=st.sampled_from(["on", "auto", "on", "auto", "on", "auto", "off"]),
-                     kv=kv_configs(), n_seq_max=st.integers(1, 4), kv_unified=st.booleans())
+                     kv=kv_configs(space), n_seq_max=st.integers(1, 4), kv_unified=st.booleans(),
+                     swa_full=st.booleans())
 
 
 Refusal = (LlamaError, ValueError)
@@ -179,9 +209,9 @@ def op_seq_state(src: int, dst: int) -> Op:
     return Op(f"seq_state({src} -> {dst})", lambda ctx: ctx.load_seq_state(ctx.save_seq_state(src), dst), effect)
 
 
-def continuation(held: Held, room: int, rng: np.random.Generator) -> dict[int, list[int]]:
+def continuation(held: Held, room: int, rng: np.random.Generator, n_vocab: int) -> dict[int, list[int]]:
     """One more token for each sequence that holds any and has room (``room`` cells a sequence can hold)."""
-    return {s: [int(rng.integers(FIRST_TOKEN, SHAPE.n_vocab))] for s in range(held.n_seq)
+    return {s: [int(rng.integers(FIRST_TOKEN, n_vocab))] for s in range(held.n_seq)
             if 0 < held.length(s) < room}
 
 
@@ -201,6 +231,7 @@ def assert_same(a: dict[int, np.ndarray], b: dict[int, np.ndarray], what: str) -
 
 @dataclass
 class Script:
+    space: Space
     model: Model
     config: ContextConfig
     rng: np.random.Generator
@@ -212,7 +243,7 @@ class Script:
         self.held = Held(self.config.n_seq_max)
 
     def tokens(self, n: int) -> list[int]:
-        return [int(t) for t in self.rng.integers(FIRST_TOKEN, SHAPE.n_vocab, size=n)]
+        return [int(t) for t in self.rng.integers(FIRST_TOKEN, self.space.shape.n_vocab, size=n)]
 
     def apply(self, ctx, op: Op) -> None:
         try:
@@ -238,7 +269,7 @@ class Script:
 
     def continue_both(self, a, b, what: str) -> None:
         """Both contexts take the same next tokens; A's twin will replay them too."""
-        feed = continuation(self.held, min(a.n_seq_cells, b.n_seq_cells), self.rng)
+        feed = continuation(self.held, min(a.n_seq_cells, b.n_seq_cells), self.rng, self.space.shape.n_vocab)
         if not feed:
             return
         try:
@@ -300,7 +331,7 @@ def round_trip(script: Script, ctx, through_file: bool) -> None:
         script.continue_both(ctx, copy, "a state loaded into the same configuration")
 
 
-def mutated(data: st.DataObject, config: ContextConfig) -> ContextConfig:
+def mutated(data: st.DataObject, space: Space, config: ContextConfig) -> ContextConfig:
     kv = config.kv
 
     def kv_with(**changes: object) -> ContextConfig:
@@ -311,8 +342,9 @@ def mutated(data: st.DataObject, config: ContextConfig) -> ContextConfig:
         "sinks": lambda: kv_with(sinks=(kv.sinks or 0) + 1),
         "rollback": lambda: kv_with(rollback=(kv.rollback or 0) + 8),
         "rotate": lambda: kv_with(rotate=not kv.rotate),
-        "type_k": lambda: kv_with(type_k=data.draw(st.sampled_from(TYPES))),
-        "layers": lambda: kv_with(layers=data.draw(layer_specs())),
+        "type_k": lambda: kv_with(type_k=data.draw(st.sampled_from(space.types))),
+        "type_swa": lambda: kv_with(type_swa=data.draw(st.sampled_from(space.swa_types))),
+        "layers": lambda: kv_with(layers=data.draw(layer_specs(space))),
         "n_ctx": lambda: dataclasses.replace(config, n_ctx=data.draw(st.sampled_from([64, 256, 1024]))),
         "n_seq_max": lambda: dataclasses.replace(config, n_seq_max=data.draw(st.integers(1, 4))),
         "kv_unified": lambda: dataclasses.replace(config, kv_unified=not config.kv_unified),
@@ -322,14 +354,14 @@ def mutated(data: st.DataObject, config: ContextConfig) -> ContextConfig:
 
 def load_into_other(data: st.DataObject, script: Script, ctx) -> None:
     """The state into a context of another configuration, which already holds tokens of its own."""
-    other = mutated(data, script.config)
+    other = mutated(data, script.space, script.config)
     try:
         state = ctx.save_state()
         target = script.model.context(other)
     except Refusal as err:
         assert_clear(err)
         return
-    own = Script(script.model, other, script.rng, script.tmp_path)
+    own = Script(script.space, script.model, other, script.rng, script.tmp_path)
     with target:
         own.apply(target, op_eval(0, own.tokens(min(8, other.n_ctx // other.n_seq_max)), single=False))
         try:
@@ -352,16 +384,13 @@ def load_into_other(data: st.DataObject, script: Script, ctx) -> None:
             script.continue_both(target, twin, f"a state loaded into {other}")
 
 
-@settings(max_examples=N_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-@given(config=context_configs(), data=st.data())
-def test_every_configuration_is_refused_clearly_or_survives(fuzz_model: Model, tmp_path: Path, config: ContextConfig,
-                                                             data: st.DataObject) -> None:
+def survives(space: Space, model: Model, tmp_path: Path, config: ContextConfig, data: st.DataObject) -> None:
     try:
-        ctx = fuzz_model.context(config)
+        ctx = model.context(config)
     except Refusal as err:
         assert_clear(err)
         return
-    script = Script(fuzz_model, config, np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))), tmp_path)
+    script = Script(space, model, config, np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))), tmp_path)
     with ctx:
         for _ in range(data.draw(st.integers(1, 8))):
             script.apply(ctx, draw_op(data, script))
@@ -371,3 +400,20 @@ def test_every_configuration_is_refused_clearly_or_survives(fuzz_model: Model, t
             in_sync(twin, script.held, "the twin after the replay")
             script.continue_both(ctx, twin, "a context against its twin that saw only the accepted operations")
         load_into_other(data, script, ctx)
+
+
+@settings(max_examples=N_EXAMPLES * 2 // 3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(config=context_configs(LLAMA), data=st.data())
+def test_every_configuration_is_refused_clearly_or_survives(llama_model: Model, tmp_path: Path, config: ContextConfig,
+                                                             data: st.DataObject) -> None:
+    survives(LLAMA, llama_model, tmp_path, config, data)
+
+
+@settings(max_examples=N_EXAMPLES // 3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(config=context_configs(GEMMA3), data=st.data())
+def test_every_sliding_window_configuration_is_refused_clearly_or_survives(gemma3_model: Model, tmp_path: Path,
+                                                                           config: ContextConfig,
+                                                                           data: st.DataObject) -> None:
+    """Gemma 3's shape: kivi types in both caches of upstream's iSWA cache, the sliding-window one sometimes of
+    its own (--kv-type-swa)."""
+    survives(GEMMA3, gemma3_model, tmp_path, config, data)

@@ -286,3 +286,17 @@ def test_position_shifts_are_refused_not_a_crash(smollm2: Path, tmp_path: Path, 
                           text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "unchanged"
+
+
+@pytest.mark.parametrize("kv", [KvConfig(), KvConfig.preset("kivi2", window=32)], ids=["f16", "kivi2"])
+def test_a_state_saved_right_after_a_copy_holds_the_copied_sequence(model: Model, tokens: list[int],
+                                                                    kv: KvConfig) -> None:
+    """seq_cp between per-sequence streams copies the data at the next decode: a state saved before it held the
+    destination's old bytes, and the loaded context continued it with other logits (upstream's caches too)."""
+    config = device.context_config(n_ctx=512, n_batch=256, n_threads=2, kv=kv, n_seq_max=2, flash_attn="on")
+    with model.context(config) as ctx, model.context(config) as loaded:
+        ctx.eval_seqs({0: tokens[:100]})
+        ctx.seq_cp(0, 1)
+        loaded.load_state(ctx.save_state())
+        np.testing.assert_array_equal(loaded.eval_seqs({1: tokens[100:120]})[1],
+                                      ctx.eval_seqs({1: tokens[100:120]})[1])

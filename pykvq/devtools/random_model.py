@@ -44,6 +44,7 @@ class Shape:
     n_swa: int = 0
     n_expert: int = 0
     n_expert_used: int = 0
+    swa_pattern: int = 0  # every swa_pattern-th layer global; 0: the family's own
 
     @property
     def n_embd_head(self) -> int:
@@ -101,6 +102,8 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True) -> 
     writer.add_rope_freq_base(shape.rope_freq_base)
     if shape.n_swa:
         writer.add_sliding_window(shape.n_swa)
+    if shape.swa_pattern:
+        writer.add_uint32(gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=shape.arch), shape.swa_pattern)
     if shape.arch == "gemma2":
         writer.add_attn_logit_softcapping(50.0)
     if shape.n_expert:
