@@ -30,9 +30,10 @@ if importlib.util.find_spec("llama_cpp") is None:
 N_CTX = 512
 N_PREDICT = 6
 N_ROUNDS = 5
-# how far the last rounds' memory may rise above the peak of rounds 2 and 3 (round 1 touches the logits buffer's
-# pages as longer requests come); one malloc arena, so that the threads answering requests do not each grow
-# their own
+# how far memory after the last rounds may stay above the peak of rounds 2 and 3 (round 1 touches the logits
+# buffer's pages as longer requests come): the lower of the last two rounds, since one round's peak of
+# concurrent requests may be returned in the next (seen: 330, 347, 391, 334 MiB on a loaded machine) while a leak
+# keeps both up; one malloc arena, so that the threads answering requests do not each grow their own
 RSS_GROWTH_MAX = 32 * 2**20
 SERVER_ENV = {"MALLOC_ARENA_MAX": "1"}
 # a near tie: the reference's two best tokens this close (log-probability); batch shapes' rounding may tip it
@@ -163,4 +164,4 @@ def test_the_server_answers_every_request_as_alone(smollm2: Path, hamlet: Path, 
             assert refused.result() == 400
             assert server.proc.poll() is None, log.read_text()[-3000:]
             rss.append(server.rss_bytes())
-    assert max(rss[3:]) - max(rss[1:3]) < RSS_GROWTH_MAX, f"{name}: RSS per round {[r >> 20 for r in rss]} MiB"
+    assert min(rss[-2:]) - max(rss[1:3]) < RSS_GROWTH_MAX, f"{name}: RSS per round {[r >> 20 for r in rss]} MiB"
