@@ -240,3 +240,16 @@ def test_a_refused_copy_is_made_in_neither_cache(gemma3: Model, tokens: list[int
         assert ctx.seq_len(1) == 0
         got = ctx.eval_seqs({1: tokens[200:260]})[1]
     np.testing.assert_array_equal(got, logits(gemma3, kv, tokens[200:260])[-1])
+
+
+@pytest.mark.parametrize("type_swa", [None, "f16"], ids=["kivi-swa", "f16-swa"])
+def test_a_sequence_state_round_trip_continues_exactly(gemma3: Model, tokens: list[int], type_swa) -> None:
+    """Upstream saves a sliding-window sequence without its out-of-window cells; a kivi cache keeps and saves every
+    token (its per-sequence saves were refused as partial)."""
+    kv = KvConfig("kivi2", "kivi2", window=32, type_swa=type_swa)
+    config = device.context_config(n_ctx=2 * N_CTX, n_batch=N_CTX, n_threads=2, kv=kv, flash_attn="on", n_seq_max=2)
+    with gemma3.context(config) as ctx, gemma3.context(config) as other:
+        ctx.eval_seqs({0: tokens[:250]})
+        state = ctx.save_seq_state(0)
+        other.load_seq_state(state, 1)
+        np.testing.assert_array_equal(other.eval_seqs({1: tokens[250:280]})[1], ctx.eval_seqs({0: tokens[250:280]})[0])

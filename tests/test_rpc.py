@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pykvq import paths
+from pykvq.devtools import random_model
 
 SCENARIO = Path(__file__).resolve().parent / "rpc_scenario.py"
 LAYERS = {"kivi2": "", "f16-layer0": "k:0=f16,1-=kivi2;v:0=f16,1-=kivi2"}
@@ -50,9 +51,9 @@ def rpc_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.wait(timeout=30)
 
 
-def run_scenario(tmp_path: Path, smollm2: Path, hamlet: Path, layers: str, layout: str, *rpc: str) -> np.ndarray:
+def run_scenario(tmp_path: Path, model: Path, hamlet: Path, layers: str, layout: str, *rpc: str) -> np.ndarray:
     out = tmp_path / f"{'rpc' if rpc else 'cpu'}.npy"
-    proc = subprocess.run([sys.executable, str(SCENARIO), str(smollm2), str(hamlet), str(out), layers, layout, *rpc],
+    proc = subprocess.run([sys.executable, str(SCENARIO), str(model), str(hamlet), str(out), layers, layout, *rpc],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return np.load(out)
@@ -73,6 +74,19 @@ def test_every_cache_operation_on_an_rpc_device_equals_the_cpu(rpc_server: str, 
     monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL[prefill])
     on_cpu = run_scenario(tmp_path, smollm2, hamlet, LAYERS[layers], layout)
     on_rpc = run_scenario(tmp_path, smollm2, hamlet, LAYERS[layers], layout, rpc_server)
+    np.testing.assert_array_equal(on_rpc, on_cpu)
+
+
+@pytest.mark.parametrize(("layout", "prefill"), [("streams", "fused"), ("unified", "flash")])
+def test_an_iswa_cache_on_an_rpc_device_equals_the_cpu(rpc_server: str, hamlet: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch, layout: str,
+                                                       prefill: str) -> None:
+    """Gemma 3's shape: kivi in both caches of upstream's iSWA cache, the sliding-window one masked to its window."""
+    model = tmp_path / "gemma3-small.gguf"
+    random_model.write(random_model.SHAPES["gemma3-small"], model, q4_1=True)  # the same matmul kernels on both
+    monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL[prefill])
+    on_cpu = run_scenario(tmp_path, model, hamlet, "", layout)
+    on_rpc = run_scenario(tmp_path, model, hamlet, "", layout, rpc_server)
     np.testing.assert_array_equal(on_rpc, on_cpu)
 
 

@@ -1,7 +1,7 @@
 """Random-weight GGUF files of a given shape and family (Llama, Gemma 2/3 and gpt-oss with their
 sliding-window layers), for speed and memory benchmarks and for tests of the KV cache on each family's graph.
 
-The weights are random Q4_0 blocks (small scales, so activations stay finite), the tokenizer a placeholder
+The weights are random Q4_0 (or Q4_1) blocks (small scales, so activations stay finite), the tokenizer a placeholder
 SentencePiece vocabulary of the right size: the model computes exactly what a real model of that shape
 computes, which is all a KV-cache speed or memory figure needs.
 
@@ -22,8 +22,8 @@ from pykvq.bindings import gguf_py
 
 log = logging.getLogger("pykvq.random_model")
 
-QK4_0 = 32
-Q4_0_BLOCK_BYTES = 18  # fp16 scale + 16 bytes of 4-bit codes
+QK4 = 32
+Q4_CODE_BYTES = 16  # after an fp16 scale (Q4_0), or an fp16 scale and minimum (Q4_1)
 
 
 @dataclass(frozen=True)
@@ -70,19 +70,24 @@ SHAPES = {
 }
 
 
-def random_q4_0(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """[rows, cols] of Q4_0 as raw bytes: random codes, scales around 1/sqrt(cols)."""
-    if cols % QK4_0:
-        raise ValueError(f"Q4_0 rows need a multiple of {QK4_0} values, got {cols}")
-    blocks = rng.integers(0, 256, size=(rows, cols // QK4_0, Q4_0_BLOCK_BYTES), dtype=np.uint8)
+def random_q4(rows: int, cols: int, rng: np.random.Generator, with_min: bool = False) -> np.ndarray:
+    """[rows, cols] of Q4_0, or with ``with_min`` Q4_1, as raw bytes: random codes, scales around 1/sqrt(cols); Q4_1's
+    minimum of -8 scales gives it Q4_0's values."""
+    if cols % QK4:
+        raise ValueError(f"Q4 rows need a multiple of {QK4} values, got {cols}")
+    header = 4 if with_min else 2
+    blocks = rng.integers(0, 256, size=(rows, cols // QK4, header + Q4_CODE_BYTES), dtype=np.uint8)
     scale = np.float16(2.0 / np.sqrt(cols))
     blocks[:, :, 0:2] = np.frombuffer(scale.tobytes(), dtype=np.uint8)
+    if with_min:
+        blocks[:, :, 2:4] = np.frombuffer(np.float16(-8 * scale).tobytes(), dtype=np.uint8)
     return blocks.reshape(rows, -1)
 
 
-def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True) -> None:
+def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_1: bool = False) -> None:
     """A random model of ``shape``; ``byte_tokens=False`` leaves SentencePiece's byte fallbacks out, a hostile
-    vocabulary for tests."""
+    vocabulary for tests; ``q4_1``: Q4_1 weights rather than Q4_0, which the CPU backend runs through repacked
+    kernels on the host only (a device behind RPC then computes other roundings)."""
     gguf = gguf_py.gguf()
     rng = np.random.default_rng(seed)
     head_dim = shape.n_embd_head
@@ -112,7 +117,7 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True) -> 
         writer.add_expert_feed_forward_length(shape.n_ff)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(shape.n_vocab)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1 if q4_1 else gguf.LlamaFileType.MOSTLY_Q4_0)
     # SentencePiece needs its control tokens and byte fallbacks: without them llama.cpp's tokenizer throws
     special = [("<unk>", gguf.TokenType.UNKNOWN), ("<s>", gguf.TokenType.CONTROL), ("</s>", gguf.TokenType.CONTROL)]
     special += [(f"<0x{b:02X}>", gguf.TokenType.BYTE) for b in range(256 if byte_tokens else 0)]
@@ -126,7 +131,8 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True) -> 
     writer.add_eos_token_id(2)
 
     def matrix(name: str, rows: int, cols: int) -> None:
-        writer.add_tensor(name, random_q4_0(rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+        raw_dtype = gguf.GGMLQuantizationType.Q4_1 if q4_1 else gguf.GGMLQuantizationType.Q4_0
+        writer.add_tensor(name, random_q4(rows, cols, rng, q4_1), raw_dtype=raw_dtype)
 
     def norm(name: str, size: int = shape.n_embd) -> None:
         writer.add_tensor(name, np.ones(size, dtype=np.float32))
