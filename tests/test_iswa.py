@@ -253,3 +253,10 @@ def test_a_sequence_state_round_trip_continues_exactly(gemma3: Model, tokens: li
         state = ctx.save_seq_state(0)
         other.load_seq_state(state, 1)
         np.testing.assert_array_equal(other.eval_seqs({1: tokens[250:280]})[1], ctx.eval_seqs({0: tokens[250:280]})[0])
+
+
+def test_inspect_says_the_model_has_sliding_window_layers(gemma3_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-P", "-m", "pykvq", "inspect", str(gemma3_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "this model has sliding-window layers (window 96)" in proc.stdout

@@ -131,8 +131,10 @@ def collect(path: Path) -> dict:
     defaults = native.kvq_default_params()
     window = int(kvq.get(gguf_metadata.KEY_WINDOW, defaults.window))  # type: ignore[call-overload]
     sinks = int(kvq.get(gguf_metadata.KEY_SINKS, defaults.n_sink))  # type: ignore[call-overload]
+    sliding_window = fields.get(f"{shape.architecture}.attention.sliding_window")
     return {"model": str(path), "shape": asdict(shape), "kvq": {k: _plain(v) for k, v in kvq.items()},
             "kivi_window": window, "kivi_sinks": sinks,
+            "sliding_window": int(sliding_window) if isinstance(sliding_window, (int, np.integer)) else None,
             "kv_bytes": [asdict(c) for c in costs(shape, kvq, window, sinks)]}
 
 
@@ -164,6 +166,11 @@ def format_text(info: dict, n_ctx: int) -> str:
     for c in info["kv_bytes"]:
         total = c["bytes_per_token"] * n_ctx + c["fixed_bytes"]
         lines.append(f"  {c['kv_type']:<14} {c['bytes_per_token']:>12.1f} {total / 2**20:>14.2f}")
+    if info.get("sliding_window"):
+        lines += [f"  every layer counted at the full context; this model has sliding-window layers (window "
+                  f"{info['sliding_window']}),",
+                  "  where upstream types keep the window and a batch, kivi types every token: --kv-type-swa sets "
+                  "their type, `pykvq run` reports both caches"]
     return "\n".join(lines)
 
 
