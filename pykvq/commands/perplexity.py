@@ -137,15 +137,12 @@ def run_or_failure(settings: Settings, spec: KvSpec, progress: tqdm) -> Run:
 def parse_specs(kv_types_text: str, layer_specs: list[str]) -> list[KvSpec | Run]:
     """The --kv-types and --kv-layers entries; one that does not parse becomes a failed row, so that a typo in one
     entry does not cost the comparison of the others."""
+    given = [(KvSpec.parse, part.strip()) for part in kv_types_text.split(",") if part.strip()]
+    given += [(KvSpec.per_layer, text) for text in layer_specs]
     entries: list[KvSpec | Run] = []
-    for text in [part.strip() for part in kv_types_text.split(",") if part.strip()]:
+    for parse, text in given:
         try:
-            entries.append(KvSpec.parse(text))
-        except ValueError as exc:
-            entries.append(Run.failed(text, str(exc)))
-    for text in layer_specs:
-        try:
-            entries.append(KvSpec.per_layer(text))
+            entries.append(parse(text))
         except ValueError as exc:
             entries.append(Run.failed(text, str(exc)))
     if not entries:
