@@ -53,6 +53,7 @@ GEMMA3 = Space(random_model.Shape(3, 256, 512, 4, 2, 1024, 65536, 10000.0, arch=
 EXTREMES = (-1, -(2**31), 2**31 - 1, 2**31, 2**40)
 N_EXAMPLES = 1000
 FIRST_TOKEN = 3  # after <unk>, <s>, </s>
+UPSTREAM_LAYOUT_NOISE = 0.5
 
 
 def space_model(space: Space, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
@@ -223,10 +224,27 @@ def in_sync(ctx, held: Held, what: str) -> None:
     assert ctx.n_past == lengths[0], what
 
 
-def assert_same(a: dict[int, np.ndarray], b: dict[int, np.ndarray], what: str) -> None:
+def assert_same(a: dict[int, np.ndarray], b: dict[int, np.ndarray], what: str, atol: float = 0.0) -> None:
     assert a.keys() == b.keys(), what
     for s in a:
-        np.testing.assert_array_equal(a[s], b[s], err_msg=f"{what}: sequence {s}")
+        np.testing.assert_allclose(a[s], b[s], rtol=0.0, atol=atol, err_msg=f"{what}: sequence {s}")
+
+
+def holds_upstream_types(config: ContextConfig) -> bool:
+    """Whether any layer may hold an upstream type (a kivi type's name never contains an upstream one's)."""
+    kv = config.kv
+    spec = " ".join(str(part) for part in (kv.type_k, kv.type_v, kv.type_swa, kv.layers))
+    return any(name in spec for name in UPSTREAM)
+
+
+def load_tolerance(*configs: ContextConfig) -> float:
+    """How far a continuation after a state load may stray from its twin's.
+
+    kivi attention does not depend on where the cells lie: exact. Upstream's CPU flash attention splits the
+    cells into chunks by n_kv, and a loaded state packs the cells that the twin's edits left apart (n_kv
+    changes), so it rounds differently: 0.17 seen; on the Llama space's model its own FA on vs off differs by
+    0.19 (f16) to 0.25 (f32), logits' std 9. Wrong or missing tokens move the logits by far more."""
+    return UPSTREAM_LAYOUT_NOISE if any(holds_upstream_types(c) for c in configs) else 0.0
 
 
 @dataclass
@@ -267,7 +285,7 @@ class Script:
         self.accepted.append(op)
         op.effect(self.held)
 
-    def continue_both(self, a, b, what: str) -> None:
+    def continue_both(self, a, b, what: str, atol: float = 0.0) -> None:
         """Both contexts take the same next tokens; A's twin will replay them too."""
         feed = continuation(self.held, min(a.n_seq_cells, b.n_seq_cells), self.rng, self.space.shape.n_vocab)
         if not feed:
@@ -279,7 +297,7 @@ class Script:
             with pytest.raises(type(err), match="^" + re.escape(str(err)) + "$"):
                 b.eval_seqs(feed)
             return
-        assert_same(logits_a, b.eval_seqs(feed), what)
+        assert_same(logits_a, b.eval_seqs(feed), what, atol)
         for s, tokens in feed.items():
             self.record(op_eval(s, tokens, single=False))
 
@@ -328,7 +346,7 @@ def round_trip(script: Script, ctx, through_file: bool) -> None:
         else:
             copy.load_state(state)
         in_sync(copy, script.held, "after loading the state into a context of the same configuration")
-        script.continue_both(ctx, copy, "a state loaded into the same configuration")
+        script.continue_both(ctx, copy, "a state loaded into the same configuration", load_tolerance(script.config))
 
 
 def mutated(data: st.DataObject, space: Space, config: ContextConfig) -> ContextConfig:
@@ -381,7 +399,7 @@ def load_into_other(data: st.DataObject, script: Script, ctx) -> None:
         except Refusal:
             return  # the operations cannot all be replayed there: no oracle for this load
         with twin:
-            script.continue_both(target, twin, f"a state loaded into {other}")
+            script.continue_both(target, twin, f"a state loaded into {other}", load_tolerance(script.config, other))
 
 
 def survives(space: Space, model: Model, tmp_path: Path, config: ContextConfig, data: st.DataObject) -> None:
