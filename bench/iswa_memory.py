@@ -2,9 +2,9 @@
 
     python bench/iswa_memory.py [--model random:gemma3-1b] [--n-ctx 32768]
 
-Upstream's iSWA cache keeps the sliding-window layers' window and a batch, the global layers' whole context. A
-kivi sliding-window cache holds every token (it masks old ones, never reuses their cells), so kivi pays off most
-on the global layers: --kv-type-swa keeps the sliding-window cache in an upstream type beside a kivi global one.
+Upstream's iSWA cache keeps the sliding-window layers' window and a ubatch, the global layers' whole context. A
+kivi sliding-window cache keeps the window, a ubatch and two rings of cells (whole rings of cells that left the
+window leave its front); --kv-type-swa gives the sliding-window cache its own type beside a kivi global one.
 Writes bench/results/iswa-memory-<model>-<n_ctx>.json and .png, and prints a table.
 """
 

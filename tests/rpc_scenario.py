@@ -1,5 +1,5 @@
 """One run of every cache operation, on the CPU or on an RPC device: prefill, several sequences, copies (the
-next graph maybe still running), suffix removal, keep, per-sequence and whole state; prints every logit row
+next graph maybe still running), suffix removal, keep, per-sequence and whole state, decode; prints every logit row
 it saw as one .npy file. Run by tests/test_rpc.py in a subprocess per device (an RPC device, once added,
 stays in the process).
 
@@ -19,7 +19,9 @@ from pykvq import ContextConfig, KvConfig, Model
 def scenario(model: Model, text: str, kv: KvConfig, unified: bool) -> list[np.ndarray]:
     tokens = model.tokenize(text)
     a, b, c = tokens[:300], tokens[300:600], tokens[600:900]
-    config = ContextConfig(n_ctx=3 * 512, n_threads=2, kv=kv, n_seq_max=3, kv_unified=unified)
+    # ubatches of 32: several per batch, and on Gemma 3's shape the sliding-window cache's parts (96 + 32 + two
+    # rings of 64 = 256 cells) drop cells that left the window once sequence 0 passes them
+    config = ContextConfig(n_ctx=3 * 512, n_ubatch=32, n_threads=2, kv=kv, n_seq_max=3, kv_unified=unified)
     seen = []
     with model.context(config) as ctx:
         seen.append(ctx.eval_seqs({0: a[:133]})[0])
@@ -37,6 +39,8 @@ def scenario(model: Model, text: str, kv: KvConfig, unified: bool) -> list[np.nd
     with model.context(config) as ctx:
         ctx.load_state(whole)
         seen += ctx.eval_seqs({0: a[160:165], 2: c[71:80]}).values()
+        seen += ctx.eval_seqs({0: a[165:300], 2: c[80:90]}).values()
+        seen += [ctx.eval_seqs({0: c[i:i + 1]})[0] for i in range(90, 100)]
     return seen
 
 

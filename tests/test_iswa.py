@@ -54,7 +54,7 @@ def f16_logits(gemma3: Model, tokens: list[int]) -> np.ndarray:
 
 def test_a_window_covering_the_context_is_upstream_f16(gemma3: Model, tokens: list[int], f16_logits) -> None:
     """Everything in fp16: the sliding-window layers of a kivi cache see what upstream's f16 SWA cache shows them
-    (a kivi SWA cache keeps every token and hides the old ones by the mask alone)."""
+    (a kivi SWA cache hides the tokens that left the window by the mask)."""
     kivi = logits(gemma3, KvConfig.preset("kivi2", window=N_CTX), tokens)
     # as close as upstream's own two attention paths over the same f16 cache are (logits' std here: ~10)
     upstream_noise = np.abs(logits(gemma3, KvConfig(), tokens, flash_attn="off") - f16_logits).max()
@@ -85,15 +85,18 @@ def test_the_sliding_window_cache_takes_its_own_type(gemma3: Model) -> None:
 
     f16, f16_full = memory(KvConfig()), memory(KvConfig(), swa_full=True)
     kivi_all = memory(KvConfig.preset("kivi2", window=32))
+    kivi_full = memory(KvConfig.preset("kivi2", window=32), swa_full=True)
     kivi_global = memory(KvConfig("kivi2", "kivi2", window=32, type_swa="f16"))
-    # upstream's SWA cache holds the window and a batch (96 + 512, padded to 256 cells); a kivi one every token
-    assert (f16.swa_n_cells, f16_full.swa_n_cells, kivi_all.swa_n_cells, kivi_global.swa_n_cells) == (
-        768, 2048, 2048, 768)
-    assert kivi_all.bytes < f16_full.bytes / 3
+    # upstream's SWA cache holds the window and a ubatch (96 + 512, padded to 256 cells); a kivi one the window, a
+    # ubatch and two rings of 32 cells (what a removal may need again, and what one drop frees at least)
+    assert (f16.swa_n_cells, f16_full.swa_n_cells, kivi_all.swa_n_cells, kivi_full.swa_n_cells,
+            kivi_global.swa_n_cells) == (768, 2048, 672, 2048, 768)
+    assert kivi_all.bytes < f16.bytes / 3
+    assert kivi_full.bytes < f16_full.bytes / 3
     # 5 sliding-window layers in f16 beside one kivi2 global layer
     assert kivi_global.swa_bytes == f16.swa_bytes
     assert kivi_global.bytes - kivi_global.swa_bytes == kivi_all.bytes - kivi_all.swa_bytes
-    assert kivi_all.swa_bytes == pytest.approx(kivi_all.bytes * 5 / 6, rel=0.01)
+    assert kivi_full.swa_bytes == pytest.approx(kivi_full.bytes * 5 / 6, rel=0.01)
 
 
 def test_run_reports_each_cache(gemma3_path: Path) -> None:
@@ -183,18 +186,21 @@ def test_a_refused_removal_leaves_both_caches_as_they_were(gemma3: Model, tokens
                                       twin.eval(tokens[299:340], all_logits=True))
 
 
+@pytest.mark.parametrize("n_ubatch", [512, 32], ids=["whole", "dropping"])
 @pytest.mark.parametrize("unified", [False, True], ids=["streams", "unified"])
-def test_sequences_of_one_context_attend_as_alone(gemma3: Model, tokens: list[int], unified: bool) -> None:
+def test_sequences_of_one_context_attend_as_alone(gemma3: Model, tokens: list[int], unified: bool,
+                                                  n_ubatch: int) -> None:
     """Two sequences in the same batches (a unified kivi iSWA cache aborted on them: its batches were not split
-    per sequence)."""
+    per sequence); with small ubatches each sequence's part drops cells on its own."""
     kv = KvConfig.preset("kivi2", window=32)
     a, b = tokens[:200], tokens[200:330]
-    both = device.context_config(n_ctx=2 * N_CTX, n_batch=N_CTX, n_threads=2, kv=kv, flash_attn="on", n_seq_max=2,
-                                 kv_unified=unified)
+    both = device.context_config(n_ctx=2 * N_CTX, n_batch=N_CTX, n_ubatch=n_ubatch, n_threads=2, kv=kv,
+                                 flash_attn="on", n_seq_max=2, kv_unified=unified)
     with gemma3.context(both) as ctx:
         got = ctx.eval_seqs({0: a, 1: b})
+        assert ctx.memory().swa_n_cells == 2 * (512 if n_ubatch == 512 else 192)
     for seq, feed in ((0, a), (1, b)):
-        np.testing.assert_array_equal(got[seq], logits(gemma3, kv, feed)[-1])
+        np.testing.assert_array_equal(got[seq], logits(gemma3, kv, feed, n_ubatch=n_ubatch)[-1])
 
 
 def test_llama_cpp_python_takes_kv_type_swa(gemma3_path: Path, gemma3: Model, tokens: list[int]) -> None:
@@ -260,3 +266,55 @@ def test_inspect_says_the_model_has_sliding_window_layers(gemma3_path: Path) -> 
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "this model has sliding-window layers (window 96)" in proc.stdout
+
+
+# ubatches of 32: the sliding-window cache's parts hold 96 + 32 + two rings of 32 = 192 cells of a 512-token context
+DROPPING = dict(n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=32, n_threads=2, flash_attn="on")
+
+
+@pytest.mark.parametrize("rollback", [0, 40])
+def test_cells_that_leave_the_window_are_dropped_exactly(gemma3: Model, tokens: list[int], rollback: int) -> None:
+    """A kivi sliding-window cache holds the window, not the context: whole rings of cells that left it move out
+    at the front of the part. Its logits are those of a full-size cache (--swa-full), prefill and decode alike."""
+    kv = KvConfig.preset("kivi2", window=32, rollback=rollback)
+    got = {}
+    for swa_full in (False, True):
+        with gemma3.context(device.context_config(kv=kv, swa_full=swa_full, **DROPPING)) as ctx:
+            prefill = ctx.eval(tokens[:300], all_logits=True)
+            decode = [ctx.eval([t]) for t in tokens[300:340]]
+            got[swa_full] = (prefill, np.stack(decode), ctx.memory())
+    np.testing.assert_array_equal(got[False][0], got[True][0])
+    np.testing.assert_array_equal(got[False][1], got[True][1])
+    assert (got[False][2].swa_n_cells, got[True][2].swa_n_cells) == (192 if rollback == 0 else 320, N_CTX)
+
+
+@pytest.mark.parametrize(("rollback", "n_removed"), [(0, 1), (40, 38)])
+def test_a_removal_after_drops_continues_exactly(gemma3: Model, tokens: list[int], rollback: int,
+                                                 n_removed: int) -> None:
+    """The deepest removal the window allows (one token with window 32 and no --kv-rollback; N more with
+    --kv-rollback N): the cells the re-fed tokens attend again were not dropped."""
+    kv = KvConfig.preset("kivi2", window=32, rollback=rollback)
+    config = device.context_config(kv=kv, **DROPPING)
+    kept = 300 - n_removed
+    with gemma3.context(config) as ctx, gemma3.context(config) as twin:
+        ctx.eval(tokens[:300])
+        twin.eval(tokens[:kept])
+        ctx.truncate(kept)
+        np.testing.assert_array_equal(ctx.eval(tokens[kept:300], all_logits=True),
+                                      twin.eval(tokens[kept:300], all_logits=True))
+        with pytest.raises(LlamaError, match="cannot remove"):
+            ctx.truncate(200)
+        assert ctx.n_past == 300
+
+
+@pytest.mark.parametrize("unified", [False, True], ids=["streams", "unified"])
+def test_a_state_saved_after_drops_continues_exactly(gemma3: Model, tokens: list[int], unified: bool) -> None:
+    kv = KvConfig.preset("kivi2", window=32)
+    config = device.context_config(kv=kv, n_seq_max=2, kv_unified=unified, **{**DROPPING, "n_ctx": 2 * N_CTX})
+    with gemma3.context(config) as first, gemma3.context(config) as second, gemma3.context(config) as third:
+        first.eval_seqs({0: tokens[:300], 1: tokens[100:250]})
+        second.load_state(first.save_state())
+        third.load_seq_state(first.save_seq_state(0), 1)
+        want = first.eval_seqs({0: tokens[300:330]})[0]
+        np.testing.assert_array_equal(second.eval_seqs({0: tokens[300:330]})[0], want)
+        np.testing.assert_array_equal(third.eval_seqs({1: tokens[300:330]})[1], want)

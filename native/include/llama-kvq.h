@@ -42,7 +42,7 @@ LLAMA_API bool llama_kvq_set_param(const char * name, const char * value);
 // Types of the sliding-window cache of a model that interleaves sliding-window and global layers (upstream's
 // iSWA cache: Gemma 2/3, gpt-oss, Cohere 2), for caches created afterwards. GGML_TYPE_COUNT (the default)
 // follows the context's type_k / type_v, as upstream does; per-layer types (below) still decide the layers they
-// name. A kivi sliding-window cache holds the whole context, masked to the window. Returns false (see
+// name. A kivi sliding-window cache holds the window, a ubatch and two rings per sequence. Returns false (see
 // llama_kvq_last_error) for a type a KV cache cannot hold. Also "type_swa" in llama_kvq_set_param (one type for
 // K and V, "" to follow the context's).
 LLAMA_API bool llama_kvq_set_swa_types(enum ggml_type type_k, enum ggml_type type_v);
@@ -73,7 +73,7 @@ struct llama_kvq_memory_info {
     uint32_t n_layers_kv;
     uint32_t n_seq_cells;  // cells one sequence can hold: less than n_cells with streams, or a unified kivi cache
     uint64_t swa_bytes;    // of bytes, those of the sliding-window cache of an iSWA model (Gemma 2/3); 0 without one
-    uint64_t swa_n_cells;  // its cells: the window and a batch, or every cell (--swa-full, kivi types)
+    uint64_t swa_n_cells;  // its cells, all sequences': the window and a ubatch each, or n_ctx (--swa-full)
 };
 
 // false when the context has no KV cache

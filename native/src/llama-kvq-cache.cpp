@@ -98,7 +98,7 @@ llama_kvq_swa_plan llama_kvq_plan_swa_cache(const llama_model & model, const lla
     const kvq_layer_plan swa  = kvq_plan_layers(model, hparams.n_layer_all, plan.type_k, plan.type_v);
     for (uint32_t il = 0; il < hparams.n_layer_all; ++il) {
         if (filter_swa(il) && kvq_either_kivi(swa.types.k[il], swa.types.v[il])) {
-            plan.full = true;
+            plan.kivi = true;
         }
         const int32_t il_src = reuse ? reuse(il) : -1;
         if (il_src < 0) {
@@ -114,6 +114,16 @@ llama_kvq_swa_plan llama_kvq_plan_swa_cache(const llama_model & model, const lla
         }
     }
     return plan;
+}
+
+uint32_t llama_kvq_swa_part_cells(const llama_hparams & hparams, uint32_t n_ubatch, uint32_t kv_size) {
+    const llama_kvq_params params = llama_kvq_get_params();
+    // as kvq_init bounds the window; the ring is what one drop frees at least
+    const int64_t window = std::min<int64_t>(params.window, kv_size);
+    const int64_t ring   = ggml_kvq_ring_size((int32_t) std::min<int64_t>(window + params.n_rollback, kv_size));
+    // kvq_n_droppable keeps a ring more than the window
+    const int64_t cells  = (int64_t) hparams.n_swa + n_ubatch + 2*ring;
+    return (uint32_t) std::min<int64_t>(GGML_PAD(cells, QK_KIVI), kv_size);
 }
 
 void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_type type_v, uint32_t n_stream_wanted,
@@ -151,6 +161,11 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
         throw std::runtime_error("KV cache " + types + ": " + std::to_string(kv_size) + " cells for " +
                                  std::to_string(n_seq_max) + " sequences: kivi types need a multiple of 32 cells " +
                                  (unified ? "for each sequence of a unified cache" : "per sequence"));
+    }
+    // a sliding-window layer masks the first tokens once the window has passed them, and cells leave the front of
+    // its parts (kvq_drop_dead): sinks would keep nothing the attention reads
+    if (n_swa != 0) {
+        kvq_params.n_sink = 0;
     }
     // a window or sink count past a sequence's cells keeps nothing more in fp16: bounded by the context, memory
     // stays below f16's and huge values cannot overflow the ring's size
@@ -244,13 +259,30 @@ static bool kvq_slot_fail(const std::string & why) {
     return false;
 }
 
-// A unified kivi cache: the k-th token of sequence s goes to cell s*kvq_part_cells + k, after the sequence's cells
-// (it only ever loses a suffix, so they are the first ones of its region)
+// Cells a sliding-window part drops from its front before n_new more tokens go in: whole rings of cells that no
+// query attends any more, not even after the deepest removal kvq_can_remove allows (a suffix of at most a ring:
+// --kv-rollback widens the ring). A multiple of the ring keeps each cell's ring slot and tile boundaries, and the
+// attention contract is judged on cell distances, which a drop keeps too.
+uint32_t llama_kv_cache::kvq_n_droppable(const llama_kv_cells & cells, llama_seq_id seq, uint32_t n_held,
+        uint32_t n_new) const {
+    if (!kvq_drop_dead || n_held + n_new <= kvq_part_cells) {
+        return 0;
+    }
+    const uint32_t  n_ring  = (uint32_t) (kvq_n_fp16(layers) - kvq_params.n_sink);
+    const llama_pos pos_min = cells.seq_pos_min(seq);
+    const llama_pos p_next  = cells.seq_pos_max(seq) + 1 - (llama_pos) n_ring;
+    uint32_t n_dead = 0;
+    while (p_next >= 0 && n_dead < n_held && llama_hparams::is_masked_swa(n_swa, swa_type, pos_min + n_dead, p_next)) {
+        ++n_dead;
+    }
+    return n_dead / n_ring * n_ring;
+}
+
+// The k-th token of sequence s goes to the k-th cell of its part (a stream, or in a unified cache the region from
+// cell s*kvq_part_cells on), after the sequence's cells: it only ever loses a suffix, or in a sliding-window cache
+// rings of cells from the front (slot_info::kvq_drops), so they are the first ones of the part
 llama_kv_cache::slot_info llama_kv_cache::kvq_find_slot(const llama_ubatch & ubatch) const {
-    const llama_kv_cells & cells = v_cells[0];
-    slot_info res = {};
-    res.resize(1);
-    res.idxs[0].resize(ubatch.n_tokens);
+    const bool regions = kvq_in_regions();
     std::vector<uint32_t> n_new(kvq_n_part, 0);
     for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
         if (ubatch.n_seq_id[i] != 1) {
@@ -264,17 +296,94 @@ llama_kv_cache::slot_info llama_kv_cache::kvq_find_slot(const llama_ubatch & uba
                           " sequences, ids 0 .. " + std::to_string(kvq_n_part - 1) + " (n_seq_max)");
             return {};
         }
+        n_new[seq]++;
+    }
+    slot_info res = {};
+    // streams: one slot per sequence of the ubatch, its tokens in a row (split_equal)
+    const uint32_t n_slots = regions ? 1 : ubatch.n_seqs_unq;
+    res.s0 = regions ? 0 : LLAMA_MAX_SEQ;
+    res.resize(n_slots);
+    std::vector<uint32_t> next(kvq_n_part, 0);
+    for (uint32_t seq = 0; seq < kvq_n_part; ++seq) {
+        if (n_new[seq] == 0) {
+            continue;
+        }
+        const uint32_t strm  = regions ? 0 : seq_to_stream[seq];
+        const uint32_t first = regions ? seq*kvq_part_cells : 0;
+        const llama_kv_cells & cells = v_cells[strm];
         const llama_pos pos_min = cells.seq_pos_min(seq);
-        const uint32_t  k = (pos_min < 0 ? 0 : cells.seq_pos_max(seq) - pos_min + 1) + n_new[seq]++;
-        if (k >= kvq_part_cells) {
-            kvq_slot_fail("sequence " + std::to_string(seq) + " is full: a unified kivi cache gives each of its " +
-                          std::to_string(kvq_n_part) + " sequences " + std::to_string(kvq_part_cells) +
-                          " cells (n_ctx / n_seq_max)");
+        const uint32_t  n_held  = pos_min < 0 ? 0 : cells.seq_pos_max(seq) - pos_min + 1;
+        const uint32_t  n_drop  = kvq_n_droppable(cells, seq, n_held, n_new[seq]);
+        if (n_held - n_drop + n_new[seq] > kvq_part_cells) {
+            kvq_slot_fail("sequence " + std::to_string(seq) + " is full: " + (regions ? "a unified kivi cache gives each of its " +
+                          std::to_string(kvq_n_part) + " sequences " + std::to_string(kvq_part_cells) + " cells (n_ctx / n_seq_max)" :
+                          "a kivi cache gives each sequence " + std::to_string(kvq_part_cells) + " cells") +
+                          (kvq_drop_dead ? ", the window of its sliding-window layers and a ubatch" : ""));
             return {};
         }
-        res.idxs[0][i] = seq*kvq_part_cells + k;
+        if (n_drop > 0) {
+            res.kvq_drops.push_back({ strm, first, n_drop, n_held });
+        }
+        next[seq] = first + n_held - n_drop;
+    }
+    const uint32_t n_per_slot = ubatch.n_tokens / n_slots;
+    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+        const llama_seq_id seq = ubatch.seq_id[i][0];
+        const uint32_t     s   = i / n_per_slot;
+        GGML_ASSERT(regions || seq == ubatch.seq_id_unq[s]);
+        res.strm[s] = regions ? 0 : seq_to_stream[seq];
+        res.s0 = std::min<uint32_t>(res.s0, res.strm[s]);
+        res.s1 = std::max<uint32_t>(res.s1, res.strm[s]);
+        res.idxs[s].push_back(next[seq]++);
     }
     return res;
+}
+
+// A drop's cells, before the ubatch that needed the room goes in (apply_ubatch)
+void llama_kv_cache::kvq_apply_drops(const slot_info & sinfo) {
+    for (const llama_kvq_drop & drop : sinfo.kvq_drops) {
+        llama_kv_cells & cells = v_cells[drop.strm];
+        const llama_kv_cells live = cells.cp(drop.first + drop.n_drop, drop.n_held - drop.n_drop);
+        for (uint32_t k = 0; k < drop.n_held; ++k) {
+            cells.rm(drop.first + k);
+        }
+        cells.set(drop.first, live);
+    }
+}
+
+static void kvq_build_move_rows(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * t, size_t src, size_t dst,
+        int64_t n_rows) {
+    if (n_rows == 0) {
+        return;
+    }
+    ggml_tensor * from = ggml_view_2d(ctx, t, t->ne[0], n_rows, t->nb[1], src);
+    ggml_tensor * to   = ggml_view_2d(ctx, t, t->ne[0], n_rows, t->nb[1], dst);
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_cont(ctx, from), to));
+}
+
+// A drop's data (tiles, V rows, the rows of other layers; the ring stays: a multiple of its size keeps the slots)
+// as the first nodes of the ubatch's graph, which a backend runs after the previous ubatch's graph and before this
+// one's own writes; through a copy, as the two ranges overlap
+void llama_kv_cache::kvq_build_drops(ggml_context * ctx, ggml_cgraph * gf, const slot_info & sinfo) const {
+    for (const llama_kvq_drop & drop : sinfo.kvq_drops) {
+        uint32_t part;
+        uint32_t k;
+        kvq_part_of(drop.strm, drop.first, part, k);
+        const uint32_t n_live = drop.n_held - drop.n_drop;
+        for (const kv_layer & layer : layers) {
+            if (layer.k_fp16 == nullptr) {
+                for (ggml_tensor * t : { layer.k, layer.v }) {
+                    const size_t first = kvq_plain_part_offset(t, part, kvq_in_regions(), kvq_part_cells);
+                    kvq_build_move_rows(ctx, gf, t, first + drop.n_drop*t->nb[1], first, n_live);
+                }
+                continue;
+            }
+            kvq_build_move_rows(ctx, gf, layer.k, part*layer.k->nb[2] + drop.n_drop/QK_KIVI*layer.k->nb[1],
+                                part*layer.k->nb[2], (n_live + QK_KIVI - 1)/QK_KIVI);
+            kvq_build_move_rows(ctx, gf, layer.v, part*layer.v->nb[2] + drop.n_drop*layer.v->nb[1],
+                                part*layer.v->nb[2], n_live);
+        }
+    }
 }
 
 // Whether seq_cp would copy these positions: a unified kivi cache copies a sequence from its first token, and one

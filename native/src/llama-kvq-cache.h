@@ -11,15 +11,29 @@ struct llama_hparams;
 struct llama_model;
 
 // The sliding-window half of an iSWA cache (Gemma 2/3, gpt-oss, Cohere 2): its types (llama_kvq_set_swa_types,
-// else the context's), and whether it must hold the whole context: a kivi layer keeps each token of a sequence in
-// its own cell, so cells that leave the window are masked, never reused. Throws std::runtime_error when a layer
-// reads another layer's kivi cache (shared KV layers).
+// else the context's), and whether a layer of it is kivi. Throws std::runtime_error when a layer reads another
+// layer's kivi cache (shared KV layers).
 struct llama_kvq_swa_plan {
     ggml_type type_k;
     ggml_type type_v;
-    bool      full;
+    bool      kivi;
 };
 
 llama_kvq_swa_plan llama_kvq_plan_swa_cache(const llama_model & model, const llama_hparams & hparams, ggml_type type_k,
         ggml_type type_v, const llama_memory_i::layer_filter_cb & filter_swa,
         const llama_memory_i::layer_reuse_cb & reuse);
+
+// Cells per sequence of a kivi sliding-window cache: a kivi layer keeps a sequence's k-th token in its part's k-th
+// cell, so cells that leave the window are not reused in place; whole rings of them leave the front of the part
+// instead (llama_kv_cache::kvq_drop_dead), and the part holds the window, a ubatch and two rings (what a rollback
+// may still need, and what one drop frees at least).
+uint32_t llama_kvq_swa_part_cells(const llama_hparams & hparams, uint32_t n_ubatch, uint32_t kv_size);
+
+// Cells that leave the front of a sliding-window part before a ubatch goes in (slot_info::kvq_drops): cells
+// [first + n_drop, first + n_held) move to [first, ...), data and metadata.
+struct llama_kvq_drop {
+    uint32_t strm;
+    uint32_t first;
+    uint32_t n_drop;
+    uint32_t n_held;
+};

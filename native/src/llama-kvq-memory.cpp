@@ -39,7 +39,7 @@ bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_me
         for (const auto & [buft, size] : iswa->get_swa()->memory_breakdown()) {
             info->swa_bytes += size;
         }
-        info->swa_n_cells = iswa->get_swa()->get_size();
+        info->swa_n_cells = (uint64_t) iswa->get_swa()->get_size()*iswa->get_swa()->get_n_stream();
     }
     return true;
 }

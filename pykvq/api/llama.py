@@ -102,7 +102,7 @@ class ContextConfig:
     # upstream's op offload (--no-op-offload turns it off): large CPU-resident matmuls run on the GPU
     op_offload: bool = True
     # a model with sliding-window layers (Gemma 2/3, gpt-oss): their cache holds the whole context (--swa-full)
-    # rather than the window and a batch; a kivi sliding-window cache always does
+    # rather than the window and a ubatch
     swa_full: bool = False
 
 

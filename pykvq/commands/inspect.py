@@ -169,7 +169,7 @@ def format_text(info: dict, n_ctx: int) -> str:
     if info.get("sliding_window"):
         lines += [f"  every layer counted at the full context; this model has sliding-window layers (window "
                   f"{info['sliding_window']}),",
-                  "  where upstream types keep the window and a batch, kivi types every token: --kv-type-swa sets "
+                  "  whose cache keeps the window and a ubatch (kivi types two rings more): --kv-type-swa sets "
                   "their type, `pykvq run` reports both caches"]
     return "\n".join(lines)
 

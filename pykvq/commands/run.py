@@ -65,7 +65,7 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--op-offload", action=argparse.BooleanOptionalAction, default=True,
                    help="offload host tensor operations to the GPU (default: on)")
     p.add_argument("--swa-full", action="store_true",
-                   help="a full-size cache for sliding-window layers (Gemma 2/3, gpt-oss); kivi ones always are")
+                   help="a full-size cache for sliding-window layers (Gemma 2/3, gpt-oss), as llama.cpp's --swa-full")
     p.add_argument("-fa", "--flash-attn", choices=list(FLASH_ATTN), default="auto",
                    help="flash attention (kivi types always use it)")
     p.add_argument("--kv-type", metavar="TYPE", default="f16",
