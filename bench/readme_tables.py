@@ -104,6 +104,18 @@ def iswa_memory_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def passkey_table(path: Path) -> str:
+    record = json.loads(path.read_text())
+    lengths = ", ".join(map(str, record["lengths"]))
+    depths = ", ".join(f"{d}%" for d in record["depths"])
+    lines = [f"Pass-key retrieval ({record['model']}, lengths {lengths}, key at {depths} of the filler, "
+             f"{record['trials']} keys each, bench/passkey.py):", "",
+             "| KV type | accuracy | below f16 where f16 is right (length@depth) |", "| --- | ---: | --- |"]
+    for s in record["summary"]:
+        lines.append(f"| {s['kv_type']} | {s['accuracy']:.2f} | {', '.join(s['below_f16']) or 'none'} |")
+    return "\n".join(lines)
+
+
 def render() -> str:
     parts = [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-c*.json"), key=lambda p: len(p.name))]
     parts += [asymkv_table(p) for p in sorted(RESULTS.glob("asymkv-c*.json"))]
@@ -111,6 +123,7 @@ def render() -> str:
     parts += [batched_table(p) for p in sorted(RESULTS.glob("batched-speed-*.json"))]
     parts += [prefill_table(p) for p in sorted(RESULTS.glob("prefill-speed-*.json"))]
     parts += [iswa_memory_table(p) for p in sorted(RESULTS.glob("iswa-memory-*.json"))]
+    parts += [passkey_table(p) for p in sorted(RESULTS.glob("passkey-*.json"))]
     return "\n\n".join(parts)
 
 

@@ -1,0 +1,202 @@
+"""Long-context retrieval per KV cache type: a pass key hidden at depths 0-100% of filler text, several lengths.
+
+    python bench/passkey.py [--lengths 1024 2048 4096] [--depths 0 25 50 75 100] [--trials 3]
+    python bench/passkey.py --model path/to/model.gguf --kv-types f16,q4_0,kivi2,asymkv:16/8 --ngl 99
+
+Each prompt is filler text of about `length` tokens with "The pass key is NNNNN. Remember it." at `depth`
+percent of it, then "What is the pass key? The pass key is"; the answer is decoded greedily and counts when
+its first number is the key. Every type sees the same prompts (the same keys, from --seed). A type is judged
+against f16 at the depths and lengths the model itself gets right there. Writes
+bench/results/passkey-<model>-<lengths>.json and .png (accuracy heat maps, one per type) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from decode_speed import RESULTS, resolve_model
+from tqdm import tqdm
+
+from pykvq.api.llama import ContextConfig, KvConfig, Model
+from pykvq.kv_types import KvSpec
+
+log = logging.getLogger("passkey")
+
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
+         "memorize it. I will quiz you about it.\n")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\nWhat is the pass key? The pass key is"
+N_ANSWER = 8  # tokens decoded: a five-digit key and some slack
+_NUMBER = re.compile(r"\d+")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    length: int   # the context length it was built for
+    depth: int    # percent of the filler before the key
+    key: str
+    tokens: list[int]
+
+
+def build_prompt(model: Model, length: int, depth: int, key: str) -> Prompt:
+    """Whole filler sentences around the key, as many as fit `length` tokens with the question and answer."""
+    fixed = len(model.tokenize(INTRO + NEEDLE.format(key=key) + QUESTION)) + N_ANSWER
+    per_filler = len(model.tokenize(FILLER * 10, add_special=False)) / 10
+    n_filler = max(0, int((length - fixed) / per_filler))
+    before = round(n_filler * depth / 100)
+    text = INTRO + FILLER * before + NEEDLE.format(key=key) + FILLER * (n_filler - before) + QUESTION
+    tokens = model.tokenize(text)
+    if len(tokens) + N_ANSWER > length:
+        raise ValueError(f"the prompt for length {length} came out at {len(tokens)} tokens")
+    return Prompt(length, depth, key, tokens)
+
+
+def kv_config(spec: KvSpec) -> KvConfig:
+    return KvConfig(spec.name, spec.name, rotate=True if spec.rotate else None, layers=spec.layers or "none")
+
+
+def answer(model: Model, config: ContextConfig, prompt: Prompt) -> str:
+    """The greedy continuation of the prompt."""
+    out: list[int] = []
+    with model.context(config) as ctx:
+        logits = ctx.eval(prompt.tokens)
+        for _ in range(N_ANSWER):
+            token = int(np.argmax(logits))
+            if model.is_eog(token):
+                break
+            out.append(token)
+            logits = ctx.eval([token])
+    return model.detokenize(out)
+
+
+def found(text: str, key: str) -> bool:
+    number = _NUMBER.search(text)
+    return number is not None and number.group() == key
+
+
+def run(model: Model, specs: list[KvSpec], prompts: list[Prompt], threads: int) -> list[dict]:
+    rows = []
+    with tqdm(total=len(specs) * len(prompts), desc="passkey", unit="prompt") as bar:
+        for spec in specs:
+            for prompt in prompts:
+                config = ContextConfig(n_ctx=prompt.length, n_batch=512, n_ubatch=512, n_threads=threads,
+                                       flash_attn="on", kv=kv_config(spec))
+                text = answer(model, config, prompt)
+                rows.append({"kv_type": spec.label, "length": prompt.length, "depth": prompt.depth,
+                             "key": prompt.key, "answer": text, "correct": found(text, prompt.key)})
+                bar.update()
+    return rows
+
+
+def accuracy(rows: list[dict], kv_type: str, length: int, depth: int) -> float:
+    mine = [r["correct"] for r in rows if r["kv_type"] == kv_type and r["length"] == length and r["depth"] == depth]
+    return sum(mine) / len(mine)
+
+
+def summary(record: dict) -> list[dict]:
+    """Per type: mean accuracy, and the cells where f16 is always right but the type is not."""
+    rows, lengths, depths = record["rows"], record["lengths"], record["depths"]
+    out = []
+    for kv_type in record["kv_types"]:
+        cells = [(n, d) for n in lengths for d in depths]
+        misses = [f"{n}@{d}%" for n, d in cells
+                  if accuracy(rows, "f16", n, d) == 1.0 and accuracy(rows, kv_type, n, d) < 1.0]
+        mean = sum(accuracy(rows, kv_type, n, d) for n, d in cells) / len(cells)
+        out.append({"kv_type": kv_type, "accuracy": mean, "below_f16": misses})
+    return out
+
+
+def table(record: dict) -> str:
+    lengths, depths = record["lengths"], record["depths"]
+    head = f"{'KV type':<16} {'length':>6} " + " ".join(f"{d:>5}%" for d in depths)
+    lines = [head, "-" * len(head)]
+    for kv_type in record["kv_types"]:
+        for n in lengths:
+            cells = " ".join(f"{accuracy(record['rows'], kv_type, n, d):>6.2f}" for d in depths)
+            lines.append(f"{kv_type:<16} {n:>6} {cells}")
+    lines.append("")
+    for s in record["summary"]:
+        missed = ", ".join(s["below_f16"]) or "none"
+        lines.append(f"{s['kv_type']:<16} mean accuracy {s['accuracy']:.2f}; below f16 where f16 is right: {missed}")
+    return "\n".join(lines)
+
+
+def plot(path: Path, record: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kv_types, lengths, depths = record["kv_types"], record["lengths"], record["depths"]
+    fig, axes = plt.subplots(1, len(kv_types), figsize=(2.6 * len(kv_types) + 1, 3.2), squeeze=False)
+    for ax, kv_type in zip(axes[0], kv_types, strict=True):
+        grid = np.array([[accuracy(record["rows"], kv_type, n, d) for n in lengths] for d in depths])
+        image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+        ax.set_title(kv_type, fontsize=9)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths], fontsize=7)
+        ax.set_xlabel("context length", fontsize=8)
+    axes[0][0].set_ylabel("key depth", fontsize=8)
+    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+    fig.suptitle(f"pass key retrieval, {record['model']}", fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="smollm2, random:SHAPE or a GGUF path")
+    p.add_argument("--kv-types", default="f16,q8_0,q4_0,kivi4,kivi2",
+                   help="comma-separated, as pykvq perplexity takes them (f16 first: the reference)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    p.add_argument("--depths", type=int, nargs="+", default=[0, 25, 50, 75, 100])
+    p.add_argument("--trials", type=int, default=3, help="keys per length and depth")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ngl", type=int, default=0, help="layers on the GPU (99: all)")
+    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
+    args = p.parse_args(argv)
+    specs = [KvSpec.parse(t) for t in args.kv_types.split(",") if t.strip()]
+    if not specs or specs[0].label != "f16":
+        p.error("--kv-types must start with f16, the reference the others are judged against")
+    if any(not 0 <= d <= 100 for d in args.depths) or args.trials < 1 or any(n < 128 for n in args.lengths):
+        p.error("depths are percentages 0..100, trials at least 1, lengths at least 128 tokens")
+    args.specs = specs
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    path, name = resolve_model(args.model, args.workdir)
+    rng = np.random.default_rng(args.seed)
+    with Model(path, n_gpu_layers=args.ngl) as model:
+        too_long = [n for n in args.lengths if n > model.n_ctx_train]
+        if too_long:
+            raise SystemExit(f"error: lengths {too_long} exceed the model's training context {model.n_ctx_train}")
+        prompts = [build_prompt(model, n, d, str(rng.integers(10000, 100000)))
+                   for n in args.lengths for d in args.depths for _ in range(args.trials)]
+        rows = run(model, args.specs, prompts, args.threads)
+    record = {"model": name, "lengths": args.lengths, "depths": args.depths, "trials": args.trials,
+              "seed": args.seed, "ngl": args.ngl, "kv_types": [s.label for s in args.specs], "rows": rows}
+    record["summary"] = summary(record)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    model_tag = re.sub(r"[^a-z0-9]+", "-", Path(name).stem.lower()).strip("-")
+    stem = f"passkey-{model_tag}-{'-'.join(map(str, args.lengths))}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    plot(RESULTS / f"{stem}.png", record)
+    print(table(record))
+    log.info("wrote %s.json and .png", RESULTS / stem)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""bench/passkey.py: its prompts hide the key where asked and fit the context; f16 finds it on the dev model."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pykvq import Model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import passkey  # noqa: E402
+
+import device  # noqa: E402
+
+
+@pytest.mark.parametrize("depth", [0, 50, 100])
+def test_the_key_sits_at_its_depth_and_the_prompt_fits(model: Model, depth: int) -> None:
+    prompt = passkey.build_prompt(model, 512, depth, "12345")
+    assert 400 < len(prompt.tokens) <= 512 - passkey.N_ANSWER
+    text = model.detokenize(prompt.tokens)
+    filler = text[len(passkey.INTRO):text.index("The pass key is 12345")]
+    total = text.count(passkey.FILLER.strip())
+    assert filler.count(passkey.FILLER.strip()) == round(total * depth / 100)
+
+
+def test_an_answer_counts_when_its_first_number_is_the_key() -> None:
+    assert passkey.found(" 12345. Remember", "12345")
+    assert not passkey.found(" 1234. Remember 12345", "12345")
+    assert not passkey.found(" the pass key.", "12345")
+
+
+def test_f16_finds_the_key_and_the_record_is_written(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(passkey, "RESULTS", tmp_path)
+    passkey.main(["--lengths", "256", "--depths", "0", "100", "--trials", "1", "--kv-types", "f16,q8_0", "-t", "2",
+                  "--ngl", str(device.NGL)])
+    record = json.loads(next(tmp_path.glob("passkey-*.json")).read_text())
+    assert record["kv_types"] == ["f16", "q8_0"] and len(record["rows"]) == 4
+    assert record["summary"][0] == {"kv_type": "f16", "accuracy": 1.0, "below_f16": []}
+    assert next(tmp_path.glob("passkey-*.png")).stat().st_size > 0
+
+
+def test_the_reference_must_come_first() -> None:
+    with pytest.raises(SystemExit):
+        passkey.parse_args(["--kv-types", "kivi2,f16"])
