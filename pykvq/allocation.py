@@ -6,10 +6,16 @@ another (pykvq calibrate: from kivi2 everywhere, one tensor up to 4 or down to 1
 cost); the allocation treats these costs as additive and picks, exactly (a knapsack over whole bits), the
 widths with the least total cost whose mean code bits per element stay within the budget. Every kivi type
 carries the same per-block scale and minimum (one extra bit per element), so equal code bits mean equal memory.
+
+Far from the reference the costs stop adding up (layers interact), so ``refine`` then walks from that mix by
+measured steps: it tries the moves the additive costs rank best (one tensor a width up or down, or one up and
+another down within the budget), measures each candidate mix as a whole, and takes the first that measures
+better, until none of the ranked candidates does or the measurements run out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 BITS = {"kivi4": 4, "kivi2": 2, "kivi1": 1}
@@ -89,6 +95,91 @@ def allocate(sensitivities: list[Sensitivity], n_layer: int, budget_bits: float)
         types[item.part, item.layer] = name
         spent -= BITS[name]
     return Allocation(types, n_layer, predicted)
+
+
+@dataclass(frozen=True)
+class Refinement:
+    allocation: Allocation
+    measured: float         # the refined mix's measured cost
+    start_measured: float   # the additive optimum's
+    evaluations: int        # mixes measured, the start included
+
+
+Move = dict[tuple[str, int], str]  # (part, layer) -> its new type
+PAIRED_DOWNS = 12  # the cheapest tensors to lower that pairs of downs are drawn from
+
+
+def _neighbour(name: str, by: int) -> str | None:
+    """The width ``by`` steps up (down when negative) from ``name``, None past the ends."""
+    order = sorted(BITS, key=BITS.get)
+    at = order.index(name) + by
+    return order[at] if 0 <= at < len(order) else None
+
+
+def _moves(types: dict[tuple[str, int], str], capacity: int, cheapest_downs: list[tuple[str, int]]) -> list[Move]:
+    """One tensor a width up or down, or one up and one or two others down, keeping the code bits within capacity
+    (kivi2 -> kivi4 takes two bits: two tensors down a bit each pay for it). Pairs of downs come from
+    ``cheapest_downs`` only, the tensors whose next width down costs least."""
+    spent = sum(BITS[t] for t in types.values())
+
+    def step(key: tuple[str, int], by: int) -> tuple[tuple[str, int], str] | None:
+        name = _neighbour(types[key], by)
+        return None if name is None else (key, name)
+
+    def extra(move: Move) -> int:
+        return sum(BITS[t] - BITS[types[key]] for key, t in move.items())
+
+    ups = [s for s in (step(key, 1) for key in types) if s is not None]
+    downs = [s for s in (step(key, -1) for key in types) if s is not None]
+    paired = [s for s in (step(key, -1) for key in cheapest_downs) if s is not None]
+    moves: list[Move] = [dict([d]) for d in downs] + [dict([u]) for u in ups if spent + extra(dict([u])) <= capacity]
+    for up in ups:
+        moves += [m for m in ({**dict([up]), **dict([down])} for down in downs if down[0] != up[0])
+                  if spent + extra(m) <= capacity]
+        for i, first in enumerate(paired):
+            for second in paired[i + 1:]:
+                move = dict([up, first, second])
+                if len(move) == 3 and spent + extra(move) <= capacity:
+                    moves.append(move)
+    return moves
+
+
+def refine(start: Allocation, sensitivities: list[Sensitivity], budget_bits: float,
+           measure: Callable[[Allocation], float], max_evaluations: int,
+           on_measure: Callable[[], None] = lambda: None) -> Refinement:
+    """Measured steps from ``start`` (see the module's docstring); ``measure`` gives a mix's cost as a whole."""
+    cost = {(s.part, s.layer): s.cost for s in sensitivities}
+    capacity = min(int(budget_bits * len(start.types) + 1e-9), max(BITS.values()) * len(start.types))
+
+    def predicted(types: dict[tuple[str, int], str], move: Move) -> float:
+        return sum(cost[key][t] - cost[key][types[key]] for key, t in move.items())
+
+    current, best = start, measure(start)
+    start_measured, evaluations = best, 1
+    on_measure()
+    seen = {tuple(sorted(start.types.items()))}
+    improved = True
+    while improved and evaluations < max_evaluations:
+        improved = False
+        types = current.types
+        downs = {key: name for key, name in ((key, _neighbour(t, -1)) for key, t in types.items()) if name}
+        lower = sorted(downs, key=lambda key: predicted(types, {key: downs[key]}))
+        for move in sorted(_moves(types, capacity, lower[:PAIRED_DOWNS]), key=lambda m: predicted(types, m)):
+            mix = {**types, **move}
+            key = tuple(sorted(mix.items()))
+            if key in seen:
+                continue
+            if evaluations >= max_evaluations:
+                break
+            seen.add(key)
+            candidate = Allocation(mix, start.n_layer, current.predicted_cost + predicted(types, move))
+            measured = measure(candidate)
+            evaluations += 1
+            on_measure()
+            if measured < best:
+                current, best, improved = candidate, measured, True
+                break
+    return Refinement(current, best, start_measured, evaluations)
 
 
 def format_allocation(allocation: Allocation) -> str:

@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pykvq import gguf_metadata
-from pykvq.allocation import BITS, PARTS, Allocation, Sensitivity, allocate, format_allocation
+from pykvq.allocation import BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, format_allocation, refine
 from pykvq.api.llama import ContextConfig, KvConfig, Model
 
 log = logging.getLogger("pykvq.calibrate")
@@ -88,6 +88,14 @@ class Calibrator:
         return out
 
 
+def refined(calibrator: Calibrator, start: Allocation, sensitivities: list[Sensitivity], budget: float,
+            max_evaluations: int) -> Refinement:
+    """The additive choice, then up to ``max_evaluations`` mixes measured from it (pykvq.allocation.refine)."""
+    with tqdm(total=1 + max_evaluations, unit="mix", desc="refine") as progress:
+        return refine(start, sensitivities, budget, lambda a: calibrator.kld(a.spec()), 1 + max_evaluations,
+                      progress.update)
+
+
 def metadata(allocation: Allocation, budget: float, sensitivities: list[Sensitivity], text: Path,
              probe: Probe) -> dict[str, object]:
     record: dict[str, object] = {
@@ -108,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{what} file not found: {f}")
     if args.output.resolve() == args.model.resolve():
         raise ValueError("-o must name a new file: pykvq calibrate writes a copy and never touches the model")
+    if args.refine < 0:
+        raise ValueError(f"--refine {args.refine}: the number of mixes to measure is 0 or more")
     if args.kv_budget < min(BITS.values()):
         raise ValueError(f"--kv-budget {args.kv_budget:g} is below what any mix reaches (1 bit: kivi1 everywhere)")
     probe = Probe(args.ctx_size, args.kv_window, args.kv_sinks, args.threads)
@@ -117,11 +127,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"the calibration text has {len(tokens)} tokens; -c asks for {probe.n_tokens}")
         calibrator = Calibrator(model, tokens, probe)
         sensitivities = calibrator.sensitivities()
-        allocation = allocate(sensitivities, model.n_layer, args.kv_budget)
-        measured = calibrator.kld(allocation.spec())
+        additive = allocate(sensitivities, model.n_layer, args.kv_budget)
+        result = refined(calibrator, additive, sensitivities, args.kv_budget, args.refine)
+    allocation = result.allocation
     print(format_allocation(allocation))
     print(f"mean code bits {allocation.mean_bits:.3f} (budget {args.kv_budget:g}); KL divergence against f16 KV: "
-          f"predicted {allocation.predicted_cost:+.4f} from kivi2 everywhere, measured {measured:.4f}")
+          f"{result.start_measured:.4f} measured for the additive choice (predicted {additive.predicted_cost:+.4f} "
+          f"from kivi2 everywhere), {result.measured:.4f} after {result.evaluations - 1} measured mixes")
     print(f"--kv-layers '{allocation.spec()}'")
     gguf_metadata.write_copy(args.model, args.output,
                              metadata(allocation, args.kv_budget, sensitivities, args.file, probe))
@@ -143,5 +155,8 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="calibration tokens (default %(default)s)")
     p.add_argument("--kv-window", type=int, default=128, help="kivi window while measuring (default %(default)s)")
     p.add_argument("--kv-sinks", type=int, default=0, help="kivi sinks while measuring (default %(default)s)")
+    p.add_argument("--refine", type=int, default=24,
+                   help="mixes measured as a whole after the additive choice, each one step from the best so far; "
+                        "0 keeps the additive choice (default %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")
     p.set_defaults(handler=run)
