@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pykvq import KvConfig, Model, gguf_metadata, kv_types, llama_tools, paths
+from pykvq.devtools import random_model
 from pykvq.kv_types import bits_per_element
 
 import device
@@ -171,3 +172,37 @@ def test_pykvq_run_reports_per_layer_types(smollm2: Path, tagged: Path, tmp_path
     assert "KV cache layers asymkv:16/0" in run("-m", str(smollm2), "--kv-type", "asymkv:16/0")
     assert "KV cache layers asymkv:20/5" in run("-m", str(tagged))
     assert "KV cache K f16, V f16" in run("-m", str(tagged), "--kv-layers", "none")
+
+
+@pytest.fixture(scope="module")
+def kv_heads_model(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("kv-heads") / "deci-kv-heads.gguf"
+    random_model.write(random_model.SHAPES["deci-kv-heads"], path)
+    with device.load_model(path) as m:
+        yield m
+
+
+def test_layers_of_different_kv_head_counts(kv_heads_model: Model) -> None:
+    """KV heads 2, 1 and 4 in one model (DeciLM's llama variant; GQA 2, 4, 1): each kivi layer holds its own
+    width. With a window covering the context kivi2 is upstream's f16 within upstream's own FA on/off noise (small
+    against the logits' spread); its state round trip is exact."""
+    tokens = [int(t) for t in np.random.default_rng(5).integers(300, 1024, size=300)]
+
+    def run(kv: KvConfig, flash_attn: str = "on") -> np.ndarray:
+        config = device.context_config(n_ctx=512, n_batch=512, n_threads=2, kv=kv, flash_attn=flash_attn)
+        with kv_heads_model.context(config) as ctx:
+            return ctx.eval(tokens, all_logits=True)
+
+    f16 = run(KvConfig())
+    noise = np.abs(run(KvConfig(), flash_attn="off") - f16).max()
+    assert np.abs(run(KvConfig.preset("kivi2", window=512)) - f16).max() < 2 * noise < 0.15 * f16.std()
+    config = device.context_config(n_ctx=512, n_batch=512, n_threads=2, kv=KvConfig.preset("kivi2", window=32),
+                                   flash_attn="on")
+    with kv_heads_model.context(config) as first, kv_heads_model.context(config) as second:
+        first.eval(tokens[:250])
+        second.load_state(first.save_state())
+        np.testing.assert_array_equal(second.eval(tokens[250:], all_logits=True),
+                                      first.eval(tokens[250:], all_logits=True))
+        memory = first.memory()
+    # 7 KV heads of 64 over the three layers, K and V, every cell
+    assert memory.n_elements == 512 * 7 * 64 * 2

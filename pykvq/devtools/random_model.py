@@ -36,15 +36,19 @@ class Shape:
     n_vocab: int
     n_ctx_train: int
     rope_freq_base: float
-    # "llama"; "gemma3": every 6th layer global, the others sliding-window (n_swa), Q/K norms; "gemma2": every
-    # other layer sliding-window, attention logit soft-capping; "gpt-oss": every other layer sliding-window,
-    # learned attention sinks, n_expert experts of n_ff
+    # "llama"; "deci": llama with per-layer head counts; "gemma3": every 6th layer global, the others
+    # sliding-window (n_swa), Q/K norms; "gemma2": every other layer sliding-window, attention logit soft-capping;
+    # "gpt-oss": every other layer sliding-window, learned attention sinks, n_expert experts of n_ff
     arch: str = "llama"
     head_dim: int | None = None  # None: n_embd / n_head
     n_swa: int = 0
     n_expert: int = 0
     n_expert_used: int = 0
     swa_pattern: int = 0  # every swa_pattern-th layer global; 0: the family's own
+    n_head_kv_layers: tuple[int, ...] = ()  # KV heads per layer where they differ (deci)
+
+    def n_head_kv_of(self, il: int) -> int:
+        return self.n_head_kv_layers[il] if self.n_head_kv_layers else self.n_head_kv
 
     @property
     def n_embd_head(self) -> int:
@@ -62,6 +66,8 @@ SHAPES = {
     "small-h64": Shape(4, 512, 1024, 8, 2, 2048, 65536, 10000.0),
     "small-h128": Shape(4, 1024, 2048, 8, 2, 2048, 65536, 500000.0),
     # Gemma-3's shape at small size: head size 256, 5 sliding-window layers to 1 global, a short window
+    # a different KV head count in each layer (GQA 2, 4 and 1): DeciLM's llama variant (Nemotron)
+    "deci-kv-heads": Shape(3, 256, 512, 4, 2, 1024, 65536, 10000.0, arch="deci", n_head_kv_layers=(2, 1, 4)),
     "gemma3-small": Shape(6, 512, 1024, 4, 2, 2048, 32768, 1000000.0, arch="gemma3", head_dim=256, n_swa=96),
     "gemma3-1b": Shape(26, 1152, 6912, 4, 1, 262144, 32768, 1000000.0, arch="gemma3", head_dim=256, n_swa=512),
     "gemma2-small": Shape(2, 512, 1024, 4, 2, 2048, 8192, 10000.0, arch="gemma2", head_dim=128, n_swa=64),
@@ -92,7 +98,6 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
     rng = np.random.default_rng(seed)
     head_dim = shape.n_embd_head
     n_embd_q = head_dim * shape.n_head
-    n_embd_kv = head_dim * shape.n_head_kv
     writer = gguf.GGUFWriter(path, arch=shape.arch)
     writer.add_name(f"random {path.stem}")
     writer.add_context_length(shape.n_ctx_train)
@@ -100,7 +105,10 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
     writer.add_block_count(shape.n_layer)
     writer.add_feed_forward_length(shape.n_ff)
     writer.add_head_count(shape.n_head)
-    writer.add_head_count_kv(shape.n_head_kv)
+    if shape.n_head_kv_layers:
+        writer.add_array(gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=shape.arch), list(shape.n_head_kv_layers))
+    else:
+        writer.add_head_count_kv(shape.n_head_kv)
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -153,6 +161,7 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
     for il in range(shape.n_layer):
         norm(f"blk.{il}.attn_norm.weight")
         matrix(f"blk.{il}.attn_q.weight", n_embd_q, shape.n_embd)
+        n_embd_kv = head_dim * shape.n_head_kv_of(il)
         matrix(f"blk.{il}.attn_k.weight", n_embd_kv, shape.n_embd)
         matrix(f"blk.{il}.attn_v.weight", n_embd_kv, shape.n_embd)
         matrix(f"blk.{il}.attn_output.weight", shape.n_embd, n_embd_q)
