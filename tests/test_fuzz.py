@@ -69,6 +69,16 @@ def test_metadata_reader_refuses_corrupt_files_cleanly(small_gguf: bytes, tmp_pa
         model_info.collect(path)
 
 
+@pytest.mark.parametrize("n_layer", [4278190082, 0, -3])
+def test_an_impossible_layer_count_is_refused_before_per_layer_values(n_layer: int) -> None:
+    """Found by the fuzz above: block_count corrupted to 4278190082 made inspect build a list of that many head
+    counts (MemoryError) before its size check."""
+    fields = {"general.architecture": "llama", "llama.block_count": n_layer, "llama.embedding_length": 256,
+              "llama.attention.head_count": 4}
+    with pytest.raises(gguf_metadata.GgufError, match=f"impossible sizes: {n_layer} layers"):
+        model_info.read_shape(fields)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_corrupt_models_are_an_error_not_a_crash(small_gguf: bytes, tmp_path: Path, data: st.DataObject) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from pykvq import KvConfig, KvMemory, LlamaError, Model, llama_tools
 from pykvq.devtools import random_model
+from pykvq.kv_types import bits_per_element
 
 import device
 
@@ -93,6 +94,11 @@ def test_the_sliding_window_cache_takes_its_own_type(gemma3: Model) -> None:
             kivi_global.swa_n_cells) == (768, 2048, 672, 2048, 768)
     assert kivi_all.bytes < f16.bytes / 3
     assert kivi_full.bytes < f16_full.bytes / 3
+    # each layer counted at its own cache's cells: f16 is 16 bits per element, in either cache
+    assert (f16.bits_per_element, f16.swa_bits_per_element, f16.global_bits_per_element) == (16.0, 16.0, 16.0)
+    assert f16.ratio_to_f16 == 1.0
+    assert kivi_all.global_bits_per_element == pytest.approx(bits_per_element("kivi2", 2048, 32, 0), rel=1e-3)
+    assert kivi_all.swa_bits_per_element == pytest.approx(bits_per_element("kivi2", 672, 32, 0), rel=1e-3)
     # 5 sliding-window layers in f16 beside one kivi2 global layer
     assert kivi_global.swa_bytes == f16.swa_bytes
     assert kivi_global.bytes - kivi_global.swa_bytes == kivi_all.bytes - kivi_all.swa_bytes
@@ -104,8 +110,9 @@ def test_run_reports_each_cache(gemma3_path: Path) -> None:
                            "-n", "4", "--temp", "0", "-t", "2", "-c", "1024", "--kv-type", "kivi2", "--kv-type-swa",
                            "f16", *device.TOOL_ARGS], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert re.search(r"of which the sliding-window layers' cache \(f16\): [0-9.]+ MiB for 768 cells; the global "
-                     r"layers' [0-9.]+ MiB", proc.stderr), proc.stderr[-2000:]
+    reported = re.search(r"of which the sliding-window layers' cache \(f16\): [0-9.]+ MiB for 768 cells, 16.00 bits "
+                         r"per element; the global layers' [0-9.]+ MiB, [0-9.]+ bits per element", proc.stderr)
+    assert reported, proc.stderr[-2000:]
 
 
 def test_state_round_trip_continues_exactly(gemma3: Model, tokens: list[int]) -> None:
@@ -318,3 +325,21 @@ def test_a_state_saved_after_drops_continues_exactly(gemma3: Model, tokens: list
         want = first.eval_seqs({0: tokens[300:330]})[0]
         np.testing.assert_array_equal(second.eval_seqs({0: tokens[300:330]})[0], want)
         np.testing.assert_array_equal(third.eval_seqs({1: tokens[300:330]})[1], want)
+
+
+def test_a_removal_reaching_past_the_dropped_cells_is_refused(gemma3: Model, tokens: list[int]) -> None:
+    """The global layers in f16 (which remove anything) and the sliding-window ones in kivi2: removing positions
+    100 and on emptied the kivi cache, whose cells all lay past 100 after drops, while the global one kept 0-99;
+    the next token then attended a window of nothing. Refused in both caches now; a whole clear still works."""
+    kv = KvConfig("f16", "f16", window=32, type_swa="kivi2")
+    with gemma3.context(device.context_config(kv=kv, **DROPPING)) as ctx, \
+            gemma3.context(device.context_config(kv=kv, **DROPPING)) as twin:
+        ctx.eval(tokens[:300])
+        twin.eval(tokens[:300])
+        with pytest.raises(LlamaError, match="left the window and were dropped"):
+            ctx.truncate(100)
+        assert ctx.n_past == 300
+        np.testing.assert_array_equal(ctx.eval(tokens[300:310], all_logits=True),
+                                      twin.eval(tokens[300:310], all_logits=True))
+        ctx.truncate(0)
+        assert ctx.n_past == 0

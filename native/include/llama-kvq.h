@@ -68,12 +68,13 @@ LLAMA_API bool llama_kvq_resolve_layer_types(const char * spec, int32_t n_layer,
 struct llama_kvq_memory_info {
     uint64_t bytes;
     uint64_t f16_bytes;
-    uint64_t n_elements;   // K and V elements the cache holds at full occupancy
+    uint64_t n_elements;   // K and V elements the cache holds at full occupancy, each layer at its cache's cells
     uint64_t n_cells;
     uint32_t n_layers_kv;
     uint32_t n_seq_cells;  // cells one sequence can hold: less than n_cells with streams, or a unified kivi cache
     uint64_t swa_bytes;    // of bytes, those of the sliding-window cache of an iSWA model (Gemma 2/3); 0 without one
     uint64_t swa_n_cells;  // its cells, all sequences': the window and a ubatch each, or n_ctx (--swa-full)
+    uint64_t swa_n_elements; // of n_elements, the sliding-window cache's
 };
 
 // false when the context has no KV cache

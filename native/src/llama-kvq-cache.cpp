@@ -768,6 +768,13 @@ bool llama_kv_cache::kvq_can_remove(llama_seq_id seq_id, llama_pos p0, llama_pos
         if (pos_min < 0) {
             continue;
         }
+        if (kvq_drop_dead && p0 > 0 && p0 <= pos_min && (p1 < 0 || p1 > cells.seq_pos_max(seq))) {
+            LLAMA_LOG_ERROR("%s: kivi sliding-window KV cache: cannot remove positions %d and on from sequence %d: its "
+                            "cells before position %d left the window and were dropped, and the next token's window "
+                            "reaches back before them; remove the whole sequence, or keep every cell with --swa-full\n",
+                            __func__, p0, seq, pos_min);
+            return false;
+        }
         if (!kvq_can_remove_stream(cells.seq_pos_max(seq) - pos_min + 1, p0 - pos_min, p1 < 0 ? p1 : p1 - pos_min, seq)) {
             return false;
         }

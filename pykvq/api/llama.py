@@ -119,6 +119,7 @@ class KvMemory:
     # of bytes, the sliding-window cache's, and its cells (a model with sliding-window layers; else 0)
     swa_bytes: int = 0
     swa_n_cells: int = 0
+    swa_n_elements: int = 0
 
     @property
     def bits_per_element(self) -> float:
@@ -127,6 +128,16 @@ class KvMemory:
     @property
     def ratio_to_f16(self) -> float:
         return self.bytes / self.f16_bytes
+
+    @property
+    def swa_bits_per_element(self) -> float:
+        """The sliding-window cache's alone (0 without one)."""
+        return 8.0 * self.swa_bytes / self.swa_n_elements if self.swa_n_elements else 0.0
+
+    @property
+    def global_bits_per_element(self) -> float:
+        """The cache of the global layers (every layer's, without sliding-window ones)."""
+        return 8.0 * (self.bytes - self.swa_bytes) / (self.n_elements - self.swa_n_elements)
 
 
 @dataclass(frozen=True)
@@ -606,7 +617,7 @@ class Context(_Handle):
         if not self._lib.llama.llama_kvq_memory_info(self._ptr, info):
             raise LlamaError("this context has no KV cache")
         return KvMemory(info.bytes, info.f16_bytes, info.n_elements, info.n_cells, info.n_layers_kv,
-                        info.n_seq_cells, info.swa_bytes, info.swa_n_cells)
+                        info.n_seq_cells, info.swa_bytes, info.swa_n_cells, info.swa_n_elements)
 
     def timings(self) -> Timings:
         perf = self._lib.llama.llama_perf_context(self._ptr)

@@ -199,6 +199,7 @@ LLAMA_CDEF = """
         uint32_t n_seq_cells;
         uint64_t swa_bytes;
         uint64_t swa_n_cells;
+        uint64_t swa_n_elements;
     };
     bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_memory_info * info);
 """

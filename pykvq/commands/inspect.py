@@ -41,6 +41,9 @@ class KvShape:
         return [h * self.head_dim_v for h in self.n_head_kv]
 
 
+MAX_LAYERS = 1 << 16
+
+
 def _per_layer(value: object, n_layer: int, what: str) -> list[int]:
     values = np.atleast_1d(np.asarray(value, dtype=np.int64)).tolist()
     if len(values) == 1:
@@ -64,6 +67,9 @@ def read_shape(fields: dict[str, object]) -> KvShape:
 
     try:
         n_layer = int(get("block_count"))  # type: ignore[arg-type]
+        if not 0 < n_layer <= MAX_LAYERS:
+            # before any per-layer list is made: a corrupt count would ask for billions of entries
+            raise gguf_metadata.GgufError(f"{arch} model with impossible sizes: {n_layer} layers")
         n_embd = int(get("embedding_length"))  # type: ignore[arg-type]
         n_head = _per_layer(get("attention.head_count"), n_layer, "attention.head_count")
         n_head_kv = _per_layer(get("attention.head_count_kv", n_head), n_layer, "attention.head_count_kv")
@@ -73,7 +79,7 @@ def read_shape(fields: dict[str, object]) -> KvShape:
                         int(get("attention.value_length", head)))  # type: ignore[arg-type]
     except (TypeError, ValueError, OverflowError) as exc:
         raise gguf_metadata.GgufError(f"{arch} model with unusable hyperparameters: {exc}") from exc
-    if not 0 < shape.n_layer <= 1 << 16 or min(n_head_kv) < 0 or shape.head_dim_k < 0 or shape.head_dim_v < 0:
+    if min(n_head_kv) < 0 or shape.head_dim_k < 0 or shape.head_dim_v < 0:
         raise gguf_metadata.GgufError(f"{arch} model with impossible sizes: {shape.n_layer} layers, KV heads "
                                       f"{sorted(set(n_head_kv))}, head size {shape.head_dim_k}/{shape.head_dim_v}")
     return shape

@@ -247,6 +247,7 @@ def _report(timings: Timings, memory: KvMemory, kv: KvConfig) -> None:
           f"{memory.f16_bytes / MIB:.2f} MiB ({memory.ratio_to_f16:.2f}x)", file=sys.stderr)
     if memory.swa_n_cells:
         swa_type = kv.type_swa or (kv.type_k if kv.type_k == kv.type_v else f"{kv.type_k}/{kv.type_v}")
+        global_mib = (memory.bytes - memory.swa_bytes) / MIB
         print(f"pykvq: of which the sliding-window layers' cache ({swa_type}): {memory.swa_bytes / MIB:.2f} MiB for "
-              f"{memory.swa_n_cells} cells; the global layers' {(memory.bytes - memory.swa_bytes) / MIB:.2f} MiB",
-              file=sys.stderr)
+              f"{memory.swa_n_cells} cells, {memory.swa_bits_per_element:.2f} bits per element; the global layers' "
+              f"{global_mib:.2f} MiB, {memory.global_bits_per_element:.2f} bits per element", file=sys.stderr)
