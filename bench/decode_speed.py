@@ -110,6 +110,8 @@ def device_name() -> str:
 def resolve_model(text: str, workdir: Path) -> tuple[Path, str]:
     if text == "smollm2":
         return assets.default_model(), assets.SMOLLM2_135M_INSTRUCT.member
+    if text == "qwen2.5-coder-1.5b":
+        return assets.qwen_model(), assets.QWEN25_CODER_15B_INSTRUCT.name
     if text.startswith("random:"):
         shape = text.split(":", 1)[1]
         path = workdir / f"{shape}-random.gguf"
@@ -121,7 +123,8 @@ def resolve_model(text: str, workdir: Path) -> tuple[Path, str]:
 
 def add_machine_args(parser: argparse.ArgumentParser) -> None:
     """The model and machine options of the llama-batched-bench benchmarks (this one, prefill_speed.py)."""
-    parser.add_argument("--model", default="smollm2", help="smollm2, random:SHAPE (llama3-8b, tiny) or a GGUF path")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2, qwen2.5-coder-1.5b, random:SHAPE (llama3-8b, tiny) or a GGUF path")
     parser.add_argument("--ngl", type=int, default=0, help="layers on the GPU (99: all)")
     parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))

@@ -154,7 +154,7 @@ def plot(path: Path, record: dict) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="smollm2, random:SHAPE or a GGUF path")
+    p.add_argument("--model", default="smollm2", help="smollm2, qwen2.5-coder-1.5b, random:SHAPE or a GGUF path")
     p.add_argument("--kv-types", default="f16,q8_0,q4_0,kivi4,kivi2",
                    help="comma-separated, as pykvq perplexity takes them (f16 first: the reference)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])

