@@ -278,6 +278,15 @@ uint32_t llama_kv_cache::kvq_n_droppable(const llama_kv_cells & cells, llama_seq
     return n_dead / n_ring * n_ring;
 }
 
+// what each sequence's part holds, for the message of a full one
+static std::string kvq_part_text(bool regions, uint32_t n_part, uint32_t part_cells, bool drops) {
+    const std::string cells = std::to_string(part_cells) + " cells";
+    const std::string text  = regions ? "a unified kivi cache gives each of its " + std::to_string(n_part) +
+                                        " sequences " + cells + " (n_ctx / n_seq_max)"
+                                      : "a kivi cache gives each sequence " + cells;
+    return drops ? text + ": the window of its sliding-window layers, a ubatch and two rings" : text;
+}
+
 // The k-th token of sequence s goes to the k-th cell of its part (a stream, or in a unified cache the region from
 // cell s*kvq_part_cells on), after the sequence's cells: it only ever loses a suffix, or in a sliding-window cache
 // rings of cells from the front (slot_info::kvq_drops), so they are the first ones of the part
@@ -315,10 +324,8 @@ llama_kv_cache::slot_info llama_kv_cache::kvq_find_slot(const llama_ubatch & uba
         const uint32_t  n_held  = pos_min < 0 ? 0 : cells.seq_pos_max(seq) - pos_min + 1;
         const uint32_t  n_drop  = kvq_n_droppable(cells, seq, n_held, n_new[seq]);
         if (n_held - n_drop + n_new[seq] > kvq_part_cells) {
-            kvq_slot_fail("sequence " + std::to_string(seq) + " is full: " + (regions ? "a unified kivi cache gives each of its " +
-                          std::to_string(kvq_n_part) + " sequences " + std::to_string(kvq_part_cells) + " cells (n_ctx / n_seq_max)" :
-                          "a kivi cache gives each sequence " + std::to_string(kvq_part_cells) + " cells") +
-                          (kvq_drop_dead ? ", the window of its sliding-window layers and a ubatch" : ""));
+            kvq_slot_fail("sequence " + std::to_string(seq) + " is full: " +
+                          kvq_part_text(regions, kvq_n_part, kvq_part_cells, kvq_drop_dead));
             return {};
         }
         if (n_drop > 0) {
