@@ -21,11 +21,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pykvq import assets, kv_types
-from pykvq.allocation import allocate, refine
+from pykvq.allocation import allocate
 from pykvq.api.llama import Model
 from pykvq.bindings import native
 from pykvq.commands import perplexity
-from pykvq.commands.calibrate import Calibrator, Probe
+from pykvq.commands.calibrate import Calibrator, Probe, refined
 from pykvq.kv_types import KvSpec
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -49,16 +49,15 @@ def allocator_specs(model_path: Path, budgets: list[float], n_tokens: int, windo
         calibrator = Calibrator(model, tokens, Probe(n_tokens, window, 0, threads))
         sensitivities = calibrator.sensitivities()
         allocations = {b: allocate(sensitivities, model.n_layer, b) for b in budgets}
-        refined = {b: refine(a, sensitivities, b, lambda m: calibrator.kld(m.spec()), 1 + n_refine)
-                   for b, a in allocations.items()}
+        refinements = {b: refined(calibrator, a, sensitivities, b, n_refine) for b, a in allocations.items()}
     record = {"calibration": {"text": "macbeth_gut.txt[20000:]", "n_tokens": n_tokens, "window": window,
                               "refine": n_refine},
               "sensitivities": [asdict(s) for s in sensitivities],
               "allocations": {str(b): a.spec() for b, a in allocations.items()},
               "refined": {str(b): {"spec": r.allocation.spec(), "kld_additive": r.start_measured,
-                                   "kld_refined": r.measured} for b, r in refined.items()}}
+                                   "kld_refined": r.measured} for b, r in refinements.items()}}
     return ([KvSpec.per_layer(a.spec()) for a in allocations.values()],
-            [KvSpec.per_layer(r.allocation.spec()) for r in refined.values()], record)
+            [KvSpec.per_layer(r.allocation.spec()) for r in refinements.values()], record)
 
 
 def plot(path: Path, rows: list[dict], title: str) -> None:

@@ -59,16 +59,21 @@ class Allocation:
         return out
 
 
+def _capacity(budget_bits: float, n_items: int) -> int:
+    """The code bits a budget allows ``n_items`` tensors, at most all of them at the widest width."""
+    return min(int(budget_bits * n_items + 1e-9), max(BITS.values()) * n_items)
+
+
 def allocate(sensitivities: list[Sensitivity], n_layer: int, budget_bits: float) -> Allocation:
     """The least-cost widths with mean code bits per element <= ``budget_bits`` (K and V weigh alike)."""
     items = sorted(sensitivities, key=lambda s: (s.part, s.layer))
     if sorted((s.part, s.layer) for s in items) != [(p, il) for p in PARTS for il in range(n_layer)]:
         raise ValueError(f"need one sensitivity per layer and part for {n_layer} layers")
-    lowest, highest = min(BITS.values()), max(BITS.values())
+    lowest = min(BITS.values())
     if budget_bits < lowest:
         raise BudgetError(f"a budget of {budget_bits:g} bits per element is below what any mix reaches "
                           f"({lowest} bit: kivi1 everywhere)")
-    capacity = min(int(budget_bits * len(items) + 1e-9), highest * len(items))
+    capacity = _capacity(budget_bits, len(items))
     # best[b]: least cost with b bits spent so far; choice[i][b]: the type item i took on that path
     inf = float("inf")
     best = [0.0] + [inf] * capacity
@@ -116,10 +121,11 @@ def _neighbour(name: str, by: int) -> str | None:
     return order[at] if 0 <= at < len(order) else None
 
 
-def _moves(types: dict[tuple[str, int], str], capacity: int, cheapest_downs: list[tuple[str, int]]) -> list[Move]:
+def _moves(types: dict[tuple[str, int], str], capacity: int,
+           cheapest_downs: list[tuple[tuple[str, int], str]]) -> list[Move]:
     """One tensor a width up or down, or one up and one or two others down, keeping the code bits within capacity
     (kivi2 -> kivi4 takes two bits: two tensors down a bit each pay for it). Pairs of downs come from
-    ``cheapest_downs`` only, the tensors whose next width down costs least."""
+    ``cheapest_downs`` only: (tensor, its next width down), those whose step down costs least."""
     spent = sum(BITS[t] for t in types.values())
 
     def step(key: tuple[str, int], by: int) -> tuple[tuple[str, int], str] | None:
@@ -131,13 +137,11 @@ def _moves(types: dict[tuple[str, int], str], capacity: int, cheapest_downs: lis
 
     ups = [s for s in (step(key, 1) for key in types) if s is not None]
     downs = [s for s in (step(key, -1) for key in types) if s is not None]
-    paired = [s for s in (step(key, -1) for key in cheapest_downs) if s is not None]
     moves: list[Move] = [dict([d]) for d in downs] + [dict([u]) for u in ups if spent + extra(dict([u])) <= capacity]
     for up in ups:
-        moves += [m for m in ({**dict([up]), **dict([down])} for down in downs if down[0] != up[0])
-                  if spent + extra(m) <= capacity]
-        for i, first in enumerate(paired):
-            for second in paired[i + 1:]:
+        moves += [m for m in (dict([up, down]) for down in downs if down[0] != up[0]) if spent + extra(m) <= capacity]
+        for i, first in enumerate(cheapest_downs):
+            for second in cheapest_downs[i + 1:]:
                 move = dict([up, first, second])
                 if len(move) == 3 and spent + extra(move) <= capacity:
                     moves.append(move)
@@ -149,7 +153,7 @@ def refine(start: Allocation, sensitivities: list[Sensitivity], budget_bits: flo
            on_measure: Callable[[], None] = lambda: None) -> Refinement:
     """Measured steps from ``start`` (see the module's docstring); ``measure`` gives a mix's cost as a whole."""
     cost = {(s.part, s.layer): s.cost for s in sensitivities}
-    capacity = min(int(budget_bits * len(start.types) + 1e-9), max(BITS.values()) * len(start.types))
+    capacity = _capacity(budget_bits, len(start.types))
 
     def predicted(types: dict[tuple[str, int], str], move: Move) -> float:
         return sum(cost[key][t] - cost[key][types[key]] for key, t in move.items())
@@ -162,9 +166,9 @@ def refine(start: Allocation, sensitivities: list[Sensitivity], budget_bits: flo
     while improved and evaluations < max_evaluations:
         improved = False
         types = current.types
-        downs = {key: name for key, name in ((key, _neighbour(t, -1)) for key, t in types.items()) if name}
-        lower = sorted(downs, key=lambda key: predicted(types, {key: downs[key]}))
-        for move in sorted(_moves(types, capacity, lower[:PAIRED_DOWNS]), key=lambda m: predicted(types, m)):
+        downs = [(key, name) for key, name in ((key, _neighbour(t, -1)) for key, t in types.items()) if name]
+        cheapest = sorted(downs, key=lambda down: predicted(types, dict([down])))[:PAIRED_DOWNS]
+        for move in sorted(_moves(types, capacity, cheapest), key=lambda m: predicted(types, m)):
             mix = {**types, **move}
             key = tuple(sorted(mix.items()))
             if key in seen:
