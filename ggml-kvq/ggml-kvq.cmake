@@ -12,6 +12,7 @@ target_sources(ggml-cpu PRIVATE
     ${PYKVQ_GGML_KVQ_DIR}/src/kvq-cpu.c
     ${PYKVQ_GGML_KVQ_DIR}/src/kvq-cpu-source.c
     ${PYKVQ_GGML_KVQ_DIR}/src/kvq-cpu-wide.c
+    ${PYKVQ_GGML_KVQ_DIR}/src/kvq-cpu-score.c
 )
 if (TARGET ggml-cuda)
     # our kernels include ggml-cuda's common.cuh, as upstream's own .cu files do
@@ -25,5 +26,6 @@ if (TARGET ggml-cuda)
     target_sources(ggml-cuda PRIVATE
         ${PYKVQ_GGML_KVQ_DIR}/src/cuda/kvq-cuda.cu
         ${PYKVQ_GGML_KVQ_DIR}/src/cuda/kvq-cuda-wide.cu
+        ${PYKVQ_GGML_KVQ_DIR}/src/cuda/kvq-cuda-score.cu
     )
 endif()

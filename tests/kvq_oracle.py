@@ -80,29 +80,57 @@ def dequantized_v_rows(v: np.ndarray, bits: int) -> np.ndarray:
     return dequantize_rows(quantize_rows(v, bits), bits, v.shape[1])
 
 
-def kivi_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_cells: np.ndarray, *, window: int,
-                   n_sink: int, k_bits: int, v_bits: int, scale: float, n_swa: int = 0) -> np.ndarray:
-    """DESIGN.md §5 in plain numpy (float64 softmax): q [n_q, n_head, d], k/v [n_cells, n_head_kv, d];
-    the query at cell i attends cells 0..i, or with a sliding window (n_swa > 0, llama.cpp's standard SWA) the
-    last n_swa of them. Q is taken in fp16, as upstream's flash attention does."""
-    n_cells, n_head_kv, d = k.shape
-    dv = v.shape[2]
-    group = q.shape[1] // n_head_kv
+def _contract_reads(k: np.ndarray, v: np.ndarray, query_cells: np.ndarray, *, window: int, n_sink: int,
+                    k_bits: int, v_bits: int, n_swa: int, k_fp16: bool = False):
+    """For each query (index n at cell i): the cells j it attends and, per KV head, the keys and values it reads
+    there (DESIGN.md §5); with k_fp16 the quantized keys are rounded to fp16, as the flash-attention prefill's wide
+    cells hold them."""
+    n_cells = k.shape[0]
     kq = dequantized_k_tiles(k.reshape(n_cells, -1), k_bits).reshape(k.shape)
+    if k_fp16:
+        kq = fp16_round(kq)
     vq = dequantized_v_rows(v.reshape(n_cells, -1), v_bits).reshape(v.shape)
     k16, v16 = fp16_round(k), fp16_round(v)
-    out = np.zeros((q.shape[0], q.shape[1], dv))
     for n, i in enumerate(query_cells):
         j = np.arange(max(0, i - n_swa + 1) if n_swa else 0, i + 1)
         lim_v = i - window + 1
         lim_k = min(lim_v, i // QK * QK)
         k_quant = (j >= n_sink) & (j < lim_k)
         v_quant = (j >= n_sink) & (j < lim_v)
+        keys = np.where(k_quant[:, None, None], kq[j], k16[j]).astype(np.float64)
+        vals = np.where(v_quant[:, None, None], vq[j], v16[j]).astype(np.float64)
+        yield n, j, keys, vals
+
+
+def _probabilities(keys: np.ndarray, q: np.ndarray, scale: float) -> np.ndarray:
+    s = keys @ fp16_round(q).astype(np.float64) * scale
+    p = np.exp(s - s.max())
+    return p / p.sum()
+
+
+def kivi_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_cells: np.ndarray, *, window: int,
+                   n_sink: int, k_bits: int, v_bits: int, scale: float, n_swa: int = 0) -> np.ndarray:
+    """DESIGN.md §5 in plain numpy (float64 softmax): q [n_q, n_head, d], k/v [n_cells, n_head_kv, d];
+    the query at cell i attends cells 0..i, or with a sliding window (n_swa > 0, llama.cpp's standard SWA) the
+    last n_swa of them. Q is taken in fp16, as upstream's flash attention does."""
+    group = q.shape[1] // k.shape[1]
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
+    for n, _, keys, vals in _contract_reads(k, v, query_cells, window=window, n_sink=n_sink, k_bits=k_bits,
+                                            v_bits=v_bits, n_swa=n_swa):
         for h in range(q.shape[1]):
-            hk = h // group
-            keys = np.where(k_quant[:, None], kq[j, hk], k16[j, hk]).astype(np.float64)
-            vals = np.where(v_quant[:, None], vq[j, hk], v16[j, hk]).astype(np.float64)
-            s = keys @ fp16_round(q[n, h]).astype(np.float64) * scale
-            p = np.exp(s - s.max())
-            out[n, h] = p @ vals / p.sum()
+            out[n, h] = _probabilities(keys[:, h // group], q[n, h], scale) @ vals[:, h // group]
     return out
+
+
+def attention_mass(q: np.ndarray, k: np.ndarray, query_cells: np.ndarray, *, window: int, n_sink: int,
+                   k_bits: int, scale: float, n_swa: int = 0) -> np.ndarray:
+    """MiniKV's accumulated attention scores, from the full probability matrix of the wide prefill's contract
+    (quantized keys rounded to fp16): [n_cells, n_head_kv], each cell's probabilities summed over the queries and
+    the query heads that share its KV head."""
+    group = q.shape[1] // k.shape[1]
+    mass = np.zeros(k.shape[:2])
+    for n, j, keys, _ in _contract_reads(k, k, query_cells, window=window, n_sink=n_sink, k_bits=k_bits,
+                                         v_bits=2, n_swa=n_swa, k_fp16=True):
+        for h in range(q.shape[1]):
+            mass[j, h // group] += _probabilities(keys[:, h // group], q[n, h], scale)
+    return mass

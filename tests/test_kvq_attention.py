@@ -3,111 +3,14 @@ the quantized tiles directly, against the numpy reference of DESIGN.md §5 (test
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-import kvq_graph as g
 import kvq_oracle as oracle
 import numpy as np
 import pytest
+from kvq_layer import Case, random_qkv, run_layer
 
 from pykvq.bindings.ggml_types import GGML_TYPE_KIVI1, GGML_TYPE_KIVI2, GGML_TYPE_KIVI4, KIVI_BITS
-
-
-@dataclass(frozen=True)
-class Case:
-    head_dim: int
-    n_head: int
-    n_head_kv: int
-    window: int
-    n_sink: int
-    k_type: int = GGML_TYPE_KIVI2
-    v_type: int = GGML_TYPE_KIVI2
-    head_dim_v: int | None = None  # None: head_dim
-
-    @property
-    def dv(self) -> int:
-        return self.head_dim_v or self.head_dim
-
-
-def wide_attention(ctx: g.Context, case: Case, q, sealed, v_store, k_fp16, v_fp16, k_cur, v_cur, mask, idxs,
-                   n_alloc: int, n_kv: int):
-    """The flash-attention prefill: K and V as wide cells, upstream's ggml_flash_attn_ext over them."""
-    lib = g.libs().base
-    window, n_sink = case.window, case.n_sink
-    k_wide = lib.ggml_kvq_wide(ctx.ctx, sealed, k_fp16, k_cur, idxs, window, n_sink, 1, n_alloc, n_kv)
-    v_wide = lib.ggml_kvq_wide(ctx.ctx, v_store, v_fp16, v_cur, idxs, window, n_sink, 1, n_alloc, n_kv)
-    wide_mask = lib.ggml_kvq_wide_mask(ctx.ctx, mask, idxs, window, n_sink, 1, n_alloc, False, n_kv)
-    n = q.shape[0]
-    n_wide = (n_kv + 2 * n + 32 + window + 255) // 256 * 256
-
-    def heads(t, d: int, n_head: int, n_rows: int):
-        return lib.ggml_permute(ctx.ctx, lib.ggml_reshape_4d(ctx.ctx, t, d, n_head, n_rows, 1), 0, 2, 1, 3)
-
-    return lib.ggml_flash_attn_ext(ctx.ctx, heads(ctx.tensor(q), case.head_dim, case.n_head, n),
-                                   heads(k_wide, case.head_dim, case.n_head_kv, n_wide),
-                                   heads(v_wide, case.dv, case.n_head_kv, n_wide),
-                                   wide_mask, 1.0 / np.sqrt(case.head_dim), 0.0, 0.0)
-
-
-def causal_mask(cells: np.ndarray, n_kv: int, n_swa: int = 0) -> np.ndarray:
-    """llama.cpp's mask for queries at ``cells``: causal, and with n_swa > 0 the standard sliding window."""
-    j = np.arange(n_kv)[None, :]
-    visible = (j <= cells[:, None]) & ((cells[:, None] - j < n_swa) if n_swa else True)
-    return np.where(visible, 0.0, -np.inf).astype(np.float32)
-
-
-def run_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches: list[int],
-              wide: bool = False, n_swa: int = 0) -> np.ndarray:
-    """Feed the tokens through one cache layer in the given ubatch sizes; return every query's output (through
-    the fused kernel, or with `wide` through flash attention over wide cells); n_swa: a sliding-window mask."""
-    n_cells = k.shape[0]
-    n_embd = case.n_head_kv * case.head_dim
-    n_embd_v = case.n_head_kv * case.dv
-    n_alloc = (n_cells + 31) // 32 * 32
-    n_fp16 = case.n_sink + g.ring_size(case.window)
-    ctx = g.Context()
-    try:
-        k_tiles = ctx.new(case.k_type, n_embd * 32, n_alloc // 32)
-        v_rows = ctx.new(case.v_type, n_embd_v, n_alloc)
-        k_fp16 = ctx.new(g.GGML_TYPE_F16, n_embd, n_fp16)
-        v_fp16 = ctx.new(g.GGML_TYPE_F16, n_embd_v, n_fp16)
-        outputs = []
-        first = 0
-        for n in ubatches:
-            cells = np.arange(first, first + n, dtype=np.int64)
-            n_kv = (first + n + 31) // 32 * 32
-            mask = causal_mask(cells, n_kv, n_swa)
-            k_cur = ctx.tensor(k[first:first + n].astype(np.float32))
-            v_cur = ctx.tensor(v[first:first + n].astype(np.float32))
-            idxs = ctx.tensor(cells)
-            lib = g.libs().base
-            v_store = lib.ggml_set_rows(ctx.ctx, v_rows, lib.ggml_reshape_2d(ctx.ctx, v_cur, n_embd_v, n), idxs)
-            sealed = lib.ggml_kvq_seal_k(ctx.ctx, k_tiles, k_fp16, k_cur, idxs, case.n_sink, 1)
-            if wide:
-                attn = wide_attention(ctx, case, q[first:first + n].astype(np.float32), sealed, v_store, k_fp16,
-                                      v_fp16, k_cur, v_cur, ctx.tensor(mask), idxs, n_alloc, n_kv)
-            else:
-                attn = lib.ggml_kvq_attn(ctx.ctx, ctx.tensor(q[first:first + n].astype(np.float32)), sealed,
-                                         v_store, k_fp16, v_fp16, k_cur, v_cur, ctx.tensor(mask), idxs, case.window,
-                                         case.n_sink, 1.0 / np.sqrt(case.head_dim), 1, False)
-            put_k = lib.ggml_kvq_ring_put(ctx.ctx, k_fp16, k_cur, idxs, attn, case.n_sink, 1, n_alloc)
-            put_v = lib.ggml_kvq_ring_put(ctx.ctx, v_fp16, v_cur, idxs, attn, case.n_sink, 1, n_alloc)
-            ctx.compute(attn, put_k, put_v)
-            outputs.append(g.read(attn, np.float32, (n, case.n_head, case.dv)))
-            first += n
-        return np.concatenate(outputs)
-    finally:
-        ctx.close()
-
-
-def random_qkv(case: Case, n_cells: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((n_cells, case.n_head, case.head_dim)).astype(np.float32)
-    # per-channel offsets and scales, as real keys have (the reason K is quantized per channel)
-    k = (rng.standard_normal((n_cells, case.n_head_kv, case.head_dim)) * rng.uniform(0.2, 3, case.head_dim)
-         + rng.standard_normal(case.head_dim) * 2).astype(np.float32)
-    v = rng.standard_normal((n_cells, case.n_head_kv, case.dv)).astype(np.float32)
-    return q, k, v
 
 
 def reference(case: Case, q, k, v, n_swa: int = 0) -> np.ndarray:

@@ -100,6 +100,8 @@ enum ggml_kvq_op {
     GGML_KVQ_OP_RING_PUT  = 2,
     GGML_KVQ_OP_WIDE      = 3,
     GGML_KVQ_OP_WIDE_MASK = 4,
+    GGML_KVQ_OP_SCORE_LSE = 5,
+    GGML_KVQ_OP_SCORE_ADD = 6,
 };
 
 // the contract's arithmetic below is shared by the CPU and the CUDA kernels
@@ -237,6 +239,53 @@ GGML_API struct ggml_tensor * ggml_kvq_wide_mask(
         int64_t               kv_size,
         bool                  mask_all_streams,
         int64_t               n_kv);
+
+//
+// Attention mass for MiniKV's selection: how much attention each cached cell receives during prefill, summed
+// over the queries and the query heads that share its KV head. The two ops read what the flash-attention
+// prefill reads (K as wide cells and the wide mask: each query sees each cell once, the way the contract reads
+// it), whichever path computes the attention itself, and never hold more than one query row of scores: first
+// each row's log-sum-exp, then each cell's probabilities, recomputed, summed by the cell's owner.
+//
+
+// log-sum-exp of each query row over its visible wide cells: F32 [n_head, n_tokens], -INFINITY for a row that
+// sees nothing. q F32 [head_dim, n_head, n_tokens]; k_wide F16 [n_head_kv*head_dim, n_wide, n_seq] (ggml_kvq_wide
+// of K); wide_mask F16 [n_wide, n_tokens/n_seq, 1, n_seq] (ggml_kvq_wide_mask). Q is taken in fp16, as by the
+// attention.
+GGML_API struct ggml_tensor * ggml_kvq_score_lse(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k_wide,
+        struct ggml_tensor  * wide_mask,
+        float                 scale);
+
+// scores F32 [kv_size, n_head_kv, n_stream] += the attention probabilities cells 0 .. n_kv-1 of each segment's
+// stream receive from the segment's queries (lse from ggml_kvq_score_lse of the same inputs); returns scores
+// (as a view, for ordering). window, n_sink, n_kv: those of the wide cells.
+GGML_API struct ggml_tensor * ggml_kvq_score_add(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * scores,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k_wide,
+        struct ggml_tensor  * wide_mask,
+        struct ggml_tensor  * lse,
+        struct ggml_tensor  * k_idxs,
+        int32_t               window,
+        int32_t               n_sink,
+        int64_t               n_kv,
+        float                 scale);
+
+// the wide column through which the queries of a segment starting at `first` may read cell j by way `way`
+// (0: A, 1: B, 2: C), or -1 when no query of the segment reads it that way
+static inline GGML_KVQ_HOST_DEVICE int64_t ggml_kvq_wide_col_of_way(const struct ggml_kvq_wide_layout * l, int64_t first,
+        int64_t j, int way, int32_t window, int32_t n_sink) {
+    int64_t off;
+    switch (way) {
+        case 0:  return j < l->n_a ? j : -1;
+        case 1:  off = j - ggml_kvq_wide_b0(first, window, n_sink); return off >= 0 && off < l->n_b ? l->n_a + off : -1;
+        default: off = j - ggml_kvq_wide_c0(first, window, n_sink); return off >= 0 && off < l->n_c ? l->n_a + l->n_b + off : -1;
+    }
+}
 
 #ifdef __cplusplus
 }

@@ -3,6 +3,7 @@
 #include "kvq-cpu.h"
 #include "kvq-cpu-impl.h"
 #include "kvq-cpu-wide.h"
+#include "kvq-cpu-score.h"
 
 #include <math.h>
 #include <string.h>
@@ -353,11 +354,13 @@ static void kvq_attn(const struct ggml_compute_params * params, struct ggml_tens
 
 void ggml_compute_forward_kvq(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     switch ((enum ggml_kvq_op) ggml_get_op_params_i32(dst, 0)) {
-        case GGML_KVQ_OP_SEAL_K:   kvq_seal_k(params, dst);   break;
-        case GGML_KVQ_OP_ATTN:     kvq_attn(params, dst);     break;
-        case GGML_KVQ_OP_RING_PUT: kvq_ring_put(params, dst); break;
+        case GGML_KVQ_OP_SEAL_K:    kvq_seal_k(params, dst);    break;
+        case GGML_KVQ_OP_ATTN:      kvq_attn(params, dst);      break;
+        case GGML_KVQ_OP_RING_PUT:  kvq_ring_put(params, dst);  break;
         case GGML_KVQ_OP_WIDE:      kvq_wide(params, dst);      break;
         case GGML_KVQ_OP_WIDE_MASK: kvq_wide_mask(params, dst); break;
-        default:                   GGML_ABORT("unknown kvq op");
+        case GGML_KVQ_OP_SCORE_LSE: kvq_score_lse(params, dst); break;
+        case GGML_KVQ_OP_SCORE_ADD: kvq_score_add(params, dst); break;
+        default:                    GGML_ABORT("unknown kvq op");
     }
 }

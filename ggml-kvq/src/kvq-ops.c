@@ -185,3 +185,66 @@ struct ggml_tensor * ggml_kvq_wide_mask(
     result->src[1] = k_idxs;
     return result;
 }
+
+static void kvq_check_score_inputs(const struct ggml_tensor * q, const struct ggml_tensor * k_wide,
+                                   const struct ggml_tensor * wide_mask) {
+    GGML_ASSERT(q->type == GGML_TYPE_F32 && q->nb[0] == sizeof(float));
+    GGML_ASSERT(k_wide->type == GGML_TYPE_F16 && ggml_is_contiguous(k_wide) && k_wide->ne[3] == 1);
+    GGML_ASSERT(wide_mask->type == GGML_TYPE_F16 && ggml_is_contiguous(wide_mask) && wide_mask->ne[2] == 1);
+    GGML_ASSERT(k_wide->ne[0] % q->ne[0] == 0 && q->ne[1] % (k_wide->ne[0]/q->ne[0]) == 0);
+    GGML_ASSERT(wide_mask->ne[0] == k_wide->ne[1] && wide_mask->ne[3] == k_wide->ne[2]);
+    GGML_ASSERT(wide_mask->ne[1]*wide_mask->ne[3] == q->ne[2]);
+}
+
+struct ggml_tensor * ggml_kvq_score_lse(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k_wide,
+        struct ggml_tensor  * wide_mask,
+        float                 scale) {
+    kvq_check_score_inputs(q, k_wide, wide_mask);
+
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, q->ne[1], q->ne[2]);
+    int32_t params[5] = { GGML_KVQ_OP_SCORE_LSE, 0, 0, 0, (int32_t) wide_mask->ne[3] };
+    memcpy(&params[3], &scale, sizeof(float));
+    ggml_set_op_params(result, params, sizeof(params));
+    result->op     = GGML_OP_KVQ;
+    result->src[0] = q;
+    result->src[1] = k_wide;
+    result->src[2] = wide_mask;
+    return result;
+}
+
+struct ggml_tensor * ggml_kvq_score_add(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * scores,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k_wide,
+        struct ggml_tensor  * wide_mask,
+        struct ggml_tensor  * lse,
+        struct ggml_tensor  * k_idxs,
+        int32_t               window,
+        int32_t               n_sink,
+        int64_t               n_kv,
+        float                 scale) {
+    kvq_check_score_inputs(q, k_wide, wide_mask);
+    const int64_t n_head_kv = k_wide->ne[0]/q->ne[0];
+    const int32_t n_seq     = (int32_t) wide_mask->ne[3];
+    GGML_ASSERT(scores->type == GGML_TYPE_F32 && ggml_is_contiguous(scores) && scores->ne[3] == 1);
+    GGML_ASSERT(scores->ne[1] == n_head_kv && scores->ne[2] >= n_seq);
+    GGML_ASSERT(lse->type == GGML_TYPE_F32 && ggml_is_contiguous(lse) && lse->ne[0] == q->ne[1] && lse->ne[1] == q->ne[2]);
+    GGML_ASSERT(k_idxs->type == GGML_TYPE_I64 && ggml_is_contiguous(k_idxs) && k_idxs->ne[0] == q->ne[2]);
+    GGML_ASSERT(window >= 0 && n_sink >= 0);
+    GGML_ASSERT(ggml_kvq_wide_layout_for(n_kv, q->ne[2]/n_seq, window).n_wide == k_wide->ne[1]);
+
+    struct ggml_tensor * result = ggml_view_tensor(ctx, scores);
+    kvq_set_wide_params(result, GGML_KVQ_OP_SCORE_ADD, window, n_sink, n_seq, scores->ne[0], false, n_kv, false);
+    ggml_set_op_params_f32(result, 3, scale);
+    result->src[0] = scores;
+    result->src[1] = q;
+    result->src[2] = k_wide;
+    result->src[3] = wide_mask;
+    result->src[4] = lse;
+    result->src[5] = k_idxs;
+    return result;
+}

@@ -135,3 +135,7 @@ static void kvq_assert_words(const ggml_tensor * t) {
 // WIDE and WIDE_MASK (kvq-cuda-wide.cu)
 void kvq_cuda_wide(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 void kvq_cuda_wide_mask(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+
+// SCORE_LSE and SCORE_ADD (kvq-cuda-score.cu)
+void kvq_cuda_score_lse(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+void kvq_cuda_score_add(ggml_backend_cuda_context & ctx, ggml_tensor * dst);

@@ -794,12 +794,14 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 
 void ggml_cuda_op_kvq(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     switch ((ggml_kvq_op) ggml_get_op_params_i32(dst, 0)) {
-        case GGML_KVQ_OP_SEAL_K:   kvq_seal_k(ctx, dst);   break;
-        case GGML_KVQ_OP_ATTN:     kvq_attn(ctx, dst);     break;
-        case GGML_KVQ_OP_RING_PUT: kvq_ring_put(ctx, dst); break;
+        case GGML_KVQ_OP_SEAL_K:    kvq_seal_k(ctx, dst);         break;
+        case GGML_KVQ_OP_ATTN:      kvq_attn(ctx, dst);           break;
+        case GGML_KVQ_OP_RING_PUT:  kvq_ring_put(ctx, dst);       break;
         case GGML_KVQ_OP_WIDE:      kvq_cuda_wide(ctx, dst);      break;
         case GGML_KVQ_OP_WIDE_MASK: kvq_cuda_wide_mask(ctx, dst); break;
-        default:                   GGML_ABORT("unknown kvq op");
+        case GGML_KVQ_OP_SCORE_LSE: kvq_cuda_score_lse(ctx, dst); break;
+        case GGML_KVQ_OP_SCORE_ADD: kvq_cuda_score_add(ctx, dst); break;
+        default:                    GGML_ABORT("unknown kvq op");
     }
 }
 
@@ -874,6 +876,11 @@ bool ggml_cuda_kvq_supports_op(const ggml_tensor * op) {
                 case GGML_KVQ_OP_WIDE_MASK:
                     return (op->src[0]->type == GGML_TYPE_F16 || op->src[0]->type == GGML_TYPE_F32) &&
                            op->src[1]->ne[0] <= INT32_MAX;
+                case GGML_KVQ_OP_SCORE_LSE:
+                    return op->src[0]->ne[0] <= KVQ_MAX_HEAD && op->ne[0] <= KVQ_MAX_GRID_YZ && op->ne[1] <= INT32_MAX;
+                case GGML_KVQ_OP_SCORE_ADD:
+                    return op->src[1]->ne[0] <= KVQ_MAX_HEAD && op->ne[1] <= KVQ_MAX_GRID_YZ &&
+                           ggml_get_op_params_i32(op, 4) <= KVQ_MAX_GRID_YZ;
                 default:                   return false;
             }
         default:
