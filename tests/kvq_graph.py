@@ -1,4 +1,5 @@
-"""Build and run small ggml graphs of the GGML_OP_KVQ ops through cffi, with numpy arrays in and out.
+"""Build and run small ggml graphs of the GGML_OP_KVQ ops through cffi, with numpy arrays in and out, on the
+CPU in a context's own memory or on a ggml backend (a GPU, or the RPC backend whose memory the host cannot read).
 
 A ggml tensor's ne[0] is the fastest dimension: a numpy array of shape (a, b, c) becomes ne = (c, b, a).
 """
@@ -40,6 +41,19 @@ _CDEF = """
     void   ggml_build_forward_expand(struct ggml_cgraph * cgraph, struct ggml_tensor * tensor);
     int    ggml_graph_compute_with_ctx(struct ggml_context * ctx, struct ggml_cgraph * cgraph, int n_threads);
 
+    struct ggml_backend;
+    struct ggml_backend_buffer;
+    struct ggml_backend * ggml_backend_init_by_type(int type, const char * params);
+    struct ggml_backend * ggml_backend_rpc_init(const char * endpoint, uint32_t device);
+    const char * ggml_backend_name(struct ggml_backend * backend);
+    void   ggml_backend_free(struct ggml_backend * backend);
+    struct ggml_backend_buffer * ggml_backend_alloc_ctx_tensors(struct ggml_context * ctx,
+        struct ggml_backend * backend);
+    void   ggml_backend_buffer_free(struct ggml_backend_buffer * buffer);
+    void   ggml_backend_tensor_set(struct ggml_tensor * tensor, const void * data, size_t offset, size_t size);
+    void   ggml_backend_tensor_get(const struct ggml_tensor * tensor, void * data, size_t offset, size_t size);
+    int    ggml_backend_graph_compute(struct ggml_backend * backend, struct ggml_cgraph * cgraph);
+
     int32_t ggml_kvq_ring_size(int32_t window);
     struct ggml_tensor * ggml_kvq_seal_k(struct ggml_context * ctx, struct ggml_tensor * k_tiles,
         struct ggml_tensor * k_fp16, struct ggml_tensor * k_cur, struct ggml_tensor * k_idxs, int32_t n_sink,
@@ -66,18 +80,23 @@ _CDEF = """
 """
 
 
+GGML_BACKEND_DEVICE_TYPE_GPU = 1
+
+
 @dataclass(frozen=True)
 class _Libs:
     ffi: FFI
     base: object
     cpu: object
+    ggml: object  # the backend registry: CPU, RPC and, in a CUDA build, CUDA
 
 
 @cache
 def libs() -> _Libs:
     ffi = FFI()
     ffi.cdef(_CDEF)
-    return _Libs(ffi, ffi.dlopen(str(paths.library("ggml-base"))), ffi.dlopen(str(paths.library("ggml-cpu"))))
+    return _Libs(ffi, ffi.dlopen(str(paths.library("ggml-base"))), ffi.dlopen(str(paths.library("ggml-cpu"))),
+                 ffi.dlopen(str(paths.library("ggml"))))
 
 
 def ring_size(window: int) -> int:
@@ -85,17 +104,52 @@ def ring_size(window: int) -> int:
 
 
 @dataclass
+class Backend:
+    """A ggml backend for Context: the GPU of a CUDA build, or an RPC server; close() frees it."""
+
+    handle: object
+
+    @classmethod
+    def gpu(cls) -> Backend | None:
+        """The first GPU, None when the build has no GPU backend or the machine no GPU."""
+        handle = libs().ggml.ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_GPU, libs().ffi.NULL)
+        return cls(handle) if handle != libs().ffi.NULL else None
+
+    @classmethod
+    def rpc(cls, endpoint: str) -> Backend:
+        handle = libs().ggml.ggml_backend_rpc_init(endpoint.encode(), 0)
+        if handle == libs().ffi.NULL:
+            raise RuntimeError(f"no RPC backend at {endpoint}")
+        return cls(handle)
+
+    @property
+    def name(self) -> str:
+        return libs().ffi.string(libs().base.ggml_backend_name(self.handle)).decode()
+
+    def close(self) -> None:
+        libs().base.ggml_backend_free(self.handle)
+
+
+@dataclass
 class Context:
-    """A ggml context that owns its tensors' memory; freed with close()."""
+    """A ggml context whose tensors live in its own memory (computed on the CPU) or, with a backend, in buffers of
+    that backend: tensors made since the last compute() are allocated there when it runs, arrays given to them
+    written then. Freed with close()."""
 
     mem_size: int = 64 << 20
+    backend: Backend | None = None
     ctx: object = field(init=False)
+    _buffers: list = field(init=False, default_factory=list)
+    _pending: list = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         lib = libs()
-        self.ctx = lib.base.ggml_init({"mem_size": self.mem_size, "mem_buffer": lib.ffi.NULL, "no_alloc": False})
+        self.ctx = lib.base.ggml_init({"mem_size": self.mem_size, "mem_buffer": lib.ffi.NULL,
+                                       "no_alloc": self.backend is not None})
 
     def close(self) -> None:
+        for buffer in self._buffers:
+            libs().base.ggml_backend_buffer_free(buffer)
         libs().base.ggml_free(self.ctx)
 
     def new(self, type_id: int, *ne: int):
@@ -107,7 +161,10 @@ class Context:
         """A new tensor holding a copy of a float32 / float16 / int64 array."""
         type_id = {np.float32: GGML_TYPE_F32, np.float16: GGML_TYPE_F16, np.int64: GGML_TYPE_I64}[array.dtype.type]
         t = self.new(type_id, *reversed(array.shape))
-        write(t, array)
+        if self.backend is None:
+            write(t, array)
+        else:
+            self._pending.append((t, np.ascontiguousarray(array).tobytes()))
         return t
 
     def compute(self, *outputs, n_threads: int = 2) -> None:
@@ -115,7 +172,25 @@ class Context:
         graph = base.ggml_new_graph_custom(self.ctx, 256, False)
         for out in outputs:
             base.ggml_build_forward_expand(graph, out)
-        assert cpu.ggml_graph_compute_with_ctx(self.ctx, graph, n_threads) == 0
+        if self.backend is None:
+            assert cpu.ggml_graph_compute_with_ctx(self.ctx, graph, n_threads) == 0
+            return
+        buffer = base.ggml_backend_alloc_ctx_tensors(self.ctx, self.backend.handle)
+        if buffer != libs().ffi.NULL:
+            self._buffers.append(buffer)
+        for t, data in self._pending:
+            assert len(data) == base.ggml_nbytes(t)
+            base.ggml_backend_tensor_set(t, data, 0, len(data))
+        self._pending.clear()
+        assert base.ggml_backend_graph_compute(self.backend.handle, graph) == 0
+
+    def read(self, t, dtype, shape) -> np.ndarray:
+        if self.backend is None:
+            return read(t, dtype, shape)
+        base = libs().base
+        out = bytearray(base.ggml_nbytes(t))
+        base.ggml_backend_tensor_get(t, libs().ffi.from_buffer(out), 0, len(out))
+        return np.frombuffer(bytes(out), dtype=dtype).reshape(shape).copy()
 
 
 def _buffer(t) -> memoryview:

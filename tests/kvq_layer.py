@@ -56,10 +56,10 @@ class LayerRun:
 
 
 def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches: list[int], *,
-               wide: bool = False, n_swa: int = 0, mass: bool = False) -> LayerRun:
+               wide: bool = False, n_swa: int = 0, mass: bool = False, backend: g.Backend | None = None) -> LayerRun:
     """Feed the tokens through one cache layer in the given ubatch sizes: every query's output (through the fused
     kernel, or with `wide` through flash attention over wide cells; n_swa: a sliding-window mask) and, with
-    `mass`, the attention mass the SCORE ops accumulate over the ubatches."""
+    `mass`, the attention mass the SCORE ops accumulate over the ubatches; on the CPU, or on `backend`."""
     n_cells = k.shape[0]
     n_embd = case.n_head_kv * case.head_dim
     n_embd_v = case.n_head_kv * case.dv
@@ -68,7 +68,7 @@ def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches
     scale = 1.0 / np.sqrt(case.head_dim)
     window, n_sink = case.window, case.n_sink
     lib = g.libs().base
-    ctx = g.Context()
+    ctx = g.Context(backend=backend)
     try:
         k_tiles = ctx.new(case.k_type, n_embd * 32, n_alloc // 32)
         v_rows = ctx.new(case.v_type, n_embd_v, n_alloc)
@@ -106,18 +106,18 @@ def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches
             nodes += [lib.ggml_kvq_ring_put(ctx.ctx, fp16, cur, idxs, nodes[-1], n_sink, 1, n_alloc)
                       for fp16, cur in ((k_fp16, k_cur), (v_fp16, v_cur))]
             ctx.compute(*nodes)
-            outputs.append(g.read(attn, np.float32, (n, case.n_head, case.dv)))
+            outputs.append(ctx.read(attn, np.float32, (n, case.n_head, case.dv)))
             first += n
-        got_mass = g.read(scores, np.float32, (case.n_head_kv, n_alloc)).T[:n_cells] if mass else None
+        got_mass = ctx.read(scores, np.float32, (case.n_head_kv, n_alloc)).T[:n_cells] if mass else None
         return LayerRun(np.concatenate(outputs), got_mass)
     finally:
         ctx.close()
 
 
 def run_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches: list[int],
-              wide: bool = False, n_swa: int = 0) -> np.ndarray:
+              wide: bool = False, n_swa: int = 0, backend: g.Backend | None = None) -> np.ndarray:
     """Every query's output after feeding the tokens in the given ubatch sizes (feed_layer)."""
-    return feed_layer(case, q, k, v, ubatches, wide=wide, n_swa=n_swa).out
+    return feed_layer(case, q, k, v, ubatches, wide=wide, n_swa=n_swa, backend=backend).out
 
 
 def random_qkv(case: Case, n_cells: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

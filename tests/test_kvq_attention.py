@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import kvq_graph as g
 import kvq_oracle as oracle
 import numpy as np
 import pytest
 from kvq_layer import Case, random_qkv, run_layer
 
-from pykvq.bindings.ggml_types import GGML_TYPE_KIVI1, GGML_TYPE_KIVI2, GGML_TYPE_KIVI4, KIVI_BITS
+from pykvq.bindings.ggml_types import GGML_TYPE_KIVI1, GGML_TYPE_KIVI4, KIVI_BITS
 
 
 def reference(case: Case, q, k, v, n_swa: int = 0) -> np.ndarray:
@@ -37,21 +38,21 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_attention_matches_reference(case: Case) -> None:
+def test_attention_matches_reference(case: Case, kvq_backend: g.Backend | None) -> None:
     n_cells = 150
     q, k, v = random_qkv(case, n_cells, seed=case.head_dim + case.window)
-    got = run_layer(case, q, k, v, [37, 1, 64, 20, 28])
+    got = run_layer(case, q, k, v, [37, 1, 64, 20, 28], backend=kvq_backend)
     np.testing.assert_allclose(got, reference(case, q, k, v), rtol=2e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_flash_attention_prefill_matches_reference(case: Case) -> None:
+def test_flash_attention_prefill_matches_reference(case: Case, kvq_backend: g.Backend | None) -> None:
     """The same contract through upstream's flash attention over wide cells; its K and V are fp16 values (the
     quantized ones dequantized and rounded) and it accumulates in fp16 as with an f16 cache: a tolerance of fp16."""
     n_cells = 150
     q, k, v = random_qkv(case, n_cells, seed=case.head_dim + case.window)
-    got = run_layer(case, q, k, v, [37, 1, 64, 20, 28], wide=True)
-    fused = run_layer(case, q, k, v, [37, 1, 64, 20, 28])
+    got = run_layer(case, q, k, v, [37, 1, 64, 20, 28], wide=True, backend=kvq_backend)
+    fused = run_layer(case, q, k, v, [37, 1, 64, 20, 28], backend=kvq_backend)
     want = reference(case, q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=4e-3)
     # the rounding is far below the quantization's own effect

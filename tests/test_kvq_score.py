@@ -1,8 +1,11 @@
-"""MiniKV's attention mass on the CPU (GGML_KVQ_OP_SCORE_LSE / SCORE_ADD): what each cached cell receives over a
-prefill fed in ubatches, against a numpy oracle that builds the whole probability matrix (tests/kvq_oracle.py)."""
+"""MiniKV's attention mass (GGML_KVQ_OP_SCORE_LSE / SCORE_ADD): what each cached cell receives over a prefill fed
+in ubatches, against a numpy oracle that builds the whole probability matrix (tests/kvq_oracle.py). The kernels
+judged: the CPU's, in host memory and behind the RPC backend (device memory the host cannot read), and the GPU's
+when the build and the machine have one."""
 
 from __future__ import annotations
 
+import kvq_graph as g
 import kvq_oracle as oracle
 import numpy as np
 import pytest
@@ -31,20 +34,20 @@ def case_id(c: Case) -> str:
 
 @pytest.mark.parametrize("wide", [False, True], ids=["fused", "flash"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_attention_mass_matches_the_full_matrix(case: Case, wide: bool) -> None:
+def test_attention_mass_matches_the_full_matrix(case: Case, wide: bool, kvq_backend: g.Backend | None) -> None:
     """Whichever path computes the attention, the mass is that of the contract, summed over ubatches."""
     q, k, v = random_qkv(case, sum(UBATCHES), seed=case.head_dim + case.n_head)
-    got = feed_layer(case, q, k, v, UBATCHES, wide=wide, mass=True).mass
+    got = feed_layer(case, q, k, v, UBATCHES, wide=wide, mass=True, backend=kvq_backend).mass
     want = reference_mass(case, q, k)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     # each query hands out one unit per query head
     np.testing.assert_allclose(got.sum(), q.shape[0] * q.shape[1], rtol=1e-5)
 
 
-def test_attention_mass_follows_a_sliding_window() -> None:
+def test_attention_mass_follows_a_sliding_window(kvq_backend: g.Backend | None) -> None:
     case = Case(head_dim=64, n_head=8, n_head_kv=2, window=16, n_sink=4)
     q, k, v = random_qkv(case, 150, seed=3)
-    got = feed_layer(case, q, k, v, UBATCHES, n_swa=40, mass=True).mass
+    got = feed_layer(case, q, k, v, UBATCHES, n_swa=40, mass=True, backend=kvq_backend).mass
     np.testing.assert_allclose(got, reference_mass(case, q, k, n_swa=40), rtol=1e-4, atol=1e-5)
 
 

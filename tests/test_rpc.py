@@ -5,50 +5,17 @@ the CPU's logits bit for bit; code that touched tensor->data of a device buffer 
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pykvq import paths
 from pykvq.devtools import random_model
 
 SCENARIO = Path(__file__).resolve().parent / "rpc_scenario.py"
 LAYERS = {"kivi2": "", "f16-layer0": "k:0=f16,1-=kivi2;v:0=f16,1-=kivi2"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def rpc_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("rpc") / "server.log"
-    with log.open("w") as out:
-        server = subprocess.Popen([str(paths.tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "2"],
-                                  stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"ggml-rpc-server did not start: {log.read_text()[-2000:]}")
-                time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def run_scenario(tmp_path: Path, model: Path, hamlet: Path, layers: str, layout: str, *rpc: str) -> np.ndarray:
