@@ -124,6 +124,21 @@ def passkey_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def pre_rope_table(path: Path) -> str:
+    record = json.loads(path.read_text())
+    first = record["models"][0]
+    lines = [f"K quantized before or after RoPE (V fp16, window {first['window']}, PPL of the second half of "
+             f"{first['tokens']} tokens of {first['text']}, outside the kernels: bench/pre_rope_k.py):", "",
+             "| model | K | PPL | ΔPPL vs f16 | share of the post-RoPE loss removed |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    for m in record["models"]:
+        for r in m["rows"]:
+            removed = m["share_of_loss_removed"].get(str(r["bits"])) if r["pre_rope"] else None
+            lines.append(f"| {m['model']} | {r['setting'].removesuffix(' K').replace(' K ', ' ')} | {r['ppl']:.2f} | "
+                         f"{r['delta_pct']:+.1f}% | {'' if removed is None else f'{100 * removed:.0f}%'} |")
+    return "\n".join(lines)
+
+
 def render() -> str:
     parts = [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-c*.json"), key=lambda p: len(p.name))]
     parts += [asymkv_table(p) for p in sorted(RESULTS.glob("asymkv-c*.json"))]
@@ -132,6 +147,7 @@ def render() -> str:
     parts += [prefill_table(p) for p in sorted(RESULTS.glob("prefill-speed-*.json"))]
     parts += [iswa_memory_table(p) for p in sorted(RESULTS.glob("iswa-memory-*.json"))]
     parts += [passkey_table(p) for p in sorted(RESULTS.glob("passkey-*.json"))]
+    parts += [pre_rope_table(p) for p in sorted(RESULTS.glob("pre-rope-k*.json"))]
     return "\n\n".join(parts)
 
 

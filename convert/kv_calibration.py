@@ -96,9 +96,11 @@ def fp16_masks(n_tokens: int, window: int, sinks: int, device):
     return near_v | own_tile, near_v
 
 
-def kivi_attention(q, k, v, scaling: float, window: int, sinks: int, k_bits: int | None, v_bits: int | None):
+def kivi_attention(q, k, v, scaling: float, window: int, sinks: int, k_bits: int | None, v_bits: int | None,
+                   k_quantized=None):
     """Causal attention of one sequence, q [heads, tokens, dim], k/v [KV heads, tokens, dim], with K and/or V
-    quantized as the cache does (None: fp16 throughout)."""
+    quantized as the cache does (None: fp16 throughout). k_quantized: the keys read where the cache reads K
+    quantized, instead of K's own per-channel tiles (another quantization's, e.g. before RoPE)."""
     import torch
 
     groups = q.shape[0] // k.shape[0]
@@ -109,7 +111,8 @@ def kivi_attention(q, k, v, scaling: float, window: int, sinks: int, k_bits: int
     scores = (q.half().float() @ keys.transpose(-1, -2)) * scaling
     if k_bits is not None:
         # sealed tiles hold the fp16 K the ring held, quantized per channel over tokens
-        k_q = fake_quantize(k.half().float(), k_bits, dim=1).repeat_interleave(groups, 0)
+        k_q = fake_quantize(k.half().float(), k_bits, dim=1) if k_quantized is None else k_quantized.float()
+        k_q = k_q.repeat_interleave(groups, 0)
         scores = torch.where(near_k, scores, (q.half().float() @ k_q.transpose(-1, -2)) * scaling)
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     p = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)

@@ -63,3 +63,16 @@ def test_errors_grow_as_bits_shrink_and_k_outliers_are_recorded() -> None:
     assert (channels[:, 3] > 4 * np.delete(channels, 3, axis=1).max(axis=1)).all()
     costs = {s.part: s.cost for s in calibration.sensitivities()}
     assert costs["k"]["kivi2"] == 0 and costs["k"]["kivi4"] < 0 < costs["k"]["kivi1"]
+
+
+def test_given_quantized_keys_are_read_exactly_where_the_cache_reads_k_quantized() -> None:
+    """k_quantized (another quantization's keys, e.g. made before RoPE) replaces K's own tiles and nothing else."""
+    q, k, v = (torch.from_numpy(a) for a in random_qkv(100))
+    scale = 64 ** -0.5
+    own = kivi_attention(q, k, v, scale, 32, 0, 2, None)
+    given = kivi_attention(q, k, v, scale, 32, 0, 2, None, k_quantized=fake_quantize(k.half().float(), 2, dim=1))
+    torch.testing.assert_close(given, own, rtol=0, atol=0)
+    zeros = kivi_attention(q, k, v, scale, 32, 0, 2, None, k_quantized=torch.zeros_like(k))
+    first_sealed = 32    # query i reads cell j quantized from i - j >= the window (32) in a tile before i's on
+    torch.testing.assert_close(zeros[:, :first_sealed], own[:, :first_sealed], rtol=0, atol=0)
+    assert (zeros[:, first_sealed:] - own[:, first_sealed:]).abs().max() > 1e-2

