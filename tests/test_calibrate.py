@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from pykvq import gguf_metadata, kv_types
 from pykvq.allocation import BITS
+from pykvq.commands import calibrate as calibrate_command
 
 import device
 
@@ -29,6 +31,9 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     meta = gguf_metadata.read_kvq(out)
     assert meta["kvq.kv_budget"] == pytest.approx(2.0) and meta["kvq.calibration.n_tokens"] == 64
     assert all(len(meta[f"kvq.calibration.kld_{p}_{w}"]) == N_LAYER for p in "kv" for w in ("kivi4", "kivi1"))
+    sinks = meta[gguf_metadata.KEY_SINKS]
+    assert sinks in calibrate_command.SINK_CANDIDATES and meta["kvq.calibration.sinks"] == sinks
+    assert f"-> {sinks} sinks" in proc.stdout
     types_k, types_v = kv_types.layer_types(meta[gguf_metadata.KEY_LAYERS], N_LAYER, "kivi2", "kivi2")
     bits = [BITS[t] for t in types_k + types_v]
     assert sum(bits) / len(bits) <= 2.0
@@ -37,6 +42,7 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
                           "-m", str(out), "-p", "Hello", "-n", "4", "-c", "256", "-t", "2"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert run.returncode == 0 and f"KV cache layers {meta[gguf_metadata.KEY_LAYERS]}" in run.stderr
+    assert f"sinks {sinks}" in run.stderr
 
 
 @pytest.mark.parametrize("case, message", [
@@ -64,3 +70,21 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, ha
     errors = [line for line in proc.stderr.splitlines() if line.startswith("pykvq: error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_the_fewest_sinks_within_the_tolerance_of_the_best_are_chosen() -> None:
+    klds = {0: 1.0, 1: 0.6, 2: 0.495, 4: 0.49, 8: 0.489}
+    assert calibrate_command.choose_sinks(klds) == 2
+    assert calibrate_command.choose_sinks({0: 0.3, 4: 0.3}) == 0
+    assert calibrate_command.choose_sinks({0: 0.0, 1: 0.0}) == 0
+
+
+@pytest.mark.parametrize("text, wanted", [("auto", "auto"), ("0", 0), ("4", 4)])
+def test_sinks_take_a_count_or_auto(text: str, wanted: int | str) -> None:
+    assert calibrate_command.sinks_count(text) == wanted
+
+
+@pytest.mark.parametrize("text", ["-1", "four", ""])
+def test_other_sinks_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="neither a count"):
+        calibrate_command.sinks_count(text)

@@ -1,12 +1,12 @@
-"""`pykvq calibrate`: measure each layer's K and V sensitivity on a text, choose per-layer widths for a
-budget (pykvq.allocation), and write them into a copy of the model as kvq.* metadata."""
+"""`pykvq calibrate`: choose the kivi sinks count, measure each layer's K and V sensitivity on a text, choose
+per-layer widths for a budget (pykvq.allocation), and write them into a copy of the model as kvq.* metadata."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,10 @@ log = logging.getLogger("pykvq.calibrate")
 # choice matters most, land near that point, and costs measured around it add up best there.
 PROBED = ("kivi4", "kivi1")
 REFERENCE = "kivi2"
+# Sinks (first tokens kept in fp16) cost a few fp16 cells, yet on some models they decide whether 2-bit K keeps
+# attention sinks intact: the fewest whose KL divergence is within SINKS_TOLERANCE of the best count's
+SINK_CANDIDATES = (0, 1, 2, 4, 8)
+SINKS_TOLERANCE = 0.02
 
 
 @dataclass(frozen=True)
@@ -68,9 +72,15 @@ class Calibrator:
         with self.model.context(config) as ctx:
             return log_softmax(ctx.eval(self.tokens, all_logits=True))
 
-    def kld(self, layers: str) -> float:
-        kv = KvConfig(REFERENCE, REFERENCE, self.probe.window, self.probe.sinks, layers=layers)
+    def kld(self, layers: str, sinks: int | None = None) -> float:
+        """KL divergence against f16 KV of a per-layer mix, with the probe's sinks or `sinks`."""
+        kv = KvConfig(REFERENCE, REFERENCE, self.probe.window, self.probe.sinks if sinks is None else sinks,
+                      layers=layers)
         return mean_kld(self.reference, self._log_probs(kv))
+
+    def sinks_klds(self, candidates: tuple[int, ...]) -> dict[int, float]:
+        """KL divergence of kivi2 everywhere with each sinks count."""
+        return {n: self.kld("none", n) for n in tqdm(candidates, unit="count", desc="sinks")}
 
     def sensitivities(self) -> list[Sensitivity]:
         n_layer = self.model.n_layer
@@ -88,6 +98,12 @@ class Calibrator:
         return out
 
 
+def choose_sinks(klds: dict[int, float]) -> int:
+    """The fewest sinks whose KL divergence is within SINKS_TOLERANCE of the best."""
+    best = min(klds.values())
+    return min(n for n, kld in klds.items() if kld <= best * (1 + SINKS_TOLERANCE))
+
+
 def refined(calibrator: Calibrator, start: Allocation, sensitivities: list[Sensitivity], budget: float,
             max_evaluations: int) -> Refinement:
     """The additive choice, then up to ``max_evaluations`` mixes measured from it (pykvq.allocation.refine)."""
@@ -103,6 +119,8 @@ def metadata(allocation: Allocation, budget: float, sensitivities: list[Sensitiv
         "kvq.calibration.text": text.name,
         "kvq.calibration.n_tokens": probe.n_tokens,
         "kvq.calibration.window": probe.window,
+        "kvq.calibration.sinks": probe.sinks,
+        gguf_metadata.KEY_SINKS: probe.sinks,
     }
     for part in PARTS:
         for name in PROBED:
@@ -120,12 +138,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--refine {args.refine}: the number of mixes to measure is 0 or more")
     if args.kv_budget < min(BITS.values()):
         raise ValueError(f"--kv-budget {args.kv_budget:g} is below what any mix reaches (1 bit: kivi1 everywhere)")
-    probe = Probe(args.ctx_size, args.kv_window, args.kv_sinks, args.threads)
+    probe = Probe(args.ctx_size, args.kv_window, 0 if args.kv_sinks == "auto" else args.kv_sinks, args.threads)
     with Model(args.model) as model:
         tokens = model.tokenize(args.file.read_text(encoding="utf-8", errors="replace"))[:probe.n_tokens]
         if len(tokens) < probe.n_tokens:
             raise ValueError(f"the calibration text has {len(tokens)} tokens; -c asks for {probe.n_tokens}")
         calibrator = Calibrator(model, tokens, probe)
+        if args.kv_sinks == "auto":
+            klds = calibrator.sinks_klds(SINK_CANDIDATES)
+            probe = calibrator.probe = replace(probe, sinks=choose_sinks(klds))
+            print("kivi2 everywhere, KL divergence against f16 KV by sinks: "
+                  + ", ".join(f"{n}: {kld:.4f}" for n, kld in klds.items()) + f" -> {probe.sinks} sinks")
         sensitivities = calibrator.sensitivities()
         additive = allocate(sensitivities, model.n_layer, args.kv_budget)
         result = refined(calibrator, additive, sensitivities, args.kv_budget, args.refine)
@@ -141,12 +164,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def sinks_count(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count of 0 or more nor auto")
+    return int(text)
+
+
 def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "calibrate", help="choose per-layer K/V widths for a bit budget and write them into a copy of the model",
-        description="Measures how much each layer's K and V at 4 and at 1 bits, kivi2 elsewhere, changes the "
-                    "output's KL divergence against f16 KV, picks the widths with the least total for the budget "
-                    "and writes them as kvq.kv_layers into a copy of the model, which run then uses.")
+        description="Chooses the kivi sinks count (the fewest within 2% of the best KL divergence against f16 "
+                    "KV), measures how much each layer's K and V at 4 and at 1 bits, kivi2 elsewhere, changes the "
+                    "output's KL divergence, picks the widths with the least total for the budget and writes them "
+                    "as kvq.kv_layers and kvq.sinks into a copy of the model, which run then uses.")
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
     p.add_argument("-f", "--file", type=Path, required=True, help="calibration text")
     p.add_argument("-o", "--output", type=Path, required=True, help="the GGUF copy to write")
@@ -154,7 +186,10 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                    help="mean code bits per K/V element (kivi4 = 4, kivi2 = 2, kivi1 = 1; default %(default)s)")
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="calibration tokens (default %(default)s)")
     p.add_argument("--kv-window", type=int, default=128, help="kivi window while measuring (default %(default)s)")
-    p.add_argument("--kv-sinks", type=int, default=0, help="kivi sinks while measuring (default %(default)s)")
+    p.add_argument("--kv-sinks", type=sinks_count, default="auto",
+                   help="kivi sinks: a count, or auto to choose it on the text among "
+                        f"{', '.join(map(str, SINK_CANDIDATES))} (default %(default)s); written as the model's "
+                        "kvq.sinks")
     p.add_argument("--refine", type=int, default=24,
                    help="mixes measured as a whole after the additive choice, each one step from the best so far; "
                         "0 keeps the additive choice (default %(default)s)")
