@@ -1,8 +1,8 @@
 """pykvq's ``kvq.*`` metadata in GGUF files: written into a copy of a model, read back.
 
-Schema, version 1. What the KV cache uses: ``kvq.kv_layers`` (read by the patched llama.cpp itself, and by
-pykvq run / perplexity), ``kvq.window`` and ``kvq.sinks`` (pykvq run / perplexity: the defaults when the
-command line gives none). The rest records how the types were chosen, for later methods.
+Schema, version 1. What the KV cache uses: ``kvq.kv_layers``, ``kvq.window`` and ``kvq.sinks``, read by the
+patched llama.cpp itself wherever the caller gives no per-layer types, window or sinks (and checked by pykvq run /
+perplexity first). The rest records how the types were chosen, for later methods.
 
     kvq.version                    uint32   1
     kvq.kv_layers                  string   per-layer K/V types, the --kv-layers form

@@ -206,3 +206,42 @@ def test_layers_of_different_kv_head_counts(kv_heads_model: Model) -> None:
         memory = first.memory()
     # 7 KV heads of 64 over the three layers, K and V, every cell
     assert memory.n_elements == 512 * 7 * 64 * 2
+
+
+@pytest.fixture(scope="module")
+def settled(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 with the window and sinks pykvq calibrate would write."""
+    out = tmp_path_factory.mktemp("kvq") / "settled.gguf"
+    gguf_metadata.write_copy(smollm2, out, {gguf_metadata.KEY_WINDOW: 32, gguf_metadata.KEY_SINKS: 4})
+    return out
+
+
+def kivi2_logits(path: Path, tokens: list[int], **settings: int) -> np.ndarray:
+    with device.load_model(path) as m, m.context(device.context_config(n_ctx=256, n_threads=2,
+                                                                      kv=KvConfig.preset("kivi2", **settings))) as ctx:
+        return ctx.eval(tokens)
+
+
+def test_the_python_api_takes_the_model_window_and_sinks(smollm2: Path, settled: Path, model: Model,
+                                                         hamlet: Path) -> None:
+    """A calibrated model's kvq.window and kvq.sinks apply wherever the caller leaves them unset, as its
+    kvq.kv_layers do; given settings win."""
+    tokens = model.tokenize(hamlet.read_text()[20000:22000])[:200]
+    from_model = kivi2_logits(settled, tokens)
+    np.testing.assert_array_equal(from_model, kivi2_logits(smollm2, tokens, window=32, sinks=4))
+    assert np.abs(from_model - kivi2_logits(smollm2, tokens)).max() > 1e-3
+    np.testing.assert_array_equal(kivi2_logits(settled, tokens, window=16, sinks=0),
+                                  kivi2_logits(smollm2, tokens, window=16, sinks=0))
+
+
+def test_the_tools_take_the_model_window_and_sinks(settled: Path, hamlet: Path) -> None:
+    def log(*args: str) -> str:
+        proc = subprocess.run([str(paths.tool("llama-perplexity")), *device.TOOL_ARGS, "-m", str(settled),
+                               "-f", str(hamlet), "-c", "128", "-b", "128", "--chunks", "1", "-t", "2", "-fa", "on",
+                               "-ctk", "kivi2", "-ctv", "kivi2", "-v", *args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout + proc.stderr
+
+    assert "window = 32, sinks = 4" in log()
+    assert "window = 64, sinks = 0" in log("--kv-window", "64", "--kv-sinks", "0")

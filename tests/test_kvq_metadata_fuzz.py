@@ -16,6 +16,7 @@ import importlib.util
 import json
 import math
 import random
+import re
 import subprocess
 import sys
 import time
@@ -97,8 +98,9 @@ KEYS = [gguf_metadata.KEY_VERSION, gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_W
         gguf_metadata.KEY_BUDGET, "kvq.calibration.text", "kvq.calibration.n_tokens", "kvq.calibration.window",
         "kvq.calibration.sinks", *PER_LAYER_KEYS, gguf_metadata.PER_CHANNEL]
 VARIANTS = [(key, value) for key in KEYS for value in GENERIC + EXTRA.get(key, [])]
-# the keys llama.cpp reads, and one it does not (the value types through its GGUF loader)
-NATIVE_KEYS = (gguf_metadata.KEY_VERSION, gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_WINDOW)
+# the keys llama.cpp reads (the value types through its GGUF loader)
+NATIVE_KEYS = (gguf_metadata.KEY_VERSION, gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_WINDOW,
+               gguf_metadata.KEY_SINKS)
 
 
 # --- the oracles: the schema (gguf_metadata's docstring) and llama.cpp's text view of it
@@ -166,18 +168,38 @@ def native_text(v: Value) -> str:
     return str(v.value)
 
 
-def native_layers(key: str, v: Value) -> str | None:
-    """The per-layer types llama.cpp's cache takes from the model (None: its own types); ValueError when it must
-    refuse the model."""
+@dataclass(frozen=True)
+class Native:
+    """What llama.cpp's cache takes from the model: per-layer types (None: its own), window and sinks (None: the
+    defaults)."""
+
+    layers: str | None = None
+    window: int | None = None
+    sinks: int | None = None
+
+
+def native_count(key: str, text: str) -> int:
+    """kvq.window / kvq.sinks as llama.cpp reads their text: a whole count from 0 to INT32_MAX, else ValueError."""
+    if len(text) >= 64 or not re.fullmatch(r"\s*[+-]?\d+", text) or not 0 <= int(text) <= INT32_MAX:
+        raise ValueError(key)
+    return int(text)
+
+
+def native_settings(key: str, v: Value) -> Native:
+    """What llama.cpp's cache takes from a model holding ``key`` = ``v``; ValueError when it must refuse the model."""
     if not loadable(v):
         raise ValueError("llama.cpp cannot load an array of arrays")
     if key == gguf_metadata.KEY_VERSION and native_text(v) != "1":
         raise ValueError("version")
+    if key == gguf_metadata.KEY_WINDOW:
+        return Native(window=native_count(key, native_text(v)))
+    if key == gguf_metadata.KEY_SINKS:
+        return Native(sinks=native_count(key, native_text(v)))
     if key != gguf_metadata.KEY_LAYERS or native_text(v) in ("", "none"):
-        return None
+        return Native()
     if not spec_parses(native_text(v)):
         raise ValueError("kv_layers")
-    return native_text(v)
+    return Native(layers=native_text(v))
 
 
 # --- writing the variants
@@ -290,24 +312,26 @@ def test_inspect_and_run_apply_the_schema(base: Base, tmp_path: Path, key: str) 
 
 
 @cache
-def reference_logits(tiny: Path, layers: str) -> np.ndarray:
-    with device.load_model(tiny) as model, model.context(_config(layers)) as ctx:
+def reference_logits(tiny: Path, native: Native) -> np.ndarray:
+    """The logits of the model without metadata, given explicitly what llama.cpp takes from the variant."""
+    with device.load_model(tiny) as model, model.context(_config(native.layers or "none", native.window,
+                                                                 native.sinks)) as ctx:
         return ctx.eval(TOKENS)
 
 
-def _config(layers: str | None):
-    return device.context_config(n_ctx=256, n_threads=1, kv=KvConfig("kivi2", "kivi2", layers=layers))
+def _config(layers: str | None, window: int | None = None, sinks: int | None = None):
+    return device.context_config(n_ctx=256, n_threads=1, kv=KvConfig("kivi2", "kivi2", window, sinks, layers=layers))
 
 
 @pytest.mark.parametrize("key", NATIVE_KEYS)
 def test_python_api_reads_the_model_as_llama_cpp_does(tiny: Path, base: Base, tmp_path: Path, key: str) -> None:
-    """Model + a kivi2 context + eval on every value: the model's per-layer types give exactly the logits of the
-    same types given explicitly, a value llama.cpp cannot use is a LlamaError naming it."""
+    """Model + a kivi2 context + eval on every value: the model's per-layer types, window and sinks give exactly
+    the logits of the same settings given explicitly, a value llama.cpp cannot use is a LlamaError naming it."""
     path = tmp_path / "variant.gguf"
     for v in GENERIC + EXTRA.get(key, []):
         write_variant(base, path, key, v)
         try:
-            layers = native_layers(key, v)
+            native = native_settings(key, v)
         except ValueError:
             with pytest.raises(pykvq.LlamaError) as refused, device.load_model(path) as model, \
                     model.context(_config(None)) as ctx:
@@ -316,8 +340,7 @@ def test_python_api_reads_the_model_as_llama_cpp_does(tiny: Path, base: Base, tm
             assert "\n" not in message and ("kvq" in message or "invalid GGUF type" in message), message
             continue
         with device.load_model(path) as model, model.context(_config(None)) as ctx:
-            np.testing.assert_array_equal(ctx.eval(TOKENS), reference_logits(tiny, layers or "none"),
-                                          err_msg=f"{key} = {v}")
+            np.testing.assert_array_equal(ctx.eval(TOKENS), reference_logits(tiny, native), err_msg=f"{key} = {v}")
 
 
 @pytest.mark.parametrize("key", NATIVE_KEYS)
@@ -335,7 +358,7 @@ def test_llama_cpp_python_reads_the_model_as_llama_cpp_does(tiny: Path, base: Ba
         kwargs = {"model_path": str(path), "n_ctx": 256, "n_threads": 1, "verbose": False, "logits_all": True,
                   "type_k": pykvq.GGML_TYPE_KIVI2, "type_v": pykvq.GGML_TYPE_KIVI2, **device.LLAMA_KWARGS}
         try:
-            layers = native_layers(key, v)
+            native = native_settings(key, v)
         except ValueError:
             with pytest.raises(ValueError, match="kvq|invalid GGUF type") as refused:
                 Llama(**kwargs)
@@ -344,8 +367,8 @@ def test_llama_cpp_python_reads_the_model_as_llama_cpp_does(tiny: Path, base: Ba
         llm = Llama(**kwargs)
         try:
             llm.eval(TOKENS)
-            np.testing.assert_array_equal(llm.scores[len(TOKENS) - 1],
-                                          reference_logits(tiny, layers or "none"), err_msg=f"{key} = {v}")
+            np.testing.assert_array_equal(llm.scores[len(TOKENS) - 1], reference_logits(tiny, native),
+                                          err_msg=f"{key} = {v}")
         finally:
             llm.close()
 
@@ -386,7 +409,7 @@ def test_inspect_and_run_commands(base: Base, tmp_path: Path, key: str, v: Value
     assert json.loads(inspect.stdout)["kvq"][key] is not None
     if key == gguf_metadata.KEY_WINDOW:
         assert f"window {v.value}," in run.stderr
-    if key == gguf_metadata.KEY_LAYERS and native_layers(key, v) is not None:
+    if key == gguf_metadata.KEY_LAYERS and native_settings(key, v).layers is not None:
         assert f"KV cache layers {v.value}" in run.stderr
 
 
@@ -419,8 +442,8 @@ TOOL_SAMPLE = sample(8, seed=7, keys=NATIVE_KEYS[:2])
 
 @pytest.mark.parametrize("key, v", TOOL_SAMPLE, ids=_ids(TOOL_SAMPLE))
 def test_patched_tools(base: Base, text: Path, tmp_path: Path, key: str, v: Value) -> None:
-    """llama-completion and llama-perplexity read kvq.version and kvq.kv_layers in C++: the per-layer types are
-    used, or the tool exits with its error (no signal, no abort)."""
+    """llama-completion and llama-perplexity read kvq.version and kvq.kv_layers in C++ (and kvq.window and kvq.sinks:
+    test_kv_layers.py): the per-layer types are used, or the tool exits with its error (no signal, no abort)."""
     path = write_variant(base, tmp_path / "variant.gguf", key, v)
     kivi = ["-fa", "on", "-ctk", "kivi2", "-ctv", "kivi2", "-t", "1", "-v"]
     completion = subprocess.run([str(tool("llama-completion")), *device.TOOL_ARGS, "-m", str(path), "-p", "hello",
@@ -433,7 +456,7 @@ def test_patched_tools(base: Base, text: Path, tmp_path: Path, key: str, v: Valu
     for name, proc in (("llama-completion", completion), ("llama-perplexity", perplexity)):
         output = proc.stdout + proc.stderr
         try:
-            layers = native_layers(key, v)
+            layers = native_settings(key, v).layers
         except ValueError:
             assert proc.returncode == 1, f"{name} {key} = {v}: exit {proc.returncode}\n{output[-2000:]}"
             assert "kvq" in output or "invalid GGUF type" in output, output[-2000:]
@@ -483,7 +506,7 @@ def test_server(base: Base, tmp_path: Path, key: str, v: Value) -> None:
     status, answer = _serve(path, tmp_path / "server.log")
     log = (tmp_path / "server.log").read_text()
     try:
-        layers = native_layers(key, v)
+        layers = native_settings(key, v).layers
     except ValueError:
         assert status == 1 and answer is None, log[-2000:]
         assert "Traceback" not in log, log[-3000:]

@@ -18,6 +18,10 @@ LLAMA_API size_t         llama_kvq_n_cache_types(void);
 LLAMA_API enum ggml_type llama_kvq_cache_type(size_t i);
 
 // Settings of the kivi layers of a KV cache (DESIGN.md §4-5).
+// window and n_sink may be LLAMA_KVQ_FROM_MODEL: the model's kvq.window / kvq.sinks metadata (pykvq calibrate
+// writes them), else the default; that is what the process-wide settings hold until set.
+#define LLAMA_KVQ_FROM_MODEL (-1)
+
 struct llama_kvq_params {
     int32_t window;   // W: the most recent tokens kept (and attended) in fp16, default 128
     int32_t n_sink;   // S: the first tokens of a sequence kept in fp16 for good, default 0
@@ -26,6 +30,7 @@ struct llama_kvq_params {
                         // (speculative decoding, regeneration), default 0
 };
 
+// the defaults: what a window or sink count LLAMA_KVQ_FROM_MODEL becomes for a model without kvq.window/kvq.sinks
 LLAMA_API struct llama_kvq_params llama_kvq_default_params(void);
 
 // Process-wide settings used by every KV cache created afterwards (llama_init_from_model). Returns false,

@@ -116,8 +116,38 @@ llama_kvq_swa_plan llama_kvq_plan_swa_cache(const llama_model & model, const lla
     return plan;
 }
 
-uint32_t llama_kvq_swa_part_cells(const llama_hparams & hparams, uint32_t n_ubatch, uint32_t kv_size) {
-    const llama_kvq_params params = llama_kvq_get_params();
+// a setting LLAMA_KVQ_FROM_MODEL: the model's kvq.* value (a count of 0 to INT32_MAX), else the default
+static int32_t kvq_setting_for(const llama_model & model, int32_t value, const char * key, const char * flag,
+                               int32_t fallback) {
+    if (value != LLAMA_KVQ_FROM_MODEL) {
+        return value;
+    }
+    char buf[64];
+    const int32_t n = llama_model_meta_val_str(&model, key, buf, sizeof(buf));
+    if (n < 0) {
+        return fallback;
+    }
+    char * end = nullptr;
+    const long long v = std::strtoll(buf, &end, 10);
+    if (n == 0 || n >= (int32_t) sizeof(buf) || *end != '\0' || v < 0 || v > INT32_MAX) {
+        throw std::runtime_error(std::string("the model's ") + key + " metadata '" + buf +
+                                 "' is not a token count of 0 or more (" + flag + " N overrides it)");
+    }
+    return (int32_t) v;
+}
+
+// the process-wide settings, the window and sinks LLAMA_KVQ_FROM_MODEL resolved for this model
+static llama_kvq_params kvq_params_for(const llama_model & model) {
+    const llama_kvq_params defaults = llama_kvq_default_params();
+    llama_kvq_params params = llama_kvq_get_params();
+    params.window = kvq_setting_for(model, params.window, "kvq.window", "--kv-window", defaults.window);
+    params.n_sink = kvq_setting_for(model, params.n_sink, "kvq.sinks", "--kv-sinks", defaults.n_sink);
+    return params;
+}
+
+uint32_t llama_kvq_swa_part_cells(const llama_model & model, uint32_t n_ubatch, uint32_t kv_size) {
+    const llama_hparams & hparams = model.hparams;
+    const llama_kvq_params params = kvq_params_for(model);
     // as kvq_init bounds the window; the ring is what one drop frees at least
     const int64_t window = std::min<int64_t>(params.window, kv_size);
     const int64_t ring   = ggml_kvq_ring_size((int32_t) std::min<int64_t>(window + params.n_rollback, kv_size));
@@ -128,6 +158,7 @@ uint32_t llama_kvq_swa_part_cells(const llama_hparams & hparams, uint32_t n_ubat
 
 void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_type type_v, uint32_t n_stream_wanted,
         uint32_t kv_size) {
+    kvq_params = kvq_params_for(model);
     kvq_layer_plan plan = kvq_plan_layers(model, hparams.n_layer_all, type_k, type_v);
     const std::string & spec   = plan.spec;
     const std::string & source = plan.source;

@@ -27,7 +27,7 @@ llama_kvq_swa_plan llama_kvq_plan_swa_cache(const llama_model & model, const lla
 // cell, so cells that leave the window are not reused in place; whole rings of them leave the front of the part
 // instead (llama_kv_cache::kvq_drop_dead), and the part holds the window, a ubatch and two rings (what a rollback
 // may still need, and what one drop frees at least).
-uint32_t llama_kvq_swa_part_cells(const llama_hparams & hparams, uint32_t n_ubatch, uint32_t kv_size);
+uint32_t llama_kvq_swa_part_cells(const llama_model & model, uint32_t n_ubatch, uint32_t kv_size);
 
 // Cells that leave the front of a sliding-window part before a ubatch goes in (slot_info::kvq_drops): cells
 // [first + n_drop, first + n_held) move to [first, ...), data and metadata.

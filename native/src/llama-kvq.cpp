@@ -18,7 +18,7 @@ const char * llama_kvq_version(void) {
 // Settings are process-wide: llama_context_params' layout is mirrored by llama-cpp-python and must not
 // change, so they cannot travel with it.
 static std::mutex       kvq_params_mutex;
-static llama_kvq_params kvq_params = llama_kvq_default_params();
+static llama_kvq_params kvq_params = { LLAMA_KVQ_FROM_MODEL, LLAMA_KVQ_FROM_MODEL, false, 0 };
 static std::string      kvq_error;
 static std::string      kvq_layer_spec;
 static std::string      kvq_layer_spec_out;   // what llama_kvq_get_layer_types hands out
@@ -31,12 +31,14 @@ struct llama_kvq_params llama_kvq_default_params(void) {
 
 bool llama_kvq_set_params(struct llama_kvq_params params) {
     std::lock_guard<std::mutex> lock(kvq_params_mutex);
-    if (params.window < 0) {
-        kvq_error = "the recent window must be 0 or more tokens, got " + std::to_string(params.window);
+    if (params.window < LLAMA_KVQ_FROM_MODEL) {
+        kvq_error = "the recent window must be 0 or more tokens (or -1: the model's kvq.window), got " +
+                    std::to_string(params.window);
         return false;
     }
-    if (params.n_sink < 0) {
-        kvq_error = "the sink count must be 0 or more tokens, got " + std::to_string(params.n_sink);
+    if (params.n_sink < LLAMA_KVQ_FROM_MODEL) {
+        kvq_error = "the sink count must be 0 or more tokens (or -1: the model's kvq.sinks), got " +
+                    std::to_string(params.n_sink);
         return false;
     }
     // the ring is held in memory for every layer and sequence: a bound keeps a typo from asking for gigabytes

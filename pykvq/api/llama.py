@@ -54,7 +54,8 @@ class KvConfig:
     kvq.kv_layers metadata apply, ``"none"`` ignores it. ``rollback``: how many of a sequence's last tokens can
     be removed exactly (Context.truncate, speculative decoding), at the cost of that many more fp16 cells.
     ``type_swa``: K and V type of the sliding-window cache of a model with sliding-window layers (Gemma 2/3,
-    gpt-oss); None: type_k / type_v, as for the global layers."""
+    gpt-oss); None: type_k / type_v, as for the global layers. ``window`` and ``sinks`` None: the model's
+    kvq.window / kvq.sinks, else pykvq's defaults."""
 
     type_k: str = "f16"
     type_v: str = "f16"
@@ -77,10 +78,12 @@ class KvConfig:
                 or self.layers not in (None, "none"))
 
     def kvq_params(self) -> native.KvqParams:
+        """The C API's settings; a window or sink count left None takes the model's kvq.window / kvq.sinks (pykvq
+        calibrate writes them), else the default."""
         defaults = native.kvq_default_params()
         return native.KvqParams(
-            defaults.window if self.window is None else self.window,
-            defaults.n_sink if self.sinks is None else self.sinks,
+            native.KVQ_FROM_MODEL if self.window is None else self.window,
+            native.KVQ_FROM_MODEL if self.sinks is None else self.sinks,
             defaults.rotate if self.rotate is None else self.rotate,
             defaults.n_rollback if self.rollback is None else self.rollback)
 

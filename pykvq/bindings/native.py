@@ -168,6 +168,10 @@ def kvq_ring_size(window: int) -> int:
     return int(libs().ggml_base.ggml_kvq_ring_size(window))
 
 
+# a window or sink count that takes the model's kvq.window / kvq.sinks, else the default (LLAMA_KVQ_FROM_MODEL)
+KVQ_FROM_MODEL = -1
+
+
 @dataclass(frozen=True)
 class KvqParams:
     window: int
