@@ -245,3 +245,11 @@ def test_the_tools_take_the_model_window_and_sinks(settled: Path, hamlet: Path) 
 
     assert "window = 32, sinks = 4" in log()
     assert "window = 64, sinks = 0" in log("--kv-window", "64", "--kv-sinks", "0")
+
+
+@pytest.mark.parametrize("settings, message", [({"window": -1}, "recent window must be 0 or more tokens, got -1"),
+                                               ({"sinks": -2}, "sink count must be 0 or more tokens, got -2")])
+def test_a_negative_window_or_sink_count_is_refused(settings: dict[str, int], message: str) -> None:
+    """Leaving them out is what takes the model's values; a negative count is a mistake, not a request for them."""
+    with pytest.raises(ValueError, match=message):
+        KvConfig.preset("kivi2", **settings).kvq_params()

@@ -147,6 +147,14 @@ bool llama_kvq_set_param(const char * name, const char * value) {
                     (std::strcmp(name, "rotate") == 0 ? " (valid: on, off)" : " (a whole number of tokens)");
         return false;
     }
+    // on a command line a count is a count: leaving the flag out is what takes the model's value
+    const bool is_window = std::strcmp(name, "window") == 0;
+    if ((is_window && params.window < 0) || (std::strcmp(name, "sinks") == 0 && params.n_sink < 0)) {
+        std::lock_guard<std::mutex> lock(kvq_params_mutex);
+        kvq_error = std::string("the kivi ") + (is_window ? "window" : "sink count") + " must be 0 or more tokens, got " +
+                    value;
+        return false;
+    }
     return llama_kvq_set_params(params);
 }
 

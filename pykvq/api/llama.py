@@ -79,7 +79,10 @@ class KvConfig:
 
     def kvq_params(self) -> native.KvqParams:
         """The C API's settings; a window or sink count left None takes the model's kvq.window / kvq.sinks (pykvq
-        calibrate writes them), else the default."""
+        calibrate writes them), else the default; ValueError for a negative one."""
+        for what, value in (("recent window", self.window), ("sink count", self.sinks)):
+            if value is not None and value < 0:
+                raise ValueError(f"the {what} must be 0 or more tokens, got {value}")
         defaults = native.kvq_default_params()
         return native.KvqParams(
             native.KVQ_FROM_MODEL if self.window is None else self.window,
