@@ -80,17 +80,17 @@ def dequantized_v_rows(v: np.ndarray, bits: int) -> np.ndarray:
     return dequantize_rows(quantize_rows(v, bits), bits, v.shape[1])
 
 
-def _contract_reads(k: np.ndarray, v: np.ndarray, query_cells: np.ndarray, *, window: int, n_sink: int,
+def _contract_reads(k: np.ndarray, v: np.ndarray | None, query_cells: np.ndarray, *, window: int, n_sink: int,
                     k_bits: int, v_bits: int, n_swa: int, k_fp16: bool = False):
-    """For each query (index n at cell i): the cells j it attends and, per KV head, the keys and values it reads
-    there (DESIGN.md §5); with k_fp16 the quantized keys are rounded to fp16, as the flash-attention prefill's wide
-    cells hold them."""
+    """For each query (index n at cell i): the cells j it attends and, per KV head, the keys and values (None
+    without v) it reads there (DESIGN.md §5); with k_fp16 the quantized keys are rounded to fp16, as the
+    flash-attention prefill's wide cells hold them."""
     n_cells = k.shape[0]
     kq = dequantized_k_tiles(k.reshape(n_cells, -1), k_bits).reshape(k.shape)
     if k_fp16:
         kq = fp16_round(kq)
-    vq = dequantized_v_rows(v.reshape(n_cells, -1), v_bits).reshape(v.shape)
-    k16, v16 = fp16_round(k), fp16_round(v)
+    vq = None if v is None else dequantized_v_rows(v.reshape(n_cells, -1), v_bits).reshape(v.shape)
+    k16, v16 = fp16_round(k), None if v is None else fp16_round(v)
     for n, i in enumerate(query_cells):
         j = np.arange(max(0, i - n_swa + 1) if n_swa else 0, i + 1)
         lim_v = i - window + 1
@@ -98,7 +98,7 @@ def _contract_reads(k: np.ndarray, v: np.ndarray, query_cells: np.ndarray, *, wi
         k_quant = (j >= n_sink) & (j < lim_k)
         v_quant = (j >= n_sink) & (j < lim_v)
         keys = np.where(k_quant[:, None, None], kq[j], k16[j]).astype(np.float64)
-        vals = np.where(v_quant[:, None, None], vq[j], v16[j]).astype(np.float64)
+        vals = None if v is None else np.where(v_quant[:, None, None], vq[j], v16[j]).astype(np.float64)
         yield n, j, keys, vals
 
 
@@ -129,8 +129,8 @@ def attention_mass(q: np.ndarray, k: np.ndarray, query_cells: np.ndarray, *, win
     the query heads that share its KV head."""
     group = q.shape[1] // k.shape[1]
     mass = np.zeros(k.shape[:2])
-    for n, j, keys, _ in _contract_reads(k, k, query_cells, window=window, n_sink=n_sink, k_bits=k_bits,
-                                         v_bits=2, n_swa=n_swa, k_fp16=True):
+    for n, j, keys, _ in _contract_reads(k, None, query_cells, window=window, n_sink=n_sink, k_bits=k_bits,
+                                         v_bits=0, n_swa=n_swa, k_fp16=True):
         for h in range(q.shape[1]):
             mass[j, h // group] += _probabilities(keys[:, h // group], q[n, h], scale)
     return mass
