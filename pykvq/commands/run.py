@@ -241,8 +241,8 @@ def _report(timings: Timings, memory: KvMemory, kv: KvConfig) -> None:
         params = kv.kvq_params()
         # with_model_metadata filled in the model's kvq.* values: what is still unset is the default
         defaults = native.kvq_default_params()
-        window = defaults.window if params.window == native.KVQ_FROM_MODEL else params.window
-        sinks = defaults.n_sink if params.n_sink == native.KVQ_FROM_MODEL else params.n_sink
+        window = defaults.window if kv.window is None else kv.window
+        sinks = defaults.n_sink if kv.sinks is None else kv.sinks
         rollback = f", rollback {params.n_rollback}" if params.n_rollback else ""
         settings = f" (window {window}, sinks {sinks}{rollback}{', rotated' if params.rotate else ''})"
     types = f"layers {kv.layers}" if kv.layers not in (None, "none") else f"K {kv.type_k}, V {kv.type_v}"
