@@ -6,6 +6,7 @@ target_sources(llama PRIVATE
     ${PYKVQ_NATIVE_DIR}/src/llama-kvq-file.cpp
     ${PYKVQ_NATIVE_DIR}/src/llama-kvq-layers.cpp
     ${PYKVQ_NATIVE_DIR}/src/llama-kvq-memory.cpp
+    ${PYKVQ_NATIVE_DIR}/src/llama-kvq-select.cpp
     ${PYKVQ_NATIVE_DIR}/src/llama-kvq-types.cpp
 )
 target_include_directories(llama PUBLIC ${PYKVQ_NATIVE_DIR}/include)

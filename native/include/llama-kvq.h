@@ -28,6 +28,15 @@ struct llama_kvq_params {
     bool    rotate;   // apply upstream's Hadamard rotation to kivi K/V (mixes channels), default false
     int32_t n_rollback; // extra fp16 ring cells: the last n_rollback tokens of a sequence can be removed exactly
                         // (speculative decoding, regeneration), default 0
+    // MiniKV's selection (off: both 0): a prompt decoded into an empty sequence keeps, per layer and KV head, only
+    // its select_hh heaviest hitters (the tokens that drew the most attention during the prompt) and its last
+    // select_recent tokens, both fractions of the prompt (each in (0, 1], together at most 1), plus the sinks. The
+    // kept tokens fill the sequence's first cells, quantized as a prompt of that length would be, and keep their
+    // meaning (RoPE is applied before they are stored); generation appends as usual. The prompt must reach the
+    // cache in one ubatch (-ub at least its length), one sequence per ubatch, and every layer of the cache must be
+    // kivi. A prompt no longer than the window is kept whole.
+    float   select_hh;
+    float   select_recent;
 };
 
 // the defaults: what a window or sink count LLAMA_KVQ_FROM_MODEL becomes for a model without kvq.window/kvq.sinks

@@ -235,6 +235,11 @@ static void kvq_check_attention(const llama_model & model, const llama_hparams &
 bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type type_k, ggml_type type_v,
         const char * name_tag) {
     if (!kvq_either_kivi(type_k, type_v)) {
+        if (kvq_selects_prompts()) {
+            throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + kvq_types_text(type_k, type_v) +
+                                     ": prompt selection (--kv-select) keeps the selected tokens in kivi layers "
+                                     "only; give every layer a kivi type (--kv-layers) or turn selection off");
+        }
         return false;
     }
     const uint32_t dk = hparams.n_embd_head_k(il);
@@ -362,6 +367,12 @@ llama_kv_cache::slot_info llama_kv_cache::kvq_find_slot(const llama_ubatch & uba
         if (n_drop > 0) {
             res.kvq_drops.push_back({ strm, first, n_drop, n_held });
         }
+        // a prompt decoded into an empty sequence, alone in its ubatch (kvq_check_select)
+        if (n_held == 0 && ubatch.n_seqs_unq == 1 && kvq_selects_prompts()) {
+            res.kvq_select = llama_kvq_select_for(kvq_params.select_hh, kvq_params.select_recent, kvq_params.n_sink,
+                                                  kvq_params.window, n_new[seq]);
+            res.kvq_select.part = regions ? seq : strm;
+        }
         next[seq] = first + n_held - n_drop;
     }
     const uint32_t n_per_slot = ubatch.n_tokens / n_slots;
@@ -386,6 +397,77 @@ void llama_kv_cache::kvq_apply_drops(const slot_info & sinfo) {
             cells.rm(drop.first + k);
         }
         cells.set(drop.first, live);
+    }
+}
+
+bool llama_kv_cache::kvq_selects_prompts() const {
+    return n_swa == 0 && llama_kvq_select_on(kvq_params.select_hh, kvq_params.select_recent);
+}
+
+// A selecting ubatch needs the whole prompt: refused, before any of the batch goes in, when an empty sequence's
+// tokens span ubatches (-ub) or share one with another sequence's
+bool llama_kv_cache::kvq_check_select(const std::vector<llama_ubatch> & ubatches) const {
+    if (!kvq_active() || !kvq_selects_prompts()) {
+        return true;
+    }
+    std::vector<int64_t>  first(kvq_n_part, -1);
+    std::vector<uint32_t> n_tokens(kvq_n_part, 0);
+    std::vector<bool>     spans(kvq_n_part, false);
+    std::vector<bool>     shares(kvq_n_part, false);
+    for (size_t u = 0; u < ubatches.size(); ++u) {
+        const llama_ubatch & ub = ubatches[u];
+        for (uint32_t i = 0; i < ub.n_tokens; ++i) {
+            const llama_seq_id seq = ub.seq_id[i][0];
+            if (seq < 0 || (uint32_t) seq >= kvq_n_part ||
+                v_cells[kvq_in_regions() ? 0 : seq_to_stream[seq]].seq_pos_min(seq) >= 0) {
+                continue;
+            }
+            if (first[seq] < 0) {
+                first[seq] = (int64_t) u;
+            }
+            spans[seq]  = spans[seq] || first[seq] != (int64_t) u;
+            shares[seq] = shares[seq] || ub.n_seqs_unq > 1;
+            n_tokens[seq]++;
+        }
+    }
+    for (uint32_t seq = 0; seq < kvq_n_part; ++seq) {
+        if (first[seq] < 0 || llama_kvq_select_for(kvq_params.select_hh, kvq_params.select_recent, kvq_params.n_sink,
+                                                   kvq_params.window, n_tokens[seq]).n_prompt == 0) {
+            continue;
+        }
+        if (spans[seq]) {
+            return kvq_slot_fail("prompt selection (--kv-select) reads the whole prompt in one ubatch, and the " +
+                                 std::to_string(n_tokens[seq]) + "-token prompt of sequence " + std::to_string(seq) +
+                                 " spans several: raise the batch and ubatch sizes to at least " +
+                                 std::to_string(n_tokens[seq]) + " (-b, -ub)");
+        }
+        if (shares[seq]) {
+            return kvq_slot_fail("prompt selection (--kv-select) takes one prompt per ubatch, and sequence " +
+                                 std::to_string(seq) + "'s shares one with another's: decode each sequence's "
+                                 "prompt in a call of its own");
+        }
+    }
+    return true;
+}
+
+// A selecting ubatch's cells (slot_info::kvq_select) after apply_ubatch placed the prompt: the first n_keep hold
+// the kept tokens (the graph writes them there), at the prompt's last n_keep positions, consecutive as the kivi
+// layout reads them; a cell stands in for a position by distance only, and every later query sees them all
+void llama_kv_cache::kvq_apply_select(const slot_info & sinfo, const llama_ubatch & ubatch) {
+    const llama_kvq_select & sel = sinfo.kvq_select;
+    if (sel.n_prompt == 0) {
+        return;
+    }
+    llama_kv_cells & cells = v_cells[sinfo.strm[0]];
+    const auto & idxs = sinfo.idxs[0];
+    const llama_seq_id seq = ubatch.seq_id[0][0];
+    const uint32_t n_keep = sel.n_keep();
+    for (uint32_t i = 0; i < sel.n_prompt; ++i) {
+        cells.rm(idxs[i]);
+    }
+    for (uint32_t c = 0; c < n_keep; ++c) {
+        cells.pos_set(idxs[c], ubatch.pos[sel.n_prompt - n_keep + c]);
+        cells.seq_add(idxs[c], seq);
     }
 }
 
@@ -893,17 +975,6 @@ static int64_t kvq_wide_min_tokens(bool cache_on_host) {
     return cache_on_host ? std::numeric_limits<int64_t>::max() : KVQ_WIDE_MIN_TOKENS;
 }
 
-struct kvq_wide_inputs {
-    ggml_tensor * k_sealed;
-    ggml_tensor * v_stored;
-    ggml_tensor * k_fp16;
-    ggml_tensor * v_fp16;
-    ggml_tensor * k_cur;
-    ggml_tensor * v_cur;
-    ggml_tensor * kq_mask;
-    ggml_tensor * k_idxs;
-};
-
 // [head_dim, n_wide, n_head_kv, n_seq] view of wide cells [n_embd, n_wide, n_seq], as flash attention takes K and V
 static ggml_tensor * kvq_wide_heads(ggml_context * ctx, ggml_tensor * wide, int64_t head_dim) {
     ggml_tensor * t = ggml_view_4d(ctx, wide, head_dim, wide->ne[0]/head_dim, wide->ne[1], wide->ne[2],
@@ -911,21 +982,17 @@ static ggml_tensor * kvq_wide_heads(ggml_context * ctx, ggml_tensor * wide, int6
     return ggml_permute(ctx, t, 0, 2, 1, 3);
 }
 
-static ggml_tensor * kvq_build_wide_attn(ggml_context * ctx, ggml_tensor * q_cur, const kvq_wide_inputs & in,
-        int32_t window, int32_t n_sink, int32_t n_seq, int64_t kv_size, bool regions, float kq_scale) {
-    const int64_t n_kv   = std::min<int64_t>(kv_size, in.kq_mask->ne[0]);
-    ggml_tensor * k_wide = ggml_kvq_wide(ctx, in.k_sealed, in.k_fp16, in.k_cur, in.k_idxs, window, n_sink, n_seq, kv_size, n_kv);
-    ggml_tensor * v_wide = ggml_kvq_wide(ctx, in.v_stored, in.v_fp16, in.v_cur, in.k_idxs, window, n_sink, n_seq, kv_size, n_kv);
-    ggml_tensor * mask   = ggml_kvq_wide_mask(ctx, in.kq_mask, in.k_idxs, window, n_sink, n_seq, kv_size, regions, n_kv);
-
+// upstream's flash attention over the wide cells of K and V (ggml_kvq_wide) and their mask
+static ggml_tensor * kvq_build_wide_attn(ggml_context * ctx, ggml_tensor * q_cur, ggml_tensor * k_wide, ggml_tensor * v_wide,
+        ggml_tensor * wide_mask, int64_t head_dim_v, int32_t n_seq, float kq_scale) {
     // q [head_dim, n_head, n_tokens] as [head_dim, n_tps, n_head, n_seq]
     const int64_t n_tps = q_cur->ne[2]/n_seq;
     ggml_tensor * q = ggml_view_4d(ctx, q_cur, q_cur->ne[0], q_cur->ne[1], n_tps, n_seq,
                                    q_cur->nb[1], q_cur->nb[2], q_cur->nb[2]*n_tps, 0);
     q = ggml_permute(ctx, q, 0, 2, 1, 3);
 
-    ggml_tensor * out = ggml_flash_attn_ext(ctx, q, kvq_wide_heads(ctx, k_wide, in.k_cur->ne[0]),
-                                            kvq_wide_heads(ctx, v_wide, in.v_cur->ne[0]), mask, kq_scale, 0.0f, 0.0f);
+    ggml_tensor * out = ggml_flash_attn_ext(ctx, q, kvq_wide_heads(ctx, k_wide, q_cur->ne[0]),
+                                            kvq_wide_heads(ctx, v_wide, head_dim_v), wide_mask, kq_scale, 0.0f, 0.0f);
     ggml_prec_set_acc(out, GGML_PREC_F32);
     // [head_dim_v, n_head, n_tps, n_seq] -> [head_dim_v, n_head, n_tokens]
     return ggml_reshape_3d(ctx, out, out->ne[0], out->ne[1], q_cur->ne[2]);
@@ -933,14 +1000,23 @@ static ggml_tensor * kvq_build_wide_attn(ggml_context * ctx, ggml_tensor * q_cur
 
 ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * q_cur, ggml_tensor * k_cur,
         ggml_tensor * v_cur, ggml_tensor * kq_mask, ggml_tensor * k_idxs, ggml_tensor * v_idxs, const llama_ubatch & ubatch,
-        float kq_scale, int32_t il) const {
+        const llama_kvq_select & select, float kq_scale, int32_t il) const {
     const kv_layer & layer = layers[map_layer_ids.at(il)];
+    const int32_t window = kvq_params.window;
     const int32_t n_sink = kvq_params.n_sink;
 
     // init_batch splits a kivi cache's batches per sequence: ubatch.n_seqs sequences, equally many tokens each
     GGML_ASSERT(ubatch.equal_seqs());
     const int32_t n_seq   = (int32_t) ubatch.n_seqs;
     const int64_t kv_size = kvq_part_cells;
+
+    // a selecting ubatch's cells already say what it keeps (kvq_apply_select): its prompt attends under a causal
+    // mask of its own, over its part's cells
+    const bool selects = select.n_prompt > 0;
+    const bool regions = kvq_in_regions() && !selects;
+    if (selects) {
+        kq_mask = llama_kvq_causal_mask(ctx, select.n_prompt, select.n_prompt);
+    }
 
     // V rows of every part, indexed by the global cells of k_idxs/v_idxs
     ggml_tensor * v_rows   = ggml_reshape_2d(ctx, layer.v, layer.v->ne[0], layer.v->ne[1]*layer.v->ne[2]);
@@ -950,19 +1026,48 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     ggml_build_forward_expand(gf, k_sealed);
     ggml_build_forward_expand(gf, v_stored);
 
+    const bool    wide = k_cur->ne[2]/n_seq >= kvq_wide_min_tokens(ggml_backend_buffer_is_host(layer.k->buffer));
+    const int64_t n_kv = std::min<int64_t>(kv_size, kq_mask->ne[0]);
+    ggml_tensor * k_wide    = nullptr;
+    ggml_tensor * wide_mask = nullptr;
+    if (wide || selects) {
+        k_wide    = ggml_kvq_wide(ctx, k_sealed, layer.k_fp16, k_cur, k_idxs, window, n_sink, n_seq, kv_size, n_kv);
+        wide_mask = ggml_kvq_wide_mask(ctx, kq_mask, k_idxs, window, n_sink, n_seq, kv_size, regions, n_kv);
+    }
+
     ggml_tensor * out;
-    if (k_cur->ne[2]/n_seq >= kvq_wide_min_tokens(ggml_backend_buffer_is_host(layer.k->buffer))) {
-        const kvq_wide_inputs in = { k_sealed, v_stored, layer.k_fp16, layer.v_fp16, k_cur, v_cur, kq_mask, k_idxs };
-        out = kvq_build_wide_attn(ctx, q_cur, in, kvq_params.window, n_sink, n_seq, kv_size, kvq_in_regions(), kq_scale);
+    if (wide) {
+        ggml_tensor * v_wide = ggml_kvq_wide(ctx, v_stored, layer.v_fp16, v_cur, k_idxs, window, n_sink, n_seq, kv_size, n_kv);
+        out = kvq_build_wide_attn(ctx, q_cur, k_wide, v_wide, wide_mask, v_cur->ne[0], n_seq, kq_scale);
     } else {
         out = ggml_kvq_attn(ctx, q_cur, k_sealed, v_stored, layer.k_fp16, layer.v_fp16, k_cur, v_cur,
-                            kq_mask, k_idxs, kvq_params.window, n_sink, kq_scale, n_seq, kvq_in_regions());
+                            kq_mask, k_idxs, window, n_sink, kq_scale, n_seq, regions);
     }
     ggml_build_forward_expand(gf, out);
 
+    // what the ring holds: the batch, or the kept tokens of a selecting one
+    ggml_tensor * k_ring    = k_cur;
+    ggml_tensor * v_ring    = v_cur;
+    ggml_tensor * ring_idxs = k_idxs;
+    if (selects) {
+        // MiniKV: the kept tokens, sealed again into the first cells over kept tokens only, after the prompt's
+        // attention has read the cells as the whole prompt left them
+        ggml_tensor * mass = llama_kvq_prompt_mass(ctx, q_cur, k_wide, wide_mask, k_idxs, window, n_sink, n_kv, kv_size,
+                                                   layer.k->ne[2], select, kq_scale);
+        ggml_tensor * kept = llama_kvq_kept_tokens(ctx, mass, select);
+        const int64_t n_keep = select.n_keep();
+        k_ring    = llama_kvq_gather_kept(ctx, k_cur, kept);
+        v_ring    = llama_kvq_gather_kept(ctx, v_cur, kept);
+        ring_idxs = ggml_view_1d(ctx, k_idxs, n_keep, 0);
+        ggml_tensor * keep_v_idxs = ggml_view_1d(ctx, v_idxs, n_keep, 0);
+        ggml_build_forward_expand(gf, ggml_kvq_seal_k(ctx, k_sealed, layer.k_fp16, k_ring, ring_idxs, n_sink, 1));
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_stored, ggml_reshape_2d(ctx, v_ring, v_rows->ne[0], n_keep),
+                                                    keep_v_idxs));
+    }
+
     // the ring changes only after the attention has read it
-    ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.k_fp16, k_cur, k_idxs, out, n_sink, n_seq, kv_size));
-    ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.v_fp16, v_cur, k_idxs, out, n_sink, n_seq, kv_size));
+    ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.k_fp16, k_ring, ring_idxs, out, n_sink, n_seq, kv_size));
+    ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.v_fp16, v_ring, ring_idxs, out, n_sink, n_seq, kv_size));
 
     return ggml_reshape_2d(ctx, out, out->ne[0]*out->ne[1], out->ne[2]);
 }

@@ -1,6 +1,7 @@
 // What upstream's cache files call of pykvq's cache code besides llama_kv_cache's own kvq_ members.
 #pragma once
 
+#include "llama-kvq-select.h"
 #include "llama-memory.h"
 
 #include "ggml.h"

@@ -1,6 +1,7 @@
 #include "llama-kvq.h"
 
 #include "llama-kvq-layers.h"
+#include "llama-kvq-select.h"
 
 #include "ggml.h"
 
@@ -18,7 +19,7 @@ const char * llama_kvq_version(void) {
 // Settings are process-wide: llama_context_params' layout is mirrored by llama-cpp-python and must not
 // change, so they cannot travel with it.
 static std::mutex       kvq_params_mutex;
-static llama_kvq_params kvq_params = { LLAMA_KVQ_FROM_MODEL, LLAMA_KVQ_FROM_MODEL, false, 0 };
+static llama_kvq_params kvq_params = { LLAMA_KVQ_FROM_MODEL, LLAMA_KVQ_FROM_MODEL, false, 0, 0.0f, 0.0f };
 static std::string      kvq_error;
 static std::string      kvq_layer_spec;
 static std::string      kvq_layer_spec_out;   // what llama_kvq_get_layer_types hands out
@@ -26,7 +27,7 @@ static ggml_type        kvq_swa_type_k = GGML_TYPE_COUNT;
 static ggml_type        kvq_swa_type_v = GGML_TYPE_COUNT;
 
 struct llama_kvq_params llama_kvq_default_params(void) {
-    return { /*.window =*/ 128, /*.n_sink =*/ 0, /*.rotate =*/ false, /*.n_rollback =*/ 0 };
+    return { /*.window =*/ 128, /*.n_sink =*/ 0, /*.rotate =*/ false, /*.n_rollback =*/ 0, /*.select_hh =*/ 0.0f, /*.select_recent =*/ 0.0f };
 }
 
 bool llama_kvq_set_params(struct llama_kvq_params params) {
@@ -44,6 +45,11 @@ bool llama_kvq_set_params(struct llama_kvq_params params) {
     // the ring is held in memory for every layer and sequence: a bound keeps a typo from asking for gigabytes
     if (params.n_rollback < 0 || params.n_rollback > 4096) {
         kvq_error = "the rollback depth must be 0 to 4096 tokens, got " + std::to_string(params.n_rollback);
+        return false;
+    }
+    const std::string select_error = llama_kvq_check_select(params.select_hh, params.select_recent);
+    if (!select_error.empty()) {
+        kvq_error = select_error;
         return false;
     }
     kvq_params = params;
@@ -68,6 +74,28 @@ static bool kvq_parse_count(const char * value, int32_t & out) {
         return false;
     }
     out = (int32_t) v;
+    return true;
+}
+
+// "HH,RW": two fractions; "off" (or "" or "0,0") turns selection off
+static bool kvq_parse_select(const char * value, float & hh, float & recent) {
+    if (std::strcmp(value, "off") == 0 || value[0] == '\0') {
+        hh     = 0.0f;
+        recent = 0.0f;
+        return true;
+    }
+    char * end = nullptr;
+    const float a = std::strtof(value, &end);
+    if (end == value || *end != ',') {
+        return false;
+    }
+    const char * second = end + 1;
+    const float b = std::strtof(second, &end);
+    if (end == second || *end != '\0') {
+        return false;
+    }
+    hh     = a;
+    recent = b;
     return true;
 }
 
@@ -132,19 +160,24 @@ bool llama_kvq_set_param(const char * name, const char * value) {
         ok = kvq_parse_count(value, params.n_rollback);
     } else if (std::strcmp(name, "rotate") == 0) {
         ok = kvq_parse_switch(value, params.rotate);
+    } else if (std::strcmp(name, "select") == 0) {
+        ok = kvq_parse_select(value, params.select_hh, params.select_recent);
     } else if (std::strcmp(name, "layers") == 0) {
         return llama_kvq_set_layer_types(value);
     } else if (std::strcmp(name, "type_swa") == 0) {
         return kvq_set_swa_type_name(value);
     } else {
         std::lock_guard<std::mutex> lock(kvq_params_mutex);
-        kvq_error = std::string("unknown kivi setting '") + name + "' (valid: window, sinks, rollback, rotate, layers, type_swa)";
+        kvq_error = std::string("unknown kivi setting '") + name + "' (valid: window, sinks, rollback, rotate, select, layers, type_swa)";
         return false;
     }
     if (!ok) {
         std::lock_guard<std::mutex> lock(kvq_params_mutex);
         kvq_error = std::string("invalid value '") + value + "' for kivi setting " + name +
-                    (std::strcmp(name, "rotate") == 0 ? " (valid: on, off)" : " (a whole number of tokens)");
+                    (std::strcmp(name, "rotate") == 0   ? " (valid: on, off)" :
+                     std::strcmp(name, "select") == 0   ? " (HH,RW: the heavy-hitter and recent shares of the prompt, "
+                                                          "e.g. 0.25,0.25, or off)" :
+                                                          " (a whole number of tokens)");
         return false;
     }
     // on a command line a count is a count: leaving the flag out is what takes the model's value

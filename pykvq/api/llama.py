@@ -55,7 +55,9 @@ class KvConfig:
     be removed exactly (Context.truncate, speculative decoding), at the cost of that many more fp16 cells.
     ``type_swa``: K and V type of the sliding-window cache of a model with sliding-window layers (Gemma 2/3,
     gpt-oss); None: type_k / type_v, as for the global layers. ``window`` and ``sinks`` None: the model's
-    kvq.window / kvq.sinks, else pykvq's defaults."""
+    kvq.window / kvq.sinks, else pykvq's defaults. ``select``: MiniKV's prompt selection, the heavy-hitter and
+    recent shares of a prompt that its sequence keeps (e.g. ``(0.25, 0.25)``); the prompt must be decoded in one
+    call that fits one ubatch (n_ubatch), and every layer must be kivi."""
 
     type_k: str = "f16"
     type_v: str = "f16"
@@ -65,6 +67,7 @@ class KvConfig:
     layers: str | None = None
     rollback: int | None = None
     type_swa: str | None = None
+    select: tuple[float, float] | None = None
 
     @classmethod
     def preset(cls, name: str, **settings) -> KvConfig:
@@ -84,11 +87,13 @@ class KvConfig:
             if value is not None and value < 0:
                 raise ValueError(f"the {what} must be 0 or more tokens, got {value}")
         defaults = native.kvq_default_params()
+        select_hh, select_recent = self.select or (defaults.select_hh, defaults.select_recent)
         return native.KvqParams(
             native.KVQ_FROM_MODEL if self.window is None else self.window,
             native.KVQ_FROM_MODEL if self.sinks is None else self.sinks,
             defaults.rotate if self.rotate is None else self.rotate,
-            defaults.n_rollback if self.rollback is None else self.rollback)
+            defaults.n_rollback if self.rollback is None else self.rollback,
+            select_hh, select_recent)
 
 
 @dataclass(frozen=True)

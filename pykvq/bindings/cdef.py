@@ -165,6 +165,7 @@ LLAMA_CDEF = """
                                    llama_pos delta);
     void      llama_memory_seq_div(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d);
     llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
+    llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id);
     bool      llama_memory_can_shift(llama_memory_t mem);
     size_t llama_state_get_size(struct llama_context * ctx);
     size_t llama_state_get_data(struct llama_context * ctx, uint8_t * dst, size_t size);

@@ -14,7 +14,7 @@ from pykvq.bindings.cdef import LLAMA_CDEF
 # enum ggml_type is passed as int: same size and calling convention on every platform we build for
 _CDEF = """
     const char * llama_kvq_version(void);
-    struct llama_kvq_params { int32_t window; int32_t n_sink; bool rotate; int32_t n_rollback; };
+    struct llama_kvq_params { int32_t window; int32_t n_sink; bool rotate; int32_t n_rollback; float select_hh; float select_recent; };
     struct llama_kvq_params llama_kvq_default_params(void);
     size_t       llama_kvq_n_cache_types(void);
     int          llama_kvq_cache_type(size_t i);
@@ -178,6 +178,9 @@ class KvqParams:
     n_sink: int
     rotate: bool
     n_rollback: int = 0
+    # MiniKV's prompt selection: heavy-hitter and recent shares of a prompt (0, 0: off)
+    select_hh: float = 0.0
+    select_recent: float = 0.0
 
 
 def kvq_default_params() -> KvqParams:
@@ -185,7 +188,7 @@ def kvq_default_params() -> KvqParams:
 
 
 def _kvq_params(p) -> KvqParams:
-    return KvqParams(p.window, p.n_sink, bool(p.rotate), p.n_rollback)
+    return KvqParams(p.window, p.n_sink, bool(p.rotate), p.n_rollback, p.select_hh, p.select_recent)
 
 
 def kvq_params() -> KvqParams:
@@ -200,7 +203,8 @@ def set_kvq_params(params: KvqParams) -> None:
         if not INT32_MIN <= value <= INT32_MAX:
             raise ValueError(f"the kivi {name} must be at most {INT32_MAX} tokens, got {value}")
     lib = libs()
-    struct = lib.ffi.new("struct llama_kvq_params *", (params.window, params.n_sink, params.rotate, params.n_rollback))
+    struct = lib.ffi.new("struct llama_kvq_params *", (params.window, params.n_sink, params.rotate, params.n_rollback,
+                                                          params.select_hh, params.select_recent))
     if not lib.llama.llama_kvq_set_params(struct[0]):
         raise ValueError(lib.ffi.string(lib.llama.llama_kvq_last_error()).decode())
 

@@ -1,0 +1,94 @@
+#include "llama-kvq-select.h"
+
+#include <algorithm>
+#include <cmath>
+
+std::string llama_kvq_check_select(float hh, float recent) {
+    if (hh == 0.0f && recent == 0.0f) {
+        return "";
+    }
+    const auto share = [](float x) { return std::isfinite(x) && x > 0.0f && x <= 1.0f; };
+    if (!share(hh) || !share(recent)) {
+        return "the selection's heavy-hitter and recent shares must each be in (0, 1], got " + std::to_string(hh) +
+               "," + std::to_string(recent);
+    }
+    // a sum a rounding step over 1 still means "all of it"
+    if (hh + recent > 1.0f + 1e-6f) {
+        return "the selection's shares add up to " + std::to_string(hh + recent) +
+               ", more than the whole prompt (heavy hitters + recent window <= 1)";
+    }
+    return "";
+}
+
+bool llama_kvq_select_on(float hh, float recent) {
+    return hh > 0.0f || recent > 0.0f;
+}
+
+llama_kvq_select llama_kvq_select_for(float hh, float recent, int32_t n_sink, int32_t window, uint32_t n_prompt) {
+    llama_kvq_select sel;
+    if (!llama_kvq_select_on(hh, recent) || n_prompt <= (uint32_t) std::max(window, n_sink)) {
+        return sel;
+    }
+    const auto count = [n_prompt](float share) { return (uint32_t) std::lround((double) share * n_prompt); };
+    sel.n_prompt = n_prompt;
+    sel.n_sink   = (uint32_t) n_sink;
+    sel.n_recent = std::min(std::max(count(recent), 1u), n_prompt - sel.n_sink);
+    sel.n_hh     = std::min(count(hh), n_prompt - sel.n_sink - sel.n_recent);
+    return sel;
+}
+
+// zeros from an op rather than a leaf: a graph's leaves hold no data unless something sets them
+static ggml_tensor * kvq_zeros(ggml_context * ctx, int64_t ne0, int64_t ne1, int64_t ne2 = 1) {
+    ggml_tensor * row = ggml_scale(ctx, ggml_arange(ctx, 0.0f, (float) ne0, 1.0f), 0.0f);
+    return ggml_repeat_4d(ctx, row, ne0, ne1, ne2, 1);
+}
+
+ggml_tensor * llama_kvq_causal_mask(ggml_context * ctx, int64_t n_cols, int64_t n) {
+    return ggml_cast(ctx, ggml_diag_mask_inf(ctx, kvq_zeros(ctx, n_cols, n), 0), GGML_TYPE_F16);
+}
+
+// token indices first .. first + n - 1 for every KV head, F32 [n, n_head_kv]
+static ggml_tensor * kvq_token_range(ggml_context * ctx, uint32_t first, uint32_t n, int64_t n_head_kv) {
+    ggml_tensor * row = ggml_arange(ctx, (float) first, (float) (first + n), 1.0f);
+    return ggml_repeat_4d(ctx, row, n, n_head_kv, 1, 1);
+}
+
+ggml_tensor * llama_kvq_kept_tokens(ggml_context * ctx, ggml_tensor * mass, const llama_kvq_select & sel) {
+    const int64_t n_head_kv = mass->ne[1];
+    ggml_tensor * kept = nullptr;
+    const auto append = [&](ggml_tensor * part) { kept = kept ? ggml_concat(ctx, kept, part, 0) : part; };
+    if (sel.n_sink > 0) {
+        append(kvq_token_range(ctx, 0, sel.n_sink, n_head_kv));
+    }
+    if (sel.n_hh > 0) {
+        // candidates: the tokens between the sinks and the recent window
+        const int64_t n_cand = sel.n_prompt - sel.n_sink - sel.n_recent;
+        ggml_tensor * cand = ggml_cont(ctx, ggml_view_2d(ctx, mass, n_cand, n_head_kv, mass->nb[1],
+                                                         sel.n_sink*ggml_element_size(mass)));
+        // top_k gives the heaviest in no particular order: sort them by position, so that K tiles group
+        // neighbouring tokens as a plain prompt's do (and keeping every token reproduces it)
+        ggml_tensor * top    = ggml_cast(ctx, ggml_top_k(ctx, cand, sel.n_hh), GGML_TYPE_F32);
+        ggml_tensor * order  = ggml_argsort(ctx, top, GGML_SORT_ORDER_ASC);
+        ggml_tensor * sorted = ggml_get_rows(ctx, ggml_reshape_3d(ctx, top, 1, sel.n_hh, n_head_kv), order);
+        append(ggml_scale_bias(ctx, ggml_reshape_2d(ctx, sorted, sel.n_hh, n_head_kv), 1.0f, (float) sel.n_sink));
+    }
+    append(kvq_token_range(ctx, sel.n_prompt - sel.n_recent, sel.n_recent, n_head_kv));
+    return ggml_cast(ctx, kept, GGML_TYPE_I32);
+}
+
+ggml_tensor * llama_kvq_gather_kept(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * kept) {
+    // [head_dim, n_prompt, n_head_kv]: one row per token of each head, as get_rows takes them
+    ggml_tensor * rows = ggml_cont(ctx, ggml_permute(ctx, cur, 0, 2, 1, 3));
+    ggml_tensor * got  = ggml_get_rows(ctx, rows, kept);
+    return ggml_cont(ctx, ggml_permute(ctx, got, 0, 2, 1, 3));
+}
+
+ggml_tensor * llama_kvq_prompt_mass(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k_wide, ggml_tensor * wide_mask,
+        ggml_tensor * k_idxs, int32_t window, int32_t n_sink, int64_t n_kv, int64_t kv_size, int64_t n_part,
+        const llama_kvq_select & sel, float scale) {
+    const int64_t n_head_kv = k_wide->ne[0]/q->ne[0];
+    ggml_tensor * lse  = ggml_kvq_score_lse(ctx, q, k_wide, wide_mask, scale);
+    ggml_tensor * mass = ggml_kvq_score_add(ctx, kvq_zeros(ctx, kv_size, n_head_kv, n_part), q, k_wide, wide_mask, lse,
+                                            k_idxs, window, n_sink, n_kv, scale);
+    return ggml_view_2d(ctx, mass, sel.n_prompt, n_head_kv, mass->nb[1], sel.part*mass->nb[2]);
+}
