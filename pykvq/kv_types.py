@@ -66,6 +66,21 @@ def parse_list(text: str) -> list[KvSpec]:
     return specs
 
 
+def parse_select(text: str) -> tuple[float, float]:
+    """``HH,RW`` of --kv-select: the heavy-hitter and recent shares of a prompt, each in (0, 1], at most 1 together."""
+    parts = text.split(",")
+    try:
+        hh, recent = (float(part) for part in parts)
+    except ValueError:
+        raise KvTypeError(f"--kv-select takes HH,RW, two shares of the prompt such as 0.25,0.25; "
+                          f"got {text!r}") from None
+    if not (0.0 < hh <= 1.0 and 0.0 < recent <= 1.0):
+        raise KvTypeError(f"--kv-select shares must each be in (0, 1]; got {text!r}")
+    if hh + recent > 1.0 + 1e-6:
+        raise KvTypeError(f"--kv-select shares add up to {hh + recent:g}, more than the whole prompt; got {text!r}")
+    return hh, recent
+
+
 def fp16_cells(window: int, n_sink: int, rollback: int = 0) -> int:
     """Cells a kivi layer keeps in fp16 whatever the context: the sinks and the ring (window + rollback)."""
     return n_sink + native.kvq_ring_size(window + rollback)

@@ -38,3 +38,6 @@ struct llama_kvq_drop {
     uint32_t n_drop;
     uint32_t n_held;
 };
+
+// Graph nodes a context's graphs may need on top of upstream's budget: prompt selection adds some to every layer
+uint32_t llama_kvq_graph_extra_nodes(const llama_model & model);

@@ -145,6 +145,13 @@ class KvMemory:
         """The sliding-window cache's alone (0 without one)."""
         return 8.0 * self.swa_bytes / self.swa_n_elements if self.swa_n_elements else 0.0
 
+    def held_bytes(self, n_held: int, n_fp16_cells: int) -> float:
+        """What a single sequence's cache holds with ``n_held`` of its cells used (prompt selection leaves fewer
+        cells than positions): the quantized cells it uses, and the fp16 sinks and ring it keeps whatever."""
+        elements_per_cell = self.n_elements / self.n_cells
+        fixed = n_fp16_cells * elements_per_cell * 2
+        return (self.bytes - fixed) / self.n_cells * n_held + fixed
+
     @property
     def global_bits_per_element(self) -> float:
         """The cache of the global layers (every layer's, without sliding-window ones)."""
@@ -399,8 +406,8 @@ class Context(_Handle):
         (shape [len(tokens), n_vocab]) with ``all_logits``."""
         if not tokens:
             raise ValueError("nothing to evaluate: no tokens")
-        if self.n_past + len(tokens) > self.n_seq_cells:
-            raise LlamaError(f"{len(tokens)} more tokens do not fit the context: {self.n_past} of the "
+        if self.seq_cells(0) + len(tokens) > self.n_seq_cells:
+            raise LlamaError(f"{len(tokens)} more tokens do not fit the context: {self.seq_cells(0)} of the "
                              f"{self.n_seq_cells} cells of a sequence are used (raise -c)")
         lib = self._lib
         n_vocab = self.model.n_vocab
@@ -440,8 +447,9 @@ class Context(_Handle):
         return error
 
     def check_fits(self, prompt: Sequence[int]) -> None:
-        if len(prompt) + self.n_past > self.n_seq_cells:
-            raise LlamaError(f"the prompt is {len(prompt)} tokens, the context has {self.n_seq_cells - self.n_past} "
+        free = self.n_seq_cells - self.seq_cells(0)
+        if len(prompt) > free:
+            raise LlamaError(f"the prompt is {len(prompt)} tokens, the context has {free} "
                              "free cells (raise -c or shorten the prompt)")
 
     def generate_tokens(self, prompt: Sequence[int], n_predict: int, sampler: Sampler) -> Iterator[int]:
@@ -504,6 +512,13 @@ class Context(_Handle):
         """Tokens of sequence ``seq`` in the cache (its last position + 1)."""
         return self._lib.llama.llama_memory_seq_pos_max(self._mem, self._seq(seq)) + 1
 
+    def seq_cells(self, seq: int) -> int:
+        """Cells sequence ``seq`` holds: its positions, or fewer once prompt selection (KvConfig.select) kept part
+        of its prompt."""
+        mem = self._lib.llama
+        pos_min = mem.llama_memory_seq_pos_min(self._mem, self._seq(seq))
+        return 0 if pos_min < 0 else mem.llama_memory_seq_pos_max(self._mem, seq) - pos_min + 1
+
     def _sync_n_past(self) -> None:
         self.n_past = self.seq_len(0)
 
@@ -518,8 +533,9 @@ class Context(_Handle):
         room = self.n_seq_cells
         for seq, tokens in feeds.items():
             start = starts[seq]
-            if start + len(tokens) > room:
-                raise LlamaError(f"sequence {seq}: {len(tokens)} more tokens do not fit its {start} used cells")
+            used = self.seq_cells(seq)
+            if used + len(tokens) > room:
+                raise LlamaError(f"sequence {seq}: {len(tokens)} more tokens do not fit its {used} used cells")
             items += [(seq, start + i, token, i == len(tokens) - 1) for i, token in enumerate(tokens)]
         out: dict[int, np.ndarray] = {}
         batch = self._batch

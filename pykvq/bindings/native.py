@@ -14,7 +14,8 @@ from pykvq.bindings.cdef import LLAMA_CDEF
 # enum ggml_type is passed as int: same size and calling convention on every platform we build for
 _CDEF = """
     const char * llama_kvq_version(void);
-    struct llama_kvq_params { int32_t window; int32_t n_sink; bool rotate; int32_t n_rollback; float select_hh; float select_recent; };
+    struct llama_kvq_params { int32_t window; int32_t n_sink; bool rotate; int32_t n_rollback; float select_hh;
+                              float select_recent; };
     struct llama_kvq_params llama_kvq_default_params(void);
     size_t       llama_kvq_n_cache_types(void);
     int          llama_kvq_cache_type(size_t i);

@@ -43,6 +43,13 @@ def _switch(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
 
 
+def _select(text: str) -> tuple[float, float]:
+    try:
+        return kv_types.parse_select(text)
+    except kv_types.KvTypeError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def add_run_command(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "run", help="generate text (or chat) with a GGUF model on a chosen KV cache type",
@@ -85,6 +92,9 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
                    help="kivi: first tokens kept in fp16 (default: the model's kvq.sinks, else 0)")
     p.add_argument("--kv-rollback", type=int,
                    help="kivi: the last N tokens can be removed exactly, e.g. on regeneration (default 0)")
+    p.add_argument("--kv-select", metavar="HH,RW", type=_select,
+                   help="kivi: MiniKV's prompt selection: the prompt keeps its heaviest hitters (by the attention "
+                        "they drew) and its most recent tokens, as shares of its length, e.g. 0.25,0.25 (default off)")
     p.add_argument("--kv-rotate", type=_switch, help="kivi: Hadamard rotation of K/V, on or off (default off)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 or less is greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40, 0 = off)")
@@ -109,7 +119,7 @@ def kv_config(args: argparse.Namespace) -> KvConfig:
     if args.kv_type_swa is not None:
         kv_types.type_id(args.kv_type_swa)  # an unknown name is refused here, with the valid ones
     return KvConfig(type_k, type_v, args.kv_window, args.kv_sinks, rotate, layers, args.kv_rollback,
-                    args.kv_type_swa)
+                    args.kv_type_swa, args.kv_select)
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -157,11 +167,32 @@ def run_command(args: argparse.Namespace) -> int:
     with Model(_model_path(args), n_gpu_layers=n_gpu_layers) as model:
         kv = with_model_metadata(kv, model.path)
         check_layers(kv, model)
-        config = ContextConfig(args.ctx_size, args.batch_size, args.ubatch_size, args.threads, args.flash_attn, kv,
+        n_batch, n_ubatch = _batch_sizes(args, model, kv)
+        config = ContextConfig(args.ctx_size, n_batch, n_ubatch, args.threads, args.flash_attn, kv,
                                op_offload=args.op_offload, swa_full=args.swa_full)
         with model.context(config) as ctx:
             _generate(model, ctx, args, kv)
     return 0
+
+
+def _batch_sizes(args: argparse.Namespace, model: Model, kv: KvConfig) -> tuple[int, int]:
+    """-b and -ub; with --kv-select raised to the prompt's length (selection reads the whole prompt in one
+    ubatch), after checking that the prompt is longer than the window it would select from."""
+    if kv.select is None:
+        return args.batch_size, args.ubatch_size
+    if not kv.is_kivi:
+        raise ValueError(f"--kv-select keeps the selected tokens in kivi layers: K {kv.type_k} / V {kv.type_v} "
+                         "cannot hold them (use --kv-type kivi2, kivi4 or kivi1)")
+    if args.conversation:
+        return args.batch_size, args.ubatch_size
+    n_prompt = len(model.tokenize(_prompt_text(args), parse_special=True))
+    window = native.kvq_default_params().window if kv.window is None else kv.window
+    if n_prompt <= window:
+        raise ValueError(f"--kv-select: the prompt is {n_prompt} tokens, no longer than the fp16 window of {window} "
+                         "that holds it whole anyway: nothing to select (drop --kv-select or give a longer prompt)")
+    if n_prompt > args.ubatch_size:
+        log.info("--kv-select: batch and ubatch sizes raised to the prompt's %d tokens (-b, -ub)", n_prompt)
+    return max(args.batch_size, n_prompt), max(args.ubatch_size, n_prompt)
 
 
 _METADATA_FIELDS = (("layers", gguf_metadata.KEY_LAYERS), ("window", gguf_metadata.KEY_WINDOW),
@@ -199,12 +230,33 @@ def _generate(model: Model, ctx: Context, args: argparse.Namespace, kv: KvConfig
         _stream(ctx.generate_text(tokens, args.n_predict, sampler), sys.stdout)
         sys.stdout.write("\n")
     _report(ctx.timings(), ctx.memory(), kv)
+    if kv.select is not None:
+        _report_selection(ctx, kv)
     if ctx.context_full:
         # -n -1 asks for "until the end", and a full context is one; a count that did not fit is an error
         if args.n_predict >= 0:
             raise LlamaError(f"context full after {ctx.n_past} tokens, before -n {args.n_predict} tokens "
                              "were generated (raise -c)")
         log.warning("context full after %d tokens: generation stopped (raise -c)", ctx.n_past)
+
+
+def _report_selection(ctx: Context, kv: KvConfig) -> None:
+    """The memory the sequence holds after prompt selection, next to what plain kivi would hold for it."""
+    memory = ctx.memory()
+    params = native.kvq_default_params()
+    window = params.window if kv.window is None else kv.window
+    sinks = params.n_sink if kv.sinks is None else kv.sinks
+    fp16 = kv_types.fp16_cells(window, sinks, kv.rollback or 0)
+    held, n_tokens = ctx.seq_cells(0), ctx.seq_len(0)
+    elements_per_cell = memory.n_elements / memory.n_cells
+
+    def describe(n_cells: int) -> str:
+        size = memory.held_bytes(n_cells, fp16)
+        return f"{size / MIB:.2f} MiB, {8 * size / (n_cells * elements_per_cell):.2f} bits per element"
+
+    print(f"pykvq: prompt selection {kv.select[0]:g},{kv.select[1]:g}: the sequence holds {held} cells for its "
+          f"{n_tokens} tokens, {describe(held)}; without selection {n_tokens} cells, {describe(n_tokens)}",
+          file=sys.stderr)
 
 
 def _chat(model: Model, ctx: Context, sampler: Sampler, args: argparse.Namespace) -> None:

@@ -1,0 +1,196 @@
+"""MiniKV's prompt selection (KvConfig.select, --kv-select): a prompt decoded into an empty sequence keeps its sinks,
+its heaviest hitters per KV head (by the attention mass the kernels measure) and its recent tokens, resealed into
+the sequence's first cells. Judged on the CPU backend (and behind the RPC backend against it), against plain kivi2
+runs with the same kernels and batch shapes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pykvq import ContextConfig, KvConfig, LlamaError, Model
+
+N_PROMPT = 600
+N_CONT = 40
+
+
+@pytest.fixture(scope="module")
+def tokens(model: Model, hamlet: Path) -> list[int]:
+    return model.tokenize(hamlet.read_text()[20000:40000])[:N_PROMPT + N_CONT]
+
+
+def context(model: Model, select: tuple[float, float] | None, n_ubatch: int = 1024, **kv) -> object:
+    config = KvConfig("kivi2", "kivi2", select=select, **kv)
+    return model.context(ContextConfig(n_ctx=1024, n_batch=1024, n_ubatch=n_ubatch, n_threads=2, flash_attn="on",
+                                       kv=config))
+
+
+def prompt_then_continuation(model: Model, tokens: list[int], select, **kv) -> tuple[np.ndarray, np.ndarray, int]:
+    """The prompt's last logits, the continuation's logits (one call), and the cells the sequence held after the
+    prompt."""
+    with context(model, select, **kv) as ctx:
+        last = ctx.eval(tokens[:N_PROMPT])
+        held = ctx.seq_cells(0)
+        assert ctx.seq_len(0) == N_PROMPT
+        return last, ctx.eval(tokens[N_PROMPT:], all_logits=True), held
+
+
+def nll(logits: np.ndarray, targets: list[int]) -> float:
+    x = logits - logits.max(axis=1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+    return float(-logp[np.arange(len(targets)), targets].mean())
+
+
+def test_keeping_every_token_is_plain_kivi2(model: Model, tokens: list[int]) -> None:
+    # the heavy hitters are every candidate, sorted back into prompt order: the reseal must rebuild the very
+    # tiles, V rows and ring of a plain prompt, so the continuation reads the same cache bit for bit
+    plain = prompt_then_continuation(model, tokens, None)
+    kept = prompt_then_continuation(model, tokens, (0.5, 0.5))
+    assert kept[2] == plain[2] == N_PROMPT
+    np.testing.assert_array_equal(kept[0], plain[0])
+    np.testing.assert_array_equal(kept[1], plain[1])
+
+
+@pytest.mark.parametrize("select, sinks", [((0.25, 0.25), 0), ((0.125, 0.125), 4)])
+def test_selection_keeps_its_share_and_continues(model: Model, tokens: list[int], select, sinks: int) -> None:
+    plain = prompt_then_continuation(model, tokens, None, sinks=sinks)
+    last, cont, held = prompt_then_continuation(model, tokens, select, sinks=sinks)
+    assert held == sinks + round(select[0] * N_PROMPT) + round(select[1] * N_PROMPT)
+    # the prompt's own attention reads the whole prompt: its last logits are plain kivi2's
+    np.testing.assert_array_equal(last, plain[0])
+    # the continuation reads only the kept tokens: different, and still the model's text
+    assert not np.array_equal(cont, plain[1])
+    targets = tokens[N_PROMPT + 1:]
+    assert nll(cont[:-1], targets) < nll(plain[1][:-1], targets) + 0.5
+
+
+def test_heavy_hitters_beat_the_recent_window_alone(model: Model, tokens: list[int]) -> None:
+    # the same number of cells, chosen by attention mass or by recency only (a tiny heavy-hitter share): the
+    # mass-chosen set must lose less. A selection that ignored the scores would not tell the two apart.
+    by_mass = prompt_then_continuation(model, tokens, (0.15, 0.05))
+    recent = prompt_then_continuation(model, tokens, (0.0017, 0.1983))
+    assert by_mass[2] == recent[2]
+    targets = tokens[N_PROMPT + 1:]
+    assert nll(by_mass[1][:-1], targets) < nll(recent[1][:-1], targets)
+
+
+def test_state_after_selection_continues_exactly(model: Model, tokens: list[int]) -> None:
+    with context(model, (0.25, 0.25)) as ctx:
+        ctx.eval(tokens[:N_PROMPT])
+        state = ctx.save_state()
+        expected = ctx.eval(tokens[N_PROMPT:], all_logits=True)
+    with context(model, (0.25, 0.25)) as ctx:
+        ctx.load_state(state)
+        assert ctx.seq_cells(0) == 300 and ctx.seq_len(0) == N_PROMPT
+        np.testing.assert_array_equal(ctx.eval(tokens[N_PROMPT:], all_logits=True), expected)
+
+
+def test_a_later_batch_of_the_same_sequence_is_not_selected(model: Model, tokens: list[int]) -> None:
+    with context(model, (0.25, 0.25)) as ctx:
+        ctx.eval(tokens[:N_PROMPT])
+        ctx.eval(tokens[N_PROMPT:])
+        assert ctx.seq_cells(0) == 300 + N_CONT
+
+
+def test_a_prompt_that_spans_ubatches_is_refused_whole(model: Model, tokens: list[int]) -> None:
+    with context(model, (0.25, 0.25), n_ubatch=256) as ctx:
+        with pytest.raises(LlamaError, match=r"600-token prompt of sequence 0 spans several: raise the batch and "
+                                             r"ubatch sizes to at least 600 \(-b, -ub\)"):
+            ctx.eval(tokens[:N_PROMPT])
+        assert ctx.seq_cells(0) == 0
+
+
+def test_prompts_of_two_sequences_in_one_ubatch_are_refused(model: Model, tokens: list[int]) -> None:
+    config = ContextConfig(n_ctx=2048, n_batch=1024, n_ubatch=1024, n_threads=2, flash_attn="on", n_seq_max=2,
+                           kv_unified=True, kv=KvConfig("kivi2", "kivi2", select=(0.25, 0.25)))
+    with model.context(config) as ctx:
+        with pytest.raises(LlamaError, match="takes one prompt per ubatch"):
+            ctx.eval_seqs({0: tokens[:300], 1: tokens[300:N_PROMPT]})
+        # one call per sequence: each selects its own
+        ctx.eval_seqs({0: tokens[:300]})
+        ctx.eval_seqs({1: tokens[300:N_PROMPT]})
+        assert ctx.seq_cells(0) == ctx.seq_cells(1) == 150
+
+
+def test_a_prompt_within_the_window_is_kept_whole(model: Model, tokens: list[int]) -> None:
+    with context(model, (0.25, 0.25)) as ctx:
+        ctx.eval(tokens[:100])
+        assert ctx.seq_cells(0) == 100
+
+
+@pytest.mark.parametrize("select, message", [
+    ((0.0, 0.5), "must each be in (0, 1]"),
+    ((0.75, 0.5), "add up to 1.25"),
+    ((float("nan"), 0.5), "must each be in (0, 1]"),
+])
+def test_bad_shares_are_refused_before_the_context(model: Model, select, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("]", r"\]")):
+        context(model, select)
+
+
+def test_selection_needs_kivi_layers(model: Model) -> None:
+    with pytest.raises(LlamaError, match=r"layer 0 f16/f16: prompt selection \(--kv-select\) keeps the selected tokens "
+                                         r"in kivi layers only"):
+        model.context(ContextConfig(n_ctx=1024, flash_attn="on",
+                                    kv=KvConfig("f16", "f16", select=(0.25, 0.25))))
+    with pytest.raises(LlamaError, match="layer 29 q8_0/q8_0: prompt selection"):
+        context(model, (0.25, 0.25), layers="k:0-28=kivi2,29=q8_0;v:0-28=kivi2,29=q8_0")
+
+
+RUN_ARGS = ["--kv-type", "kivi2", "--kv-select", "0.25,0.25", "-n", "8", "--temp", "0", "-c", "1024", "-t", "2",
+            "--no-display-prompt"]
+
+
+def test_pykvq_run_reports_what_selection_holds(smollm2: Path, tmp_path: Path, hamlet: Path) -> None:
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(hamlet.read_text()[20000:22500])
+    out = subprocess.run(["pykvq", "run", "-m", str(smollm2), "-f", str(prompt), *RUN_ARGS], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "pykvq: --kv-select: batch and ubatch sizes raised to the prompt's" in out.stderr
+    line = next(line for line in out.stderr.splitlines() if line.startswith("pykvq: prompt selection 0.25,0.25"))
+    assert "without selection" in line and "MiB" in line
+
+
+def test_pykvq_run_on_an_rpc_device_selects_as_the_cpu(rpc_server: str, smollm2: Path, tmp_path: Path,
+                                                         hamlet: Path) -> None:
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(hamlet.read_text()[20000:22500])
+    args = ["-m", str(smollm2), "-f", str(prompt), *RUN_ARGS]
+    # a prompt on a device attends through flash attention over wide cells: the same kernels on the CPU
+    env = {**os.environ, "LLAMA_KVQ_FA_PREFILL": "1"}
+    on_rpc = subprocess.run(["pykvq", "run", "--rpc", rpc_server, "-ngl", "99", *args], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert on_rpc.returncode == 0, on_rpc.stderr[-3000:]
+    on_cpu = subprocess.run(["pykvq", "run", "-ngl", "0", *args], capture_output=True, text=True, timeout=300,
+                            env=env)
+    assert on_rpc.stdout == on_cpu.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-p", "a short prompt"], "no longer than the fp16 window of 128"),
+    (["-p", "x", "--kv-select", "0.8,0.3"], "add up to 1.1"),
+    (["-p", "x", "--kv-select", "half"], "takes HH,RW"),
+])
+def test_pykvq_run_refuses_bad_selection_before_any_work(smollm2: Path, args: list[str], message: str) -> None:
+    out = subprocess.run(["pykvq", "run", "-m", str(smollm2), "--kv-type", "kivi2", "--kv-select", "0.25,0.25",
+                          *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and message in out.stderr
+
+
+def test_llama_cpp_python_selects_the_prompt(smollm2: Path, tokens: list[int]) -> None:
+    import pykvq
+    from pykvq.bindings import native
+    from pykvq.llama_cpp import Llama
+    # n_batch / n_ubatch left out: kv_select makes them n_ctx, as the prompt must reach the cache in one ubatch
+    llm = Llama(model_path=str(smollm2), n_ctx=1024, verbose=False, type_k=pykvq.GGML_TYPE_KIVI2,
+                type_v=pykvq.GGML_TYPE_KIVI2, kv_select=(0.25, 0.25), n_threads=2)
+    llm.eval(tokens[:N_PROMPT])
+    lib = native.libs()
+    memory = lib.llama.llama_get_memory(lib.ffi.cast("struct llama_context *", llm._ctx.ctx))
+    held = lib.llama.llama_memory_seq_pos_max(memory, 0) - lib.llama.llama_memory_seq_pos_min(memory, 0) + 1
+    assert held == 300
