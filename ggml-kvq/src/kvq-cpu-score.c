@@ -7,7 +7,8 @@
 
 #include <math.h>
 
-#define KVQ_SCORE_MAX_HEAD 512
+#define KVQ_SCORE_MAX_HEAD   512
+#define KVQ_SCORE_HEAD_GROUP 64   // query heads of a row the LSE pass reads the mask once for
 
 // the segment's inputs, as both kernels read them
 typedef struct {
@@ -50,37 +51,50 @@ static float kvq_score_at(const kvq_score_inputs * in, int64_t t, int64_t hk, in
     return s*in->scale + m;
 }
 
+// A query row's mask is read once for many of its heads (the mask does not depend on the head): threads take whole
+// tokens, and keep a running maximum and sum per head of a group
 void kvq_score_lse(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const kvq_score_inputs in = kvq_score_inputs_of(dst->src[0], dst->src[1], dst->src[2], ggml_get_op_params_f32(dst, 3));
     const int64_t n_head = in.q->ne[1];
     const int64_t n_wide = in.k_wide->ne[1];
-    ggml_fp16_t q16[KVQ_SCORE_MAX_HEAD];
+    ggml_fp16_t q16[KVQ_SCORE_HEAD_GROUP][KVQ_SCORE_MAX_HEAD];
+    float max[KVQ_SCORE_HEAD_GROUP];
+    float sum[KVQ_SCORE_HEAD_GROUP];
 
-    for (int64_t r = params->ith; r < ggml_nelements(dst); r += params->nth) {
-        const int64_t t = r / n_head;
-        const int64_t h = r % n_head;
-        kvq_score_query(&in, t, h, q16);
-        float max = -INFINITY;
-        float sum = 0.0f;
-        for (int64_t w = 0; w < n_wide; ++w) {
-            const float m = kvq_score_mask(&in, t, w);
-            if (m == -INFINITY) {
-                continue;
+    for (int64_t t = params->ith; t < in.q->ne[2]; t += params->nth) {
+        for (int64_t h0 = 0; h0 < n_head; h0 += KVQ_SCORE_HEAD_GROUP) {
+            const int64_t n_group = n_head - h0 < KVQ_SCORE_HEAD_GROUP ? n_head - h0 : KVQ_SCORE_HEAD_GROUP;
+            for (int64_t g = 0; g < n_group; ++g) {
+                kvq_score_query(&in, t, h0 + g, q16[g]);
+                max[g] = -INFINITY;
+                sum[g] = 0.0f;
             }
-            const float s = kvq_score_at(&in, t, h / in.n_gqa, w, q16, m);
-            if (s > max) {
-                sum = sum*expf(max - s) + 1.0f;
-                max = s;
-            } else {
-                sum += expf(s - max);
+            for (int64_t w = 0; w < n_wide; ++w) {
+                const float m = kvq_score_mask(&in, t, w);
+                if (m == -INFINITY) {
+                    continue;
+                }
+                for (int64_t g = 0; g < n_group; ++g) {
+                    const float s = kvq_score_at(&in, t, (h0 + g) / in.n_gqa, w, q16[g], m);
+                    if (s > max[g]) {
+                        sum[g] = sum[g]*expf(max[g] - s) + 1.0f;
+                        max[g] = s;
+                    } else {
+                        sum[g] += expf(s - max[g]);
+                    }
+                }
+            }
+            float * out = (float *) dst->data + t*n_head + h0;
+            for (int64_t g = 0; g < n_group; ++g) {
+                out[g] = sum[g] > 0.0f ? max[g] + logf(sum[g]) : -INFINITY;
             }
         }
-        ((float *) dst->data)[r] = sum > 0.0f ? max + logf(sum) : -INFINITY;
     }
 }
 
-// Cells are dealt to threads in runs of QK_KIVI per (segment, KV head): each thread adds to its own cells only,
-// and turns a query into fp16 once per run
+// Cells are dealt to threads in runs of QK_KIVI per (segment, KV head): each thread adds to its own cells only. Per
+// query, the column through which it sees each cell of the run is found once for all of the KV head's query heads,
+// and a query that sees none of the run (the causal mask's half) costs no more than that
 void kvq_score_add(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * scores = dst->src[0];
     const float   * lse     = (const float *) dst->src[4]->data;
@@ -108,18 +122,32 @@ void kvq_score_add(const struct ggml_compute_params * params, struct ggml_tensor
         GGML_ASSERT(stream < scores->ne[2]);
         float mass[QK_KIVI] = { 0 };
         for (int64_t t = t0; t < t0 + in.n_tps; ++t) {
+            // the wide mask shows the query each cell through one of its columns at most
+            int64_t seen_col[QK_KIVI];
+            float   seen_mask[QK_KIVI];
+            int64_t seen_cell[QK_KIVI];
+            int     n_seen = 0;
+            for (int64_t j = j0; j < j1; ++j) {
+                for (int way = 0; way < 3; ++way) {
+                    const int64_t w = ggml_kvq_wide_col_of_way(&l, first, j, way, window, n_sink);
+                    const float   m = w < 0 ? -INFINITY : kvq_score_mask(&in, t, w);
+                    if (m != -INFINITY) {
+                        seen_col[n_seen]  = w;
+                        seen_mask[n_seen] = m;
+                        seen_cell[n_seen] = j - j0;
+                        ++n_seen;
+                        break;
+                    }
+                }
+            }
+            if (n_seen == 0) {
+                continue;
+            }
             for (int64_t h = hk*in.n_gqa; h < (hk + 1)*in.n_gqa; ++h) {
                 kvq_score_query(&in, t, h, q16);
                 const float row_lse = lse[t*n_head + h];
-                for (int64_t j = j0; j < j1; ++j) {
-                    // the wide mask shows the query this cell through one of its columns at most
-                    for (int way = 0; way < 3; ++way) {
-                        const int64_t w = ggml_kvq_wide_col_of_way(&l, first, j, way, window, n_sink);
-                        const float   m = w < 0 ? -INFINITY : kvq_score_mask(&in, t, w);
-                        if (m != -INFINITY) {
-                            mass[j - j0] += expf(kvq_score_at(&in, t, hk, w, q16, m) - row_lse);
-                        }
-                    }
+                for (int i = 0; i < n_seen; ++i) {
+                    mass[seen_cell[i]] += expf(kvq_score_at(&in, t, hk, seen_col[i], q16, seen_mask[i]) - row_lse);
                 }
             }
         }
