@@ -18,6 +18,7 @@
 #include "ggml-kvq.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <stdexcept>
@@ -990,6 +991,19 @@ static ggml_tensor * kvq_wide_heads(ggml_context * ctx, ggml_tensor * wide, int6
     return ggml_permute(ctx, t, 0, 2, 1, 3);
 }
 
+// A tensor every kivi layer of a graph reads alike (the masks: same cells, same settings), built by the first
+// layer and found by name by the others: a prompt-sized mask costs its memory and time once, not once per layer
+template <typename F>
+static ggml_tensor * kvq_graph_shared(ggml_cgraph * gf, const char * name, F build) {
+    ggml_tensor * t = ggml_graph_get_tensor(gf, name);
+    if (t == nullptr) {
+        t = build();
+        ggml_set_name(t, name);
+        ggml_build_forward_expand(gf, t);
+    }
+    return t;
+}
+
 // upstream's flash attention over the wide cells of K and V (ggml_kvq_wide) and their mask
 static ggml_tensor * kvq_build_wide_attn(ggml_context * ctx, ggml_tensor * q_cur, ggml_tensor * k_wide, ggml_tensor * v_wide,
         ggml_tensor * wide_mask, int64_t head_dim_v, int32_t n_seq, float kq_scale) {
@@ -1023,7 +1037,9 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     const bool selects = select.n_prompt > 0;
     const bool regions = kvq_in_regions() && !selects;
     if (selects) {
-        kq_mask = llama_kvq_causal_mask(ctx, select.n_prompt, select.n_prompt);
+        kq_mask = kvq_graph_shared(gf, "kvq_select_mask", [&] {
+            return llama_kvq_causal_mask(ctx, select.n_prompt, select.n_prompt);
+        });
     }
 
     // V rows of every part, indexed by the global cells of k_idxs/v_idxs
@@ -1040,7 +1056,12 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     ggml_tensor * wide_mask = nullptr;
     if (wide || selects) {
         k_wide    = ggml_kvq_wide(ctx, k_sealed, layer.k_fp16, k_cur, k_idxs, window, n_sink, n_seq, kv_size, n_kv);
-        wide_mask = ggml_kvq_wide_mask(ctx, kq_mask, k_idxs, window, n_sink, n_seq, kv_size, regions, n_kv);
+        // per mask: the two caches of an iSWA model mask differently
+        char name[GGML_MAX_NAME];
+        snprintf(name, sizeof(name), "kvq_wide_mask_%p", (void *) kq_mask);
+        wide_mask = kvq_graph_shared(gf, name, [&] {
+            return ggml_kvq_wide_mask(ctx, kq_mask, k_idxs, window, n_sink, n_seq, kv_size, regions, n_kv);
+        });
     }
 
     ggml_tensor * out;
