@@ -139,6 +139,20 @@ def pre_rope_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def minikv_table(path: Path) -> str:
+    record = json.loads(path.read_text())
+    lines = [f"MiniKV prompt selection ({record['model']}, a {record['prompt']}-token prompt of {record['text']} in "
+             f"one ubatch, then PPL of the {record['continuation']} tokens after it decoded one at a time; "
+             f"{record['machine']}; bench/minikv.py):", "",
+             "| setting | PPL | vs unselected | cells held | MiB held | vs f16 | prompt t/s | decode t/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in record["rows"]:
+        vs_f16 = f"{r['memory_vs_f16']:.2f}x" if r["memory_vs_f16"] is not None else ""
+        lines.append(f"| {r['setting']} | {r['ppl']:.3f} | {r['ppl_vs_unselected_pct']:+.2f}% | {r['cells']} | "
+                     f"{r['mib']:.2f} | {vs_f16} | {r['prompt_tps']:.1f} | {r['decode_tps']:.1f} |")
+    return "\n".join(lines)
+
+
 def render() -> str:
     parts = [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-c*.json"), key=lambda p: len(p.name))]
     parts += [asymkv_table(p) for p in sorted(RESULTS.glob("asymkv-c*.json"))]
@@ -148,6 +162,7 @@ def render() -> str:
     parts += [iswa_memory_table(p) for p in sorted(RESULTS.glob("iswa-memory-*.json"))]
     parts += [passkey_table(p) for p in sorted(RESULTS.glob("passkey-*.json"))]
     parts += [pre_rope_table(p) for p in sorted(RESULTS.glob("pre-rope-k*.json"))]
+    parts += [minikv_table(p) for p in sorted(RESULTS.glob("minikv-*.json"))]
     return "\n\n".join(parts)
 
 
