@@ -25,6 +25,7 @@ import platform
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -119,6 +120,20 @@ def resolve_model(text: str, workdir: Path) -> tuple[Path, str]:
             random_model.write(random_model.SHAPES[shape], path)
         return path, f"random weights, {shape} shape"
     return Path(text), Path(text).name
+
+
+def model_tag(name: str) -> str:
+    """A model's name as result files carry it."""
+    return re.sub(r"[^a-z0-9]+", "-", Path(name).stem.lower()).strip("-")
+
+
+def save_results(stem: Path, record: dict, plot: Callable[[Path, dict], None], table: Callable[[dict], str]) -> None:
+    """<stem>.json and <stem>.png, and the table on stdout."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.parent.joinpath(f"{stem.name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    plot(stem.parent / f"{stem.name}.png", record)
+    print(table(record))
+    print(f"wrote {stem}.json and .png")
 
 
 def add_machine_args(parser: argparse.ArgumentParser) -> None:

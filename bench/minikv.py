@@ -13,24 +13,20 @@ bench/results/minikv-<model>-p<prompt>.json and .png and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import re
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from decode_speed import RESULTS, machine, resolve_model
+from decode_speed import RESULTS, machine, model_tag, resolve_model, save_results
 from tqdm import tqdm
 
 from pykvq import assets, kv_types
 from pykvq.api.llama import ContextConfig, KvConfig, Model
 from pykvq.bindings import native
-
-log = logging.getLogger("minikv")
 
 MIB = 1024 * 1024
 
@@ -158,13 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                 for s in tqdm(args.settings, desc="minikv", unit="setting")]
     record = {"model": name, "text": args.text, "prompt": args.prompt, "continuation": args.continuation,
               "machine": machine(args.ngl, args.threads).label, "rows": with_deltas(rows)}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    model_tag = re.sub(r"[^a-z0-9]+", "-", Path(name).stem.lower()).strip("-")
-    stem = f"minikv-{model_tag}-p{args.prompt}"
-    (RESULTS / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
-    plot(RESULTS / f"{stem}.png", record)
-    print(table(record))
-    log.info("wrote %s.json and .png", RESULTS / stem)
+    save_results(RESULTS / f"minikv-{model_tag(name)}-p{args.prompt}", record, plot, table)
 
 
 if __name__ == "__main__":

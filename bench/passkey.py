@@ -16,7 +16,6 @@ bench/results/passkey-<model>-<lengths>.json and .png (accuracy heat maps, one p
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import re
@@ -25,14 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from decode_speed import RESULTS, resolve_model
+from decode_speed import RESULTS, model_tag, resolve_model, save_results
 from tqdm import tqdm
 
 from pykvq import kv_types
 from pykvq.api.llama import ContextConfig, KvConfig, Model
 from pykvq.kv_types import KvSpec
 
-log = logging.getLogger("passkey")
 
 INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
          "memorize it. I will quiz you about it.\n")
@@ -217,14 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     record = {"model": name, "lengths": args.lengths, "depths": args.depths, "trials": args.trials,
               "seed": args.seed, "ngl": args.ngl, "kv_types": [s.label for s in args.settings], "rows": rows}
     record["summary"] = summary(record)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    model_tag = re.sub(r"[^a-z0-9]+", "-", Path(name).stem.lower()).strip("-")
     selected = "-select" if args.kv_select else ""
-    stem = f"passkey-{model_tag}-{'-'.join(map(str, args.lengths))}{selected}"
-    (RESULTS / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
-    plot(RESULTS / f"{stem}.png", record)
-    print(table(record))
-    log.info("wrote %s.json and .png", RESULTS / stem)
+    save_results(RESULTS / f"passkey-{model_tag(name)}-{'-'.join(map(str, args.lengths))}{selected}", record, plot,
+                 table)
 
 
 if __name__ == "__main__":
