@@ -160,9 +160,10 @@ uint32_t llama_kvq_swa_part_cells(const llama_model & model, uint32_t n_ubatch, 
 // the mask, mass, kept set and reseal of a selecting layer (llama_kv_cache::kvq_build_attn), with room to spare
 static constexpr uint32_t KVQ_SELECT_NODES_PER_LAYER = 96;
 
+// Whatever the process-wide settings say now: a context reserves its graphs again later (LoRA, backend samplers),
+// when they may have changed, and its cache keeps the settings it was made with
 uint32_t llama_kvq_graph_extra_nodes(const llama_model & model) {
-    const llama_kvq_params params = llama_kvq_get_params();
-    return llama_kvq_select_on(params.select_hh, params.select_recent) ? KVQ_SELECT_NODES_PER_LAYER*model.hparams.n_layer() : 0;
+    return KVQ_SELECT_NODES_PER_LAYER*model.hparams.n_layer();
 }
 
 void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_type type_v, uint32_t n_stream_wanted,
