@@ -73,6 +73,8 @@ def _reader(path: Path):
         return gguf.GGUFReader(path, "r")
     except (ValueError, OSError, IndexError) as exc:
         raise GgufError(f"{path} is not a readable GGUF file: {exc}") from exc
+    except KeyError as exc:     # a key or tensor name twice, which llama.cpp refuses too
+        raise GgufError(f"{path} is not a readable GGUF file: {exc.args[0]}") from exc
 
 
 def read_fields(path: Path) -> dict[str, object]:

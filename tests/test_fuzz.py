@@ -69,6 +69,15 @@ def test_metadata_reader_refuses_corrupt_files_cleanly(small_gguf: bytes, tmp_pa
         model_info.collect(path)
 
 
+def test_a_key_given_twice_is_refused_cleanly(small_gguf: bytes, tmp_path: Path) -> None:
+    """Found by the fuzz above: a corrupted name that repeats another made gguf-py raise KeyError."""
+    assert small_gguf.count(b"llama.context_length") == 1
+    path = tmp_path / "twice.gguf"
+    path.write_bytes(small_gguf.replace(b"llama.context_length", b"general.architecture"))
+    with pytest.raises(gguf_metadata.GgufError, match="not a readable GGUF file: Duplicate general.architecture"):
+        gguf_metadata.read_kvq(path)
+
+
 @pytest.mark.parametrize("n_layer", [4278190082, 0, -3])
 def test_an_impossible_layer_count_is_refused_before_per_layer_values(n_layer: int) -> None:
     """Found by the fuzz above: block_count corrupted to 4278190082 made inspect build a list of that many head
