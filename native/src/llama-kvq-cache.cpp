@@ -420,6 +420,11 @@ bool llama_kv_cache::kvq_check_select(const std::vector<llama_ubatch> & ubatches
     if (!kvq_active() || !kvq_selects_prompts()) {
         return true;
     }
+    // the sequences a prompt may start: those the cache holds nothing of
+    std::vector<bool> empty(kvq_n_part);
+    for (uint32_t seq = 0; seq < kvq_n_part; ++seq) {
+        empty[seq] = v_cells[kvq_in_regions() ? 0 : seq_to_stream[seq]].seq_pos_min(seq) < 0;
+    }
     std::vector<int64_t>  first(kvq_n_part, -1);
     std::vector<uint32_t> n_tokens(kvq_n_part, 0);
     std::vector<bool>     spans(kvq_n_part, false);
@@ -428,8 +433,7 @@ bool llama_kv_cache::kvq_check_select(const std::vector<llama_ubatch> & ubatches
         const llama_ubatch & ub = ubatches[u];
         for (uint32_t i = 0; i < ub.n_tokens; ++i) {
             const llama_seq_id seq = ub.seq_id[i][0];
-            if (seq < 0 || (uint32_t) seq >= kvq_n_part ||
-                v_cells[kvq_in_regions() ? 0 : seq_to_stream[seq]].seq_pos_min(seq) >= 0) {
+            if (seq < 0 || (uint32_t) seq >= kvq_n_part || !empty[seq]) {
                 continue;
             }
             if (first[seq] < 0) {
@@ -1039,7 +1043,7 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     const bool regions = kvq_in_regions() && !selects;
     if (selects) {
         kq_mask = kvq_graph_shared(gf, "kvq_select_mask", [&] {
-            return llama_kvq_causal_mask(ctx, select.n_prompt, select.n_prompt);
+            return llama_kvq_causal_mask(ctx, select.n_prompt);
         });
     }
 

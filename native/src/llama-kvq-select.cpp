@@ -1,5 +1,7 @@
 #include "llama-kvq-select.h"
 
+#include "ggml-kvq.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -43,8 +45,8 @@ static ggml_tensor * kvq_zeros(ggml_context * ctx, int64_t ne0, int64_t ne1, int
     return ggml_repeat_4d(ctx, row, ne0, ne1, ne2, 1);
 }
 
-ggml_tensor * llama_kvq_causal_mask(ggml_context * ctx, int64_t n_cols, int64_t n) {
-    return ggml_cast(ctx, ggml_diag_mask_inf(ctx, kvq_zeros(ctx, n_cols, n), 0), GGML_TYPE_F16);
+ggml_tensor * llama_kvq_causal_mask(ggml_context * ctx, int64_t n) {
+    return ggml_cast(ctx, ggml_diag_mask_inf(ctx, kvq_zeros(ctx, n, n), 0), GGML_TYPE_F16);
 }
 
 // token indices first .. first + n - 1 for every KV head, F32 [n, n_head_kv]

@@ -3,7 +3,6 @@
 #pragma once
 
 #include "ggml.h"
-#include "ggml-kvq.h"
 
 #include <cstdint>
 #include <string>
@@ -29,8 +28,8 @@ bool llama_kvq_select_on(float hh, float recent);
 // the kept counts of a prompt; none for a prompt no longer than the window, which the cache keeps whole anyway
 llama_kvq_select llama_kvq_select_for(float hh, float recent, int32_t n_sink, int32_t window, uint32_t n_prompt);
 
-// causal mask of a sequence's first n tokens at its first n cells, F16 [n_cols, n] (columns past n masked)
-ggml_tensor * llama_kvq_causal_mask(ggml_context * ctx, int64_t n_cols, int64_t n);
+// causal mask of a sequence's first n tokens at its first n cells, F16 [n, n]
+ggml_tensor * llama_kvq_causal_mask(ggml_context * ctx, int64_t n);
 
 // the kept token indices I32 [n_keep, n_head_kv] of each KV head, in prompt order, from the attention mass F32
 // [n_prompt, n_head_kv] each prompt token received
