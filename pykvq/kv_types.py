@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 
 from pykvq.bindings import native
@@ -66,19 +68,56 @@ def parse_list(text: str) -> list[KvSpec]:
     return specs
 
 
-def parse_select(text: str) -> tuple[float, float]:
-    """``HH,RW`` of --kv-select: the heavy-hitter and recent shares of a prompt, each in (0, 1], at most 1 together."""
+# MiniKV's prompt selection: (heavy-hitter share, recent share) of a prompt, and optionally the number of the
+# prompt's last tokens whose attention picks the heavy hitters (0: all of them)
+Selection = tuple[float, float] | tuple[float, float, int]
+
+
+def parse_select(text: str) -> Selection:
+    """``HH,RW[,N]`` of --kv-select: the heavy-hitter and recent shares of a prompt, each in (0, 1], at most 1
+    together, and the observation window N (a count of tokens, 0: the whole prompt)."""
     parts = text.split(",")
     try:
-        hh, recent = (float(part) for part in parts)
+        if len(parts) not in (2, 3):
+            raise ValueError
+        hh, recent = float(parts[0]), float(parts[1])
+        observe = int(parts[2]) if len(parts) == 3 else None
     except ValueError:
-        raise KvTypeError(f"--kv-select takes HH,RW, two shares of the prompt such as 0.25,0.25; "
-                          f"got {text!r}") from None
+        raise KvTypeError(f"--kv-select takes HH,RW[,N], two shares of the prompt and optionally how many of its last "
+                          f"tokens pick the heavy hitters, such as 0.25,0.25 or 0.25,0.25,32; got {text!r}") from None
     if not (0.0 < hh <= 1.0 and 0.0 < recent <= 1.0):
         raise KvTypeError(f"--kv-select shares must each be in (0, 1]; got {text!r}")
     if hh + recent > 1.0 + 1e-6:
         raise KvTypeError(f"--kv-select shares add up to {hh + recent:g}, more than the whole prompt; got {text!r}")
-    return hh, recent
+    if observe is None:
+        return hh, recent
+    if observe < 0:
+        raise KvTypeError(f"--kv-select's observation window N must be 0 (the whole prompt) or more tokens; "
+                          f"got {text!r}")
+    return hh, recent, observe
+
+
+def selection_label(select: Selection) -> str:
+    """``0.25/0.25``, or ``0.25/0.25 obs 32`` with an observation window (``obs all`` for 0)."""
+    shares = f"{select[0]:g}/{select[1]:g}"
+    if len(select) == 2:
+        return shares
+    return f"{shares} obs {select[2] or 'all'}"
+
+
+def kept_cells(select: Selection, n_prompt: int, window: int, n_sink: int) -> int:
+    """Cells a prompt of n_prompt tokens keeps under a selection (llama_kvq_select_for): its sinks, heavy hitters
+    and recent tokens; all of it when it is no longer than the window."""
+    if n_prompt <= max(window, n_sink):
+        return n_prompt
+
+    def count(share: float) -> int:
+        # as the C API counts: the share as a float, rounded half away from zero
+        return math.floor(struct.unpack("f", struct.pack("f", share))[0] * n_prompt + 0.5)
+
+    n_recent = min(max(count(select[1]), 1), n_prompt - n_sink)
+    n_hh = min(count(select[0]), n_prompt - n_sink - n_recent)
+    return n_sink + n_hh + n_recent
 
 
 def fp16_cells(window: int, n_sink: int, rollback: int = 0) -> int:

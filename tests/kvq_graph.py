@@ -73,10 +73,10 @@ _CDEF = """
         struct ggml_tensor * k_idxs, int32_t window, int32_t n_sink, int32_t n_seq, int64_t kv_size,
         bool mask_all_streams, int64_t n_kv);
     struct ggml_tensor * ggml_kvq_score_lse(struct ggml_context * ctx, struct ggml_tensor * q,
-        struct ggml_tensor * k_wide, struct ggml_tensor * wide_mask, float scale);
+        struct ggml_tensor * k_wide, struct ggml_tensor * wide_mask, int32_t n_observe, float scale);
     struct ggml_tensor * ggml_kvq_score_add(struct ggml_context * ctx, struct ggml_tensor * scores,
         struct ggml_tensor * q, struct ggml_tensor * k_wide, struct ggml_tensor * wide_mask, struct ggml_tensor * lse,
-        struct ggml_tensor * k_idxs, int32_t window, int32_t n_sink, int64_t n_kv, float scale);
+        struct ggml_tensor * k_idxs, int32_t window, int32_t n_sink, int64_t n_kv, int32_t n_observe, float scale);
 """
 
 

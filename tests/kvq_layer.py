@@ -56,10 +56,12 @@ class LayerRun:
 
 
 def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches: list[int], *,
-               wide: bool = False, n_swa: int = 0, mass: bool = False, backend: g.Backend | None = None) -> LayerRun:
+               wide: bool = False, n_swa: int = 0, mass: bool = False, observe: int = 0,
+               backend: g.Backend | None = None) -> LayerRun:
     """Feed the tokens through one cache layer in the given ubatch sizes: every query's output (through the fused
     kernel, or with `wide` through flash attention over wide cells; n_swa: a sliding-window mask) and, with
-    `mass`, the attention mass the SCORE ops accumulate over the ubatches; on the CPU, or on `backend`."""
+    `mass`, the attention mass the SCORE ops accumulate over the ubatches (from each ubatch's last `observe`
+    queries, 0: all); on the CPU, or on `backend`."""
     n_cells = k.shape[0]
     n_embd = case.n_head_kv * case.head_dim
     n_embd_v = case.n_head_kv * case.dv
@@ -100,9 +102,9 @@ def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches
             # nodes run in the order they are expanded: the ring changes after everything read it
             nodes = [attn]
             if mass:
-                lse = lib.ggml_kvq_score_lse(ctx.ctx, q_cur, k_wide, wide_mask, scale)
+                lse = lib.ggml_kvq_score_lse(ctx.ctx, q_cur, k_wide, wide_mask, observe, scale)
                 nodes.append(lib.ggml_kvq_score_add(ctx.ctx, scores, q_cur, k_wide, wide_mask, lse, idxs, window,
-                                                    n_sink, n_kv, scale))
+                                                    n_sink, n_kv, observe, scale))
             nodes += [lib.ggml_kvq_ring_put(ctx.ctx, fp16, cur, idxs, nodes[-1], n_sink, 1, n_alloc)
                       for fp16, cur in ((k_fp16, k_cur), (v_fp16, v_cur))]
             ctx.compute(*nodes)

@@ -123,14 +123,16 @@ def kivi_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_cells: np.
 
 
 def attention_mass(q: np.ndarray, k: np.ndarray, query_cells: np.ndarray, *, window: int, n_sink: int,
-                   k_bits: int, scale: float, n_swa: int = 0) -> np.ndarray:
+                   k_bits: int, scale: float, n_swa: int = 0, scoring: np.ndarray | None = None) -> np.ndarray:
     """MiniKV's accumulated attention scores, from the full probability matrix of the wide prefill's contract
-    (quantized keys rounded to fp16): [n_cells, n_head_kv], each cell's probabilities summed over the queries and
-    the query heads that share its KV head."""
+    (quantized keys rounded to fp16): [n_cells, n_head_kv], each cell's probabilities summed over the queries
+    (those `scoring` marks, default all) and the query heads that share its KV head."""
     group = q.shape[1] // k.shape[1]
     mass = np.zeros(k.shape[:2])
     for n, j, keys, _ in _contract_reads(k, None, query_cells, window=window, n_sink=n_sink, k_bits=k_bits,
                                          v_bits=0, n_swa=n_swa, k_fp16=True):
+        if scoring is not None and not scoring[n]:
+            continue
         for h in range(q.shape[1]):
             mass[j, h // group] += _probabilities(keys[:, h // group], q[n, h], scale)
     return mass

@@ -343,3 +343,19 @@ def test_a_removal_reaching_past_the_dropped_cells_is_refused(gemma3: Model, tok
                                       twin.eval(tokens[300:310], all_logits=True))
         ctx.truncate(0)
         assert ctx.n_past == 0
+
+
+def test_prompt_selection_keeps_its_share_of_the_global_cache(gemma3: Model, tokens: list[int]) -> None:
+    # the global layers select (the sliding-window ones forget on their own); the cells held are the global
+    # cache's, not the positions the sliding-window cache still has
+    def prompt_then_continuation(select) -> tuple[int, np.ndarray]:
+        config = device.context_config(n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, n_threads=2,
+                                       kv=KvConfig.preset("kivi2", select=select))
+        with gemma3.context(config) as ctx:
+            ctx.eval(tokens[:300])
+            return ctx.seq_cells(0), ctx.eval(tokens[300:], all_logits=True)
+
+    plain, every, half = (prompt_then_continuation(select) for select in (None, (0.5, 0.5), (0.25, 0.25)))
+    assert plain[0] == every[0] == 300 and half[0] == 150
+    np.testing.assert_array_equal(every[1], plain[1])
+    assert not np.array_equal(half[1], plain[1])

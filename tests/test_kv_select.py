@@ -5,6 +5,7 @@ runs with the same kernels and batch shapes."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from pykvq import ContextConfig, KvConfig, LlamaError, Model
+from pykvq.kv_types import Selection
 
 N_PROMPT = 600
 N_CONT = 40
@@ -23,7 +25,7 @@ def tokens(model: Model, hamlet: Path) -> list[int]:
     return model.tokenize(hamlet.read_text()[20000:40000])[:N_PROMPT + N_CONT]
 
 
-def context(model: Model, select: tuple[float, float] | None, n_ubatch: int = 1024, **kv) -> object:
+def context(model: Model, select: Selection | None, n_ubatch: int = 1024, **kv) -> object:
     config = KvConfig("kivi2", "kivi2", select=select, **kv)
     return model.context(ContextConfig(n_ctx=1024, n_batch=1024, n_ubatch=n_ubatch, n_threads=2, flash_attn="on",
                                        kv=config))
@@ -78,6 +80,18 @@ def test_heavy_hitters_beat_the_recent_window_alone(model: Model, tokens: list[i
     assert nll(by_mass[1][:-1], targets) < nll(recent[1][:-1], targets)
 
 
+def test_an_observation_window_scores_with_the_prompts_last_queries(model: Model, tokens: list[int]) -> None:
+    # a window as long as the prompt is every query, as 0 is; a short one picks other heavy hitters (its
+    # kernel-level sums are judged in test_kvq_score.py), keeping as many cells
+    every = prompt_then_continuation(model, tokens, (0.25, 0.25, 0))
+    whole = prompt_then_continuation(model, tokens, (0.25, 0.25, N_PROMPT))
+    np.testing.assert_array_equal(whole[1], every[1])
+    last = prompt_then_continuation(model, tokens, (0.25, 0.25, 16))
+    assert last[2] == every[2] == N_PROMPT // 2
+    np.testing.assert_array_equal(last[0], every[0])
+    assert not np.array_equal(last[1], every[1])
+
+
 def test_state_after_selection_continues_exactly(model: Model, tokens: list[int]) -> None:
     with context(model, (0.25, 0.25)) as ctx:
         ctx.eval(tokens[:N_PROMPT])
@@ -126,6 +140,7 @@ def test_a_prompt_within_the_window_is_kept_whole(model: Model, tokens: list[int
     ((0.0, 0.5), "must each be in (0, 1]"),
     ((0.75, 0.5), "add up to 1.25"),
     ((float("nan"), 0.5), "must each be in (0, 1]"),
+    ((0.25, 0.25, -1), "observation window must be 0"),
 ])
 def test_bad_shares_are_refused_before_the_context(model: Model, select, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("]", r"\]")):
@@ -175,11 +190,31 @@ def test_pykvq_run_on_an_rpc_device_selects_as_the_cpu(rpc_server: str, smollm2:
     (["-p", "a short prompt"], "no longer than the fp16 window of 128"),
     (["-p", "x", "--kv-select", "0.8,0.3"], "add up to 1.1"),
     (["-p", "x", "--kv-select", "half"], "takes HH,RW"),
+    (["-p", "x", "--kv-select", "0.25,0.25,-4"], "observation window N must be 0"),
+    (["-p", "x", "--kv-select", "0.25,0.25,4,4"], "takes HH,RW[,N]"),
 ])
 def test_pykvq_run_refuses_bad_selection_before_any_work(smollm2: Path, args: list[str], message: str) -> None:
     out = subprocess.run(["pykvq", "run", "-m", str(smollm2), "--kv-type", "kivi2", "--kv-select", "0.25,0.25",
                           *args], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and message in out.stderr
+
+
+@pytest.mark.parametrize("select, sinks", [((0.25, 0.25), 0), ((0.3, 0.1, 32), 4)])
+def test_pykvq_inspect_counts_the_cells_a_context_keeps(model: Model, smollm2: Path, tokens: list[int], select,
+                                                        sinks: int) -> None:
+    with context(model, select, sinks=sinks) as ctx:
+        ctx.eval(tokens[:N_PROMPT])
+        held = ctx.seq_cells(0)
+    args = ["pykvq", "inspect", str(smollm2), "-c", str(N_PROMPT), "--kv-select", ",".join(map(str, select))]
+    out = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    # inspect reads the model's window and sinks (none here): the sinks are the context's own setting
+    chosen = json.loads(out.stdout)["selection"]
+    assert chosen["cells"] + sinks == held
+    text = subprocess.run(args, capture_output=True, text=True, timeout=120).stdout
+    assert f"keeps {chosen['cells']} of a {N_PROMPT}-token prompt's cells" in text
+    row = next(line.split() for line in text.splitlines() if line.strip().startswith("kivi2 "))
+    assert float(row[3]) < float(row[2])
 
 
 def test_llama_cpp_python_selects_the_prompt(smollm2: Path, tokens: list[int]) -> None:

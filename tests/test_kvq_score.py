@@ -23,9 +23,11 @@ CASES = [
 UBATCHES = [37, 1, 64, 20, 28]
 
 
-def reference_mass(case: Case, q: np.ndarray, k: np.ndarray, n_swa: int = 0) -> np.ndarray:
+def reference_mass(case: Case, q: np.ndarray, k: np.ndarray, n_swa: int = 0,
+                   scoring: np.ndarray | None = None) -> np.ndarray:
     return oracle.attention_mass(q, k, np.arange(k.shape[0]), window=case.window, n_sink=case.n_sink,
-                                 k_bits=KIVI_BITS[case.k_type], scale=1.0 / np.sqrt(case.head_dim), n_swa=n_swa)
+                                 k_bits=KIVI_BITS[case.k_type], scale=1.0 / np.sqrt(case.head_dim), n_swa=n_swa,
+                                 scoring=scoring)
 
 
 def case_id(c: Case) -> str:
@@ -42,6 +44,21 @@ def test_attention_mass_matches_the_full_matrix(case: Case, wide: bool, kvq_back
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     # each query hands out one unit per query head
     np.testing.assert_allclose(got.sum(), q.shape[0] * q.shape[1], rtol=1e-5)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["fused", "flash"])
+@pytest.mark.parametrize("case", CASES[:3], ids=case_id)
+def test_attention_mass_of_an_observation_window(case: Case, wide: bool, kvq_backend: g.Backend | None) -> None:
+    """With n_observe, only each ubatch's last queries (all of a shorter one) give mass."""
+    observe = 8
+    q, k, v = random_qkv(case, sum(UBATCHES), seed=case.n_head)
+    got = feed_layer(case, q, k, v, UBATCHES, wide=wide, mass=True, observe=observe, backend=kvq_backend).mass
+    ends = np.cumsum(UBATCHES)
+    scoring = np.zeros(ends[-1], dtype=bool)
+    for end, n in zip(ends, UBATCHES, strict=True):
+        scoring[end - min(n, observe):end] = True
+    np.testing.assert_allclose(got, reference_mass(case, q, k, scoring=scoring), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got.sum(), scoring.sum() * q.shape[1], rtol=1e-5)
 
 
 def test_attention_mass_follows_a_sliding_window(kvq_backend: g.Backend | None) -> None:

@@ -246,22 +246,30 @@ GGML_API struct ggml_tensor * ggml_kvq_wide_mask(
 // prefill reads (K as wide cells and the wide mask: each query sees each cell once, the way the contract reads
 // it), whichever path computes the attention itself, and never hold more than one query row of scores: first
 // each row's log-sum-exp, then each cell's probabilities, recomputed, summed by the cell's owner.
+// n_observe > 0 restricts the scoring queries to each segment's last n_observe (SnapKV's observation window: the
+// prompt's end, where a question is, rather than the whole prompt); 0 takes every query.
 //
 
+// the first query row of a segment of n_tps tokens that scores
+static inline GGML_KVQ_HOST_DEVICE int64_t ggml_kvq_score_first_row(int64_t n_tps, int32_t n_observe) {
+    return n_observe > 0 && n_observe < n_tps ? n_tps - n_observe : 0;
+}
+
 // log-sum-exp of each query row over its visible wide cells: F32 [n_head, n_tokens], -INFINITY for a row that
-// sees nothing. q F32 [head_dim, n_head, n_tokens]; k_wide F16 [n_head_kv*head_dim, n_wide, n_seq] (ggml_kvq_wide
-// of K); wide_mask F16 [n_wide, n_tokens/n_seq, 1, n_seq] (ggml_kvq_wide_mask). Q is taken in fp16, as by the
-// attention.
+// sees nothing or does not score (n_observe). q F32 [head_dim, n_head, n_tokens]; k_wide F16 [n_head_kv*head_dim,
+// n_wide, n_seq] (ggml_kvq_wide of K); wide_mask F16 [n_wide, n_tokens/n_seq, 1, n_seq] (ggml_kvq_wide_mask). Q is
+// taken in fp16, as by the attention.
 GGML_API struct ggml_tensor * ggml_kvq_score_lse(
         struct ggml_context * ctx,
         struct ggml_tensor  * q,
         struct ggml_tensor  * k_wide,
         struct ggml_tensor  * wide_mask,
+        int32_t               n_observe,
         float                 scale);
 
 // scores F32 [kv_size, n_head_kv, n_stream] += the attention probabilities cells 0 .. n_kv-1 of each segment's
-// stream receive from the segment's queries (lse from ggml_kvq_score_lse of the same inputs); returns scores
-// (as a view, for ordering). window, n_sink, n_kv: those of the wide cells.
+// stream receive from the segment's scoring queries (lse from ggml_kvq_score_lse of the same inputs and n_observe);
+// returns scores (as a view, for ordering). window, n_sink, n_kv: those of the wide cells.
 GGML_API struct ggml_tensor * ggml_kvq_score_add(
         struct ggml_context * ctx,
         struct ggml_tensor  * scores,
@@ -273,6 +281,7 @@ GGML_API struct ggml_tensor * ggml_kvq_score_add(
         int32_t               window,
         int32_t               n_sink,
         int64_t               n_kv,
+        int32_t               n_observe,
         float                 scale);
 
 // the wide column through which the queries of a segment starting at `first` may read cell j by way `way`

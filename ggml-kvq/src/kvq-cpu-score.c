@@ -18,13 +18,15 @@ typedef struct {
     int64_t head_dim;
     int64_t n_gqa;     // query heads per KV head
     int64_t n_tps;     // tokens per segment
+    int64_t t_first;   // the first of a segment's tokens that scores
     float   scale;
 } kvq_score_inputs;
 
 static kvq_score_inputs kvq_score_inputs_of(const struct ggml_tensor * q, const struct ggml_tensor * k_wide,
-                                            const struct ggml_tensor * mask, float scale) {
+                                            const struct ggml_tensor * mask, int32_t n_observe, float scale) {
     GGML_ASSERT(q->ne[0] <= KVQ_SCORE_MAX_HEAD);
-    const kvq_score_inputs in = { q, k_wide, mask, q->ne[0], q->ne[1]/(k_wide->ne[0]/q->ne[0]), mask->ne[1], scale };
+    const kvq_score_inputs in = { q, k_wide, mask, q->ne[0], q->ne[1]/(k_wide->ne[0]/q->ne[0]), mask->ne[1],
+                                  ggml_kvq_score_first_row(mask->ne[1], n_observe), scale };
     return in;
 }
 
@@ -54,7 +56,8 @@ static float kvq_score_at(const kvq_score_inputs * in, int64_t t, int64_t hk, in
 // A query row's mask is read once for many of its heads (the mask does not depend on the head): threads take whole
 // tokens, and keep a running maximum and sum per head of a group
 void kvq_score_lse(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    const kvq_score_inputs in = kvq_score_inputs_of(dst->src[0], dst->src[1], dst->src[2], ggml_get_op_params_f32(dst, 3));
+    const kvq_score_inputs in = kvq_score_inputs_of(dst->src[0], dst->src[1], dst->src[2], ggml_get_op_params_i32(dst, 1),
+                                                    ggml_get_op_params_f32(dst, 3));
     const int64_t n_head = in.q->ne[1];
     const int64_t n_wide = in.k_wide->ne[1];
     ggml_fp16_t q16[KVQ_SCORE_HEAD_GROUP][KVQ_SCORE_MAX_HEAD];
@@ -62,6 +65,13 @@ void kvq_score_lse(const struct ggml_compute_params * params, struct ggml_tensor
     float sum[KVQ_SCORE_HEAD_GROUP];
 
     for (int64_t t = params->ith; t < in.q->ne[2]; t += params->nth) {
+        if (t % in.n_tps < in.t_first) {
+            float * out = (float *) dst->data + t*n_head;
+            for (int64_t h = 0; h < n_head; ++h) {
+                out[h] = -INFINITY;
+            }
+            continue;
+        }
         for (int64_t h0 = 0; h0 < n_head; h0 += KVQ_SCORE_HEAD_GROUP) {
             const int64_t n_group = n_head - h0 < KVQ_SCORE_HEAD_GROUP ? n_head - h0 : KVQ_SCORE_HEAD_GROUP;
             for (int64_t g = 0; g < n_group; ++g) {
@@ -99,7 +109,8 @@ void kvq_score_add(const struct ggml_compute_params * params, struct ggml_tensor
     const struct ggml_tensor * scores = dst->src[0];
     const float   * lse     = (const float *) dst->src[4]->data;
     const int64_t * cells   = (const int64_t *) dst->src[5]->data;
-    const kvq_score_inputs in = kvq_score_inputs_of(dst->src[1], dst->src[2], dst->src[3], ggml_get_op_params_f32(dst, 3));
+    const kvq_score_inputs in = kvq_score_inputs_of(dst->src[1], dst->src[2], dst->src[3], ggml_get_op_params_i32(dst, 9),
+                                                    ggml_get_op_params_f32(dst, 3));
     const int32_t window    = ggml_get_op_params_i32(dst, 1);
     const int32_t n_sink    = ggml_get_op_params_i32(dst, 2);
     const int32_t n_seq     = kvq_n_seq(dst);
@@ -121,7 +132,7 @@ void kvq_score_add(const struct ggml_compute_params * params, struct ggml_tensor
         const int64_t first  = cells[t0] % kv_size;
         GGML_ASSERT(stream < scores->ne[2]);
         float mass[QK_KIVI] = { 0 };
-        for (int64_t t = t0; t < t0 + in.n_tps; ++t) {
+        for (int64_t t = t0 + in.t_first; t < t0 + in.n_tps; ++t) {
             // the wide mask shows the query each cell through one of its columns at most
             int64_t seen_col[QK_KIVI];
             float   seen_mask[QK_KIVI];

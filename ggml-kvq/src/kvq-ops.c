@@ -201,11 +201,13 @@ struct ggml_tensor * ggml_kvq_score_lse(
         struct ggml_tensor  * q,
         struct ggml_tensor  * k_wide,
         struct ggml_tensor  * wide_mask,
+        int32_t               n_observe,
         float                 scale) {
     kvq_check_score_inputs(q, k_wide, wide_mask);
+    GGML_ASSERT(n_observe >= 0);
 
     struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, q->ne[1], q->ne[2]);
-    int32_t params[5] = { GGML_KVQ_OP_SCORE_LSE, 0, 0, 0, (int32_t) wide_mask->ne[3] };
+    int32_t params[5] = { GGML_KVQ_OP_SCORE_LSE, n_observe, 0, 0, (int32_t) wide_mask->ne[3] };
     memcpy(&params[3], &scale, sizeof(float));
     ggml_set_op_params(result, params, sizeof(params));
     result->op     = GGML_OP_KVQ;
@@ -226,6 +228,7 @@ struct ggml_tensor * ggml_kvq_score_add(
         int32_t               window,
         int32_t               n_sink,
         int64_t               n_kv,
+        int32_t               n_observe,
         float                 scale) {
     kvq_check_score_inputs(q, k_wide, wide_mask);
     const int64_t n_head_kv = k_wide->ne[0]/q->ne[0];
@@ -234,12 +237,13 @@ struct ggml_tensor * ggml_kvq_score_add(
     GGML_ASSERT(scores->ne[1] == n_head_kv && scores->ne[2] >= n_seq);
     GGML_ASSERT(lse->type == GGML_TYPE_F32 && ggml_is_contiguous(lse) && lse->ne[0] == q->ne[1] && lse->ne[1] == q->ne[2]);
     GGML_ASSERT(k_idxs->type == GGML_TYPE_I64 && ggml_is_contiguous(k_idxs) && k_idxs->ne[0] == q->ne[2]);
-    GGML_ASSERT(window >= 0 && n_sink >= 0);
+    GGML_ASSERT(window >= 0 && n_sink >= 0 && n_observe >= 0);
     GGML_ASSERT(ggml_kvq_wide_layout_for(n_kv, q->ne[2]/n_seq, window).n_wide == k_wide->ne[1]);
 
     struct ggml_tensor * result = ggml_view_tensor(ctx, scores);
     kvq_set_wide_params(result, GGML_KVQ_OP_SCORE_ADD, window, n_sink, n_seq, scores->ne[0], false, n_kv, false);
     ggml_set_op_params_f32(result, 3, scale);
+    ggml_set_op_params_i32(result, 9, n_observe);
     result->src[0] = scores;
     result->src[1] = q;
     result->src[2] = k_wide;

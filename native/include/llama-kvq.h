@@ -37,6 +37,10 @@ struct llama_kvq_params {
     // kivi. A prompt no longer than the window is kept whole.
     float   select_hh;
     float   select_recent;
+    // the prompt's last select_observe tokens are the queries whose attention picks the heavy hitters (SnapKV's
+    // observation window: what the end of the prompt, a question, looks at); 0: all of the prompt's (MiniKV's
+    // accumulated score). Default 0.
+    int32_t select_observe;
 };
 
 // the defaults: what a window or sink count LLAMA_KVQ_FROM_MODEL becomes for a model without kvq.window/kvq.sinks
@@ -93,6 +97,11 @@ struct llama_kvq_memory_info {
 
 // false when the context has no KV cache
 LLAMA_API bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_memory_info * info);
+
+// Cells sequence seq_id holds in the cache that bounds it (an iSWA model's global cache, not its sliding-window
+// one, whose llama_memory_seq_pos_min has forgotten the start): fewer than its positions once prompt selection kept
+// part of its prompt. -1 when the context has no such cache.
+LLAMA_API int32_t llama_kvq_seq_cells(const struct llama_context * ctx, llama_seq_id seq_id);
 
 #ifdef __cplusplus
 }

@@ -379,8 +379,7 @@ llama_kv_cache::slot_info llama_kv_cache::kvq_find_slot(const llama_ubatch & uba
         }
         // a prompt decoded into an empty sequence, alone in its ubatch (kvq_check_select)
         if (n_held == 0 && ubatch.n_seqs_unq == 1 && kvq_selects_prompts()) {
-            res.kvq_select = llama_kvq_select_for(kvq_params.select_hh, kvq_params.select_recent, kvq_params.n_sink,
-                                                  kvq_params.window, n_new[seq]);
+            res.kvq_select = llama_kvq_select_for(kvq_params, n_new[seq]);
             res.kvq_select.part = regions ? seq : strm;
         }
         next[seq] = first + n_held - n_drop;
@@ -445,8 +444,7 @@ bool llama_kv_cache::kvq_check_select(const std::vector<llama_ubatch> & ubatches
         }
     }
     for (uint32_t seq = 0; seq < kvq_n_part; ++seq) {
-        if (first[seq] < 0 || llama_kvq_select_for(kvq_params.select_hh, kvq_params.select_recent, kvq_params.n_sink,
-                                                   kvq_params.window, n_tokens[seq]).n_prompt == 0) {
+        if (first[seq] < 0 || llama_kvq_select_for(kvq_params, n_tokens[seq]).n_prompt == 0) {
             continue;
         }
         if (spans[seq]) {

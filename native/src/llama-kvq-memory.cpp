@@ -6,6 +6,12 @@
 #include "llama-memory.h"
 #include "llama-model.h"
 
+// the cache whose cells bound what a sequence holds: an iSWA model's global one (the sliding-window one forgets)
+static const llama_kv_cache * kvq_bounding_cache(const llama_memory_i * mem) {
+    const auto * iswa = dynamic_cast<const llama_kv_cache_iswa *>(mem);
+    return iswa != nullptr ? iswa->get_base() : dynamic_cast<const llama_kv_cache *>(mem);
+}
+
 // The buffers are what the cache really holds, scales, windows and alignment included; the f16 figure
 // is what upstream's default cache would allocate for the same cells, so that the two compare directly.
 bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_memory_info * info) {
@@ -25,7 +31,7 @@ bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_me
     info->n_cells = n_cells;
     // an iSWA cache: its global layers bound what a sequence holds (the sliding-window ones forget)
     const auto * iswa = dynamic_cast<const llama_kv_cache_iswa *>(mem);
-    const auto * kv   = iswa != nullptr ? iswa->get_base() : dynamic_cast<const llama_kv_cache *>(mem);
+    const llama_kv_cache * kv = kvq_bounding_cache(mem);
     info->n_seq_cells = kv != nullptr ? kv->kvq_seq_cells() : llama_n_ctx_seq(ctx);
     if (iswa != nullptr) {
         for (const auto & [buft, size] : iswa->get_swa()->memory_breakdown()) {
@@ -48,4 +54,15 @@ bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_me
     info->n_elements += info->swa_n_elements;
     info->f16_bytes = info->n_elements * sizeof(ggml_fp16_t);
     return true;
+}
+
+// a selected prompt's kept cells take its last positions, consecutive (kvq_apply_select): the span of positions
+// is what the sequence holds
+int32_t llama_kvq_seq_cells(const struct llama_context * ctx, llama_seq_id seq_id) {
+    const llama_kv_cache * kv = ctx != nullptr ? kvq_bounding_cache(llama_get_memory(ctx)) : nullptr;
+    if (kv == nullptr) {
+        return -1;
+    }
+    const llama_pos pos_min = kv->seq_pos_min(seq_id);
+    return pos_min < 0 ? 0 : kv->seq_pos_max(seq_id) - pos_min + 1;
 }

@@ -5,7 +5,11 @@
 #include <algorithm>
 #include <cmath>
 
-std::string llama_kvq_check_select(float hh, float recent) {
+std::string llama_kvq_check_select(float hh, float recent, int32_t observe) {
+    if (observe < 0) {
+        return "the selection's observation window must be 0 (all of the prompt) or more tokens, got " +
+               std::to_string(observe);
+    }
     if (hh == 0.0f && recent == 0.0f) {
         return "";
     }
@@ -26,16 +30,18 @@ bool llama_kvq_select_on(float hh, float recent) {
     return hh > 0.0f || recent > 0.0f;
 }
 
-llama_kvq_select llama_kvq_select_for(float hh, float recent, int32_t n_sink, int32_t window, uint32_t n_prompt) {
+llama_kvq_select llama_kvq_select_for(const llama_kvq_params & params, uint32_t n_prompt) {
     llama_kvq_select sel;
-    if (!llama_kvq_select_on(hh, recent) || n_prompt <= (uint32_t) std::max(window, n_sink)) {
+    if (!llama_kvq_select_on(params.select_hh, params.select_recent) ||
+        n_prompt <= (uint32_t) std::max(params.window, params.n_sink)) {
         return sel;
     }
     const auto count = [n_prompt](float share) { return (uint32_t) std::lround((double) share * n_prompt); };
-    sel.n_prompt = n_prompt;
-    sel.n_sink   = (uint32_t) n_sink;
-    sel.n_recent = std::min(std::max(count(recent), 1u), n_prompt - sel.n_sink);
-    sel.n_hh     = std::min(count(hh), n_prompt - sel.n_sink - sel.n_recent);
+    sel.n_prompt  = n_prompt;
+    sel.n_sink    = (uint32_t) params.n_sink;
+    sel.n_recent  = std::min(std::max(count(params.select_recent), 1u), n_prompt - sel.n_sink);
+    sel.n_hh      = std::min(count(params.select_hh), n_prompt - sel.n_sink - sel.n_recent);
+    sel.n_observe = (uint32_t) params.select_observe;
     return sel;
 }
 
@@ -89,8 +95,8 @@ ggml_tensor * llama_kvq_prompt_mass(ggml_context * ctx, ggml_tensor * q, ggml_te
         ggml_tensor * k_idxs, int32_t window, int32_t n_sink, int64_t n_kv, int64_t kv_size, int64_t n_part,
         const llama_kvq_select & sel, float scale) {
     const int64_t n_head_kv = k_wide->ne[0]/q->ne[0];
-    ggml_tensor * lse  = ggml_kvq_score_lse(ctx, q, k_wide, wide_mask, scale);
+    ggml_tensor * lse  = ggml_kvq_score_lse(ctx, q, k_wide, wide_mask, (int32_t) sel.n_observe, scale);
     ggml_tensor * mass = ggml_kvq_score_add(ctx, kvq_zeros(ctx, kv_size, n_head_kv, n_part), q, k_wide, wide_mask, lse,
-                                            k_idxs, window, n_sink, n_kv, scale);
+                                            k_idxs, window, n_sink, n_kv, (int32_t) sel.n_observe, scale);
     return ggml_view_2d(ctx, mass, sel.n_prompt, n_head_kv, mass->nb[1], sel.part*mass->nb[2]);
 }

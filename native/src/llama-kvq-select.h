@@ -3,6 +3,7 @@
 #pragma once
 
 #include "ggml.h"
+#include "llama-kvq.h"
 
 #include <cstdint>
 #include <string>
@@ -15,18 +16,20 @@ struct llama_kvq_select {
     uint32_t n_sink   = 0;
     uint32_t n_hh     = 0;
     uint32_t n_recent = 0;
+    uint32_t n_observe = 0;  // the prompt's last tokens whose attention picks the heavy hitters (0: all)
     uint32_t part     = 0;   // the sequence's part of the cache
 
     uint32_t n_keep() const { return n_sink + n_hh + n_recent; }
 };
 
-// "" when the shares are valid (both 0 is off), else why not
-std::string llama_kvq_check_select(float hh, float recent);
+// "" when the shares and the observation window are valid (both shares 0 is off), else why not
+std::string llama_kvq_check_select(float hh, float recent, int32_t observe);
 
 bool llama_kvq_select_on(float hh, float recent);
 
-// the kept counts of a prompt; none for a prompt no longer than the window, which the cache keeps whole anyway
-llama_kvq_select llama_kvq_select_for(float hh, float recent, int32_t n_sink, int32_t window, uint32_t n_prompt);
+// what a prompt keeps under a cache's settings (window and sinks resolved); none for a prompt no longer than the
+// window, which the cache keeps whole anyway
+llama_kvq_select llama_kvq_select_for(const llama_kvq_params & params, uint32_t n_prompt);
 
 // causal mask of a sequence's first n tokens at its first n cells, F16 [n, n]
 ggml_tensor * llama_kvq_causal_mask(ggml_context * ctx, int64_t n);
@@ -39,7 +42,7 @@ ggml_tensor * llama_kvq_kept_tokens(ggml_context * ctx, ggml_tensor * mass, cons
 ggml_tensor * llama_kvq_gather_kept(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * kept);
 
 // the attention mass each token of a selecting ubatch's prompt received, F32 [n_prompt, n_head_kv]: summed over the
-// prompt's queries and the query heads of each KV head, from the wide cells its prefill attends (ggml_kvq_score_lse /
+// prompt's scoring queries (sel.n_observe) and the query heads of each KV head, from the wide cells its prefill attends (ggml_kvq_score_lse /
 // score_add). The prompt fills the first cells of part `part` of n_part parts of kv_size cells.
 ggml_tensor * llama_kvq_prompt_mass(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k_wide, ggml_tensor * wide_mask,
         ggml_tensor * k_idxs, int32_t window, int32_t n_sink, int64_t n_kv, int64_t kv_size, int64_t n_part,

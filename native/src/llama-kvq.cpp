@@ -19,7 +19,7 @@ const char * llama_kvq_version(void) {
 // Settings are process-wide: llama_context_params' layout is mirrored by llama-cpp-python and must not
 // change, so they cannot travel with it.
 static std::mutex       kvq_params_mutex;
-static llama_kvq_params kvq_params = { LLAMA_KVQ_FROM_MODEL, LLAMA_KVQ_FROM_MODEL, false, 0, 0.0f, 0.0f };
+static llama_kvq_params kvq_params = { LLAMA_KVQ_FROM_MODEL, LLAMA_KVQ_FROM_MODEL, false, 0, 0.0f, 0.0f, 0 };
 static std::string      kvq_error;
 static std::string      kvq_layer_spec;
 static std::string      kvq_layer_spec_out;   // what llama_kvq_get_layer_types hands out
@@ -27,7 +27,8 @@ static ggml_type        kvq_swa_type_k = GGML_TYPE_COUNT;
 static ggml_type        kvq_swa_type_v = GGML_TYPE_COUNT;
 
 struct llama_kvq_params llama_kvq_default_params(void) {
-    return { /*.window =*/ 128, /*.n_sink =*/ 0, /*.rotate =*/ false, /*.n_rollback =*/ 0, /*.select_hh =*/ 0.0f, /*.select_recent =*/ 0.0f };
+    return { /*.window =*/ 128, /*.n_sink =*/ 0, /*.rotate =*/ false, /*.n_rollback =*/ 0, /*.select_hh =*/ 0.0f,
+             /*.select_recent =*/ 0.0f, /*.select_observe =*/ 0 };
 }
 
 bool llama_kvq_set_params(struct llama_kvq_params params) {
@@ -47,7 +48,7 @@ bool llama_kvq_set_params(struct llama_kvq_params params) {
         kvq_error = "the rollback depth must be 0 to 4096 tokens, got " + std::to_string(params.n_rollback);
         return false;
     }
-    const std::string select_error = llama_kvq_check_select(params.select_hh, params.select_recent);
+    const std::string select_error = llama_kvq_check_select(params.select_hh, params.select_recent, params.select_observe);
     if (!select_error.empty()) {
         kvq_error = select_error;
         return false;
@@ -77,25 +78,32 @@ static bool kvq_parse_count(const char * value, int32_t & out) {
     return true;
 }
 
-// "HH,RW": two fractions; "off" (or "" or "0,0") turns selection off
-static bool kvq_parse_select(const char * value, float & hh, float & recent) {
+// "HH,RW[,N]": two fractions and the observation window (N left out: all of the prompt); "off" (or "" or "0,0")
+// turns selection off
+static bool kvq_parse_select(const char * value, llama_kvq_params & params) {
     if (std::strcmp(value, "off") == 0 || value[0] == '\0') {
-        hh     = 0.0f;
-        recent = 0.0f;
+        params.select_hh      = 0.0f;
+        params.select_recent  = 0.0f;
+        params.select_observe = 0;
         return true;
     }
     char * end = nullptr;
-    const float a = std::strtof(value, &end);
+    const float hh = std::strtof(value, &end);
     if (end == value || *end != ',') {
         return false;
     }
     const char * second = end + 1;
-    const float b = std::strtof(second, &end);
-    if (end == second || *end != '\0') {
+    const float recent = std::strtof(second, &end);
+    if (end == second || (*end != '\0' && *end != ',')) {
         return false;
     }
-    hh     = a;
-    recent = b;
+    int32_t observe = 0;
+    if (*end == ',' && !kvq_parse_count(end + 1, observe)) {
+        return false;
+    }
+    params.select_hh      = hh;
+    params.select_recent  = recent;
+    params.select_observe = observe;
     return true;
 }
 
@@ -161,7 +169,7 @@ bool llama_kvq_set_param(const char * name, const char * value) {
     } else if (std::strcmp(name, "rotate") == 0) {
         ok = kvq_parse_switch(value, params.rotate);
     } else if (std::strcmp(name, "select") == 0) {
-        ok = kvq_parse_select(value, params.select_hh, params.select_recent);
+        ok = kvq_parse_select(value, params);
     } else if (std::strcmp(name, "layers") == 0) {
         return llama_kvq_set_layer_types(value);
     } else if (std::strcmp(name, "type_swa") == 0) {
@@ -175,8 +183,9 @@ bool llama_kvq_set_param(const char * name, const char * value) {
         std::lock_guard<std::mutex> lock(kvq_params_mutex);
         kvq_error = std::string("invalid value '") + value + "' for kivi setting " + name +
                     (std::strcmp(name, "rotate") == 0   ? " (valid: on, off)" :
-                     std::strcmp(name, "select") == 0   ? " (HH,RW: the heavy-hitter and recent shares of the prompt, "
-                                                          "e.g. 0.25,0.25, or off)" :
+                     std::strcmp(name, "select") == 0   ? " (HH,RW[,N]: the heavy-hitter and recent shares of the prompt "
+                                                          "and the observation window, e.g. 0.25,0.25 or 0.25,0.25,32, "
+                                                          "or off)" :
                                                           " (a whole number of tokens)");
         return false;
     }

@@ -25,7 +25,7 @@ from pykvq import kv_types
 from pykvq.api.sampling import Sampler, SamplerSettings
 from pykvq.bindings import devices, native
 from pykvq.bindings.log import sink
-from pykvq.kv_types import KIVI_BITS
+from pykvq.kv_types import KIVI_BITS, Selection
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 T = TypeVar("T")
@@ -56,8 +56,10 @@ class KvConfig:
     ``type_swa``: K and V type of the sliding-window cache of a model with sliding-window layers (Gemma 2/3,
     gpt-oss); None: type_k / type_v, as for the global layers. ``window`` and ``sinks`` None: the model's
     kvq.window / kvq.sinks, else pykvq's defaults. ``select``: MiniKV's prompt selection, the heavy-hitter and
-    recent shares of a prompt that its sequence keeps (e.g. ``(0.25, 0.25)``); the prompt must be decoded in one
-    call that fits one ubatch (n_ubatch), and every layer must be kivi."""
+    recent shares of a prompt that its sequence keeps (e.g. ``(0.25, 0.25)``), and optionally how many of the
+    prompt's last tokens pick the heavy hitters by their attention (``(0.25, 0.25, 32)``; 0: all of them; left out:
+    the default); the prompt must be decoded in one call that fits one ubatch (n_ubatch), and every layer must be
+    kivi."""
 
     type_k: str = "f16"
     type_v: str = "f16"
@@ -67,7 +69,7 @@ class KvConfig:
     layers: str | None = None
     rollback: int | None = None
     type_swa: str | None = None
-    select: tuple[float, float] | None = None
+    select: Selection | None = None
 
     @classmethod
     def preset(cls, name: str, **settings) -> KvConfig:
@@ -87,13 +89,13 @@ class KvConfig:
             if value is not None and value < 0:
                 raise ValueError(f"the {what} must be 0 or more tokens, got {value}")
         defaults = native.kvq_default_params()
-        select_hh, select_recent = self.select or (defaults.select_hh, defaults.select_recent)
+        select_hh, select_recent, *observe = self.select or (defaults.select_hh, defaults.select_recent)
         return native.KvqParams(
             native.KVQ_FROM_MODEL if self.window is None else self.window,
             native.KVQ_FROM_MODEL if self.sinks is None else self.sinks,
             defaults.rotate if self.rotate is None else self.rotate,
             defaults.n_rollback if self.rollback is None else self.rollback,
-            select_hh, select_recent)
+            select_hh, select_recent, int(observe[0]) if observe else defaults.select_observe)
 
 
 @dataclass(frozen=True)
@@ -514,10 +516,9 @@ class Context(_Handle):
 
     def seq_cells(self, seq: int) -> int:
         """Cells sequence ``seq`` holds: its positions, or fewer once prompt selection (KvConfig.select) kept part
-        of its prompt."""
-        mem = self._lib.llama
-        pos_min = mem.llama_memory_seq_pos_min(self._mem, self._seq(seq))
-        return 0 if pos_min < 0 else mem.llama_memory_seq_pos_max(self._mem, seq) - pos_min + 1
+        of its prompt (in the global cache of a model with sliding-window layers)."""
+        cells = self._lib.llama.llama_kvq_seq_cells(self._ptr, self._seq(seq))
+        return self.seq_len(seq) if cells < 0 else cells
 
     def _sync_n_past(self) -> None:
         self.n_past = self.seq_len(0)

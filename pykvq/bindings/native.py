@@ -15,7 +15,7 @@ from pykvq.bindings.cdef import LLAMA_CDEF
 _CDEF = """
     const char * llama_kvq_version(void);
     struct llama_kvq_params { int32_t window; int32_t n_sink; bool rotate; int32_t n_rollback; float select_hh;
-                              float select_recent; };
+                              float select_recent; int32_t select_observe; };
     struct llama_kvq_params llama_kvq_default_params(void);
     size_t       llama_kvq_n_cache_types(void);
     int          llama_kvq_cache_type(size_t i);
@@ -179,9 +179,11 @@ class KvqParams:
     n_sink: int
     rotate: bool
     n_rollback: int = 0
-    # MiniKV's prompt selection: heavy-hitter and recent shares of a prompt (0, 0: off)
+    # MiniKV's prompt selection: heavy-hitter and recent shares of a prompt (0, 0: off), and the prompt's last
+    # tokens whose attention picks the heavy hitters (0: all of them)
     select_hh: float = 0.0
     select_recent: float = 0.0
+    select_observe: int = 0
 
 
 def kvq_default_params() -> KvqParams:
@@ -189,7 +191,7 @@ def kvq_default_params() -> KvqParams:
 
 
 def _kvq_params(p) -> KvqParams:
-    return KvqParams(p.window, p.n_sink, bool(p.rotate), p.n_rollback, p.select_hh, p.select_recent)
+    return KvqParams(p.window, p.n_sink, bool(p.rotate), p.n_rollback, p.select_hh, p.select_recent, p.select_observe)
 
 
 def kvq_params() -> KvqParams:
@@ -199,13 +201,15 @@ def kvq_params() -> KvqParams:
 
 def set_kvq_params(params: KvqParams) -> None:
     """Set the process-wide kivi settings; ValueError with the C API's reason when they are invalid."""
-    fields = (("window", params.window), ("sink count", params.n_sink), ("rollback depth", params.n_rollback))
+    fields = (("window", params.window), ("sink count", params.n_sink), ("rollback depth", params.n_rollback),
+              ("observation window", params.select_observe))
     for name, value in fields:
         if not INT32_MIN <= value <= INT32_MAX:
             raise ValueError(f"the kivi {name} must be at most {INT32_MAX} tokens, got {value}")
     lib = libs()
     struct = lib.ffi.new("struct llama_kvq_params *", (params.window, params.n_sink, params.rotate, params.n_rollback,
-                                                          params.select_hh, params.select_recent))
+                                                          params.select_hh, params.select_recent,
+                                                          params.select_observe))
     if not lib.llama.llama_kvq_set_params(struct[0]):
         raise ValueError(lib.ffi.string(lib.llama.llama_kvq_last_error()).decode())
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from pykvq import gguf_metadata, kv_types
 from pykvq.bindings import native
+from pykvq.commands import arguments
 
 FP16_BYTES = 2
 
@@ -155,7 +156,15 @@ def _short(value: object) -> str:
     return str(value)
 
 
-def format_text(info: dict, n_ctx: int) -> str:
+def selection(info: dict, select: kv_types.Selection, n_prompt: int) -> dict:
+    """What a prompt of n_prompt tokens holds after prompt selection: its cells, and per kivi type its bytes."""
+    cells = kv_types.kept_cells(select, n_prompt, info["kivi_window"], info["kivi_sinks"])
+    held = {c["kv_type"]: c["bytes_per_token"] * cells + c["fixed_bytes"] for c in info["kv_bytes"]
+            if c["kv_type"] in kv_types.KIVI_BITS}
+    return {"select": list(select), "n_prompt": n_prompt, "cells": cells, "bytes_held": held}
+
+
+def format_text(info: dict, n_ctx: int, select: dict | None = None) -> str:
     s = info["shape"]
     kv_heads = sorted(set(s["n_head_kv"]))
     lines = [
@@ -167,11 +176,17 @@ def format_text(info: dict, n_ctx: int) -> str:
         *[f"  {k} = {_short(v)}" for k, v in sorted(info["kvq"].items())],
         f"KV memory     per token, and for {n_ctx} tokens (kivi: window {info['kivi_window']} and sinks "
         f"{info['kivi_sinks']} in fp16 included)",
-        f"  {'KV type':<14} {'bytes/token':>12} {f'MiB @ {n_ctx}':>14}",
+        f"  {'KV type':<14} {'bytes/token':>12} {f'MiB @ {n_ctx}':>14}" + (f" {'MiB selected':>14}" if select else ""),
     ]
     for c in info["kv_bytes"]:
         total = c["bytes_per_token"] * n_ctx + c["fixed_bytes"]
-        lines.append(f"  {c['kv_type']:<14} {c['bytes_per_token']:>12.1f} {total / 2**20:>14.2f}")
+        line = f"  {c['kv_type']:<14} {c['bytes_per_token']:>12.1f} {total / 2**20:>14.2f}"
+        if select and c["kv_type"] in select["bytes_held"]:
+            line += f" {select['bytes_held'][c['kv_type']] / 2**20:>14.2f}"
+        lines.append(line)
+    if select:
+        lines.append(f"  selected: --kv-select {','.join(f'{x:g}' for x in select['select'])} keeps "
+                     f"{select['cells']} of a {n_ctx}-token prompt's cells (kivi types only)")
     if info.get("sliding_window"):
         lines += [f"  every layer counted at the full context; this model has sliding-window layers (window "
                   f"{info['sliding_window']}),",
@@ -185,10 +200,12 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"model file not found: {args.model}")
     info = collect(args.model)
     n_ctx = args.ctx_size or info["shape"]["n_ctx_train"] or 4096
+    if args.kv_select:
+        info["selection"] = selection(info, args.kv_select, n_ctx)
     if args.json:
         print(json.dumps(info, indent=1))
     else:
-        print(format_text(info, n_ctx))
+        print(format_text(info, n_ctx, info.get("selection")))
     return 0
 
 
@@ -199,5 +216,7 @@ def add_inspect_command(commands: argparse._SubParsersAction) -> None:
                                         "type (and the model's own per-layer mix).")
     p.add_argument("model", type=Path, metavar="MODEL", help="GGUF model")
     p.add_argument("-c", "--ctx-size", type=int, help="context for the totals (default: the trained context)")
+    p.add_argument("--kv-select", metavar="HH,RW[,N]", type=arguments.selection,
+                   help="also the memory a prompt of -c tokens holds after MiniKV's prompt selection (kivi types)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=run)

@@ -27,27 +27,13 @@ from pykvq.api.llama import (
 )
 from pykvq.api.sampling import LLAMA_DEFAULT_SEED, Sampler, SamplerSettings
 from pykvq.bindings import devices, native
+from pykvq.commands import arguments
 from pykvq.commands import inspect as model_info
 from pykvq.kv_types import KvSpec
 
 log = logging.getLogger("pykvq.run")
 
 MIB = 1024 * 1024
-
-
-def _switch(text: str) -> bool:
-    if text in ("on", "1", "true", "yes"):
-        return True
-    if text in ("off", "0", "false", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
-
-
-def _select(text: str) -> tuple[float, float]:
-    try:
-        return kv_types.parse_select(text)
-    except kv_types.KvTypeError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_run_command(commands: argparse._SubParsersAction) -> None:
@@ -92,10 +78,11 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
                    help="kivi: first tokens kept in fp16 (default: the model's kvq.sinks, else 0)")
     p.add_argument("--kv-rollback", type=int,
                    help="kivi: the last N tokens can be removed exactly, e.g. on regeneration (default 0)")
-    p.add_argument("--kv-select", metavar="HH,RW", type=_select,
+    p.add_argument("--kv-select", metavar="HH,RW[,N]", type=arguments.selection,
                    help="kivi: MiniKV's prompt selection: the prompt keeps its heaviest hitters (by the attention "
-                        "they drew) and its most recent tokens, as shares of its length, e.g. 0.25,0.25 (default off)")
-    p.add_argument("--kv-rotate", type=_switch, help="kivi: Hadamard rotation of K/V, on or off (default off)")
+                        "they drew from its last N tokens; 0: from all of it) and its most recent tokens, as shares "
+                        "of its length, e.g. 0.25,0.25 or 0.25,0.25,32 (default off)")
+    p.add_argument("--kv-rotate", type=arguments.switch, help="kivi: Hadamard rotation of K/V, on or off (default off)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 or less is greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40, 0 = off)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95, 1.0 = off)")
@@ -254,7 +241,7 @@ def _report_selection(ctx: Context, kv: KvConfig) -> None:
         size = memory.held_bytes(n_cells, fp16)
         return f"{size / MIB:.2f} MiB, {8 * size / (n_cells * elements_per_cell):.2f} bits per element"
 
-    print(f"pykvq: prompt selection {kv.select[0]:g},{kv.select[1]:g}: the sequence holds {held} cells for its "
+    print(f"pykvq: prompt selection {','.join(f'{x:g}' for x in kv.select)}: the sequence holds {held} cells for its "
           f"{n_tokens} tokens, {describe(held)}; without selection {n_tokens} cells, {describe(n_tokens)}",
           file=sys.stderr)
 

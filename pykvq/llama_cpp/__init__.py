@@ -26,6 +26,7 @@ from types import ModuleType
 from pykvq import kv_types, paths
 from pykvq.api.llama import KvConfig, add_rpc_servers, kvq_params_applied
 from pykvq.bindings import native
+from pykvq.kv_types import Selection
 from pykvq.bindings.log import sink
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the release whose llama.cpp pykvq patches (pykvq/upstream.py)
@@ -85,7 +86,7 @@ def check_kv_type(type_id: int | None) -> None:
 
 def _kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None, rotate: bool | None = None,
                layers: str | None = None, rollback: int | None = None, type_swa: str | None = None,
-               select: tuple[float, float] | None = None) -> KvConfig:
+               select: Selection | None = None) -> KvConfig:
     """Our view of a Llama's KV settings; the type ints are already checked (check_kv_type)."""
     def name(type_id: int | None) -> str:
         return "f16" if type_id is None else kv_types.type_name(type_id)
@@ -113,9 +114,9 @@ def _llama_class() -> type:
         128, 0, off), kv_layers per-layer types (e.g. "asymkv:16/0"), kv_rollback how many last tokens can be
         removed exactly (speculative decoding's rejected drafts; default 0), kv_type_swa the type name of the
         sliding-window cache of a Gemma-2/3 or gpt-oss model (default: type_k / type_v), kv_select MiniKV's prompt
-        selection as (heavy-hitter share, recent share), e.g. (0.25, 0.25): n_batch and n_ubatch then default to
-        n_ctx, as a prompt must reach the cache in one ubatch. Flash attention is switched on for kivi types, which
-        are read by the fused attention only."""
+        selection as (heavy-hitter share, recent share[, observation window]), e.g. (0.25, 0.25): n_batch and
+        n_ubatch then default to n_ctx, as a prompt must reach the cache in one ubatch. Flash attention is switched
+        on for kivi types, which are read by the fused attention only."""
 
         def __new__(cls, *args, **kwargs) -> Llama:
             # refused before an instance exists: upstream's __del__ fails on a half-built Llama
@@ -127,7 +128,7 @@ def _llama_class() -> type:
 
         def __init__(self, *args, kv_window: int | None = None, kv_sinks: int | None = None,
                      kv_rotate: bool | None = None, kv_layers: str | None = None, kv_rollback: int | None = None,
-                     kv_type_swa: str | None = None, kv_select: tuple[float, float] | None = None,
+                     kv_type_swa: str | None = None, kv_select: Selection | None = None,
                      **kwargs) -> None:
             # llama-cpp-python's rpc_servers (its server's --rpc_servers): upstream now registers them as devices
             rpc_servers = kwargs.pop("rpc_servers", None)

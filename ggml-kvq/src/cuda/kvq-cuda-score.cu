@@ -19,11 +19,12 @@ struct kvq_score_params {
     int     n_head;
     int     n_gqa;      // query heads per KV head
     int     n_tps;      // tokens per segment
+    int     t_first;    // the first of a segment's tokens that scores
     float   scale;
 };
 
 static kvq_score_params kvq_score_params_of(const ggml_tensor * q, const ggml_tensor * k_wide, const ggml_tensor * mask,
-                                            float scale) {
+                                            int32_t n_observe, float scale) {
     GGML_ASSERT(q->type == GGML_TYPE_F32 && q->nb[0] == sizeof(float) && q->ne[0] <= KVQ_MAX_HEAD);
     GGML_ASSERT(k_wide->type == GGML_TYPE_F16 && ggml_is_contiguous(k_wide));
     GGML_ASSERT(mask->type == GGML_TYPE_F16 && ggml_is_contiguous(mask));
@@ -42,6 +43,7 @@ static kvq_score_params kvq_score_params_of(const ggml_tensor * q, const ggml_te
     p.n_head   = (int) q->ne[1];
     p.n_gqa    = (int) (q->ne[1]/(k_wide->ne[0]/q->ne[0]));
     p.n_tps    = (int) mask->ne[1];
+    p.t_first  = (int) ggml_kvq_score_first_row(mask->ne[1], n_observe);
     p.scale    = scale;
     return p;
 }
@@ -74,6 +76,12 @@ static __global__ void kvq_score_lse_kernel(const kvq_score_params p, float * ls
     __shared__ float q_s[KVQ_MAX_HEAD];
     const int64_t t = blockIdx.x;
     const int     h = blockIdx.y;
+    if (t % p.n_tps < p.t_first) {
+        if (threadIdx.x == 0) {
+            lse[t*p.n_head + h] = -INFINITY;
+        }
+        return;
+    }
     kvq_score_load_query(p, t, h, q_s);
     __syncwarp();
 
@@ -130,7 +138,7 @@ static __global__ void kvq_score_add_kernel(const kvq_score_add_params p) {
     const int64_t first = p.cells[t0] % p.kv_size;
 
     float mass = 0.0f;
-    for (int64_t t = t0; t < t0 + p.in.n_tps; ++t) {
+    for (int64_t t = t0 + p.in.t_first; t < t0 + p.in.n_tps; ++t) {
         for (int h = hk*p.in.n_gqa; h < (hk + 1)*p.in.n_gqa; ++h) {
             __syncthreads();
             kvq_score_load_query(p.in, t, h, q_s);
@@ -156,7 +164,8 @@ static __global__ void kvq_score_add_kernel(const kvq_score_add_params p) {
 }
 
 void kvq_cuda_score_lse(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    const kvq_score_params p = kvq_score_params_of(dst->src[0], dst->src[1], dst->src[2], ggml_get_op_params_f32(dst, 3));
+    const kvq_score_params p = kvq_score_params_of(dst->src[0], dst->src[1], dst->src[2], ggml_get_op_params_i32(dst, 1),
+                                                   ggml_get_op_params_f32(dst, 3));
     GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst) && dst->ne[0] == p.n_head);
     const dim3 grid((unsigned) dst->ne[1], (unsigned) dst->ne[0]);
     kvq_score_lse_kernel<<<grid, WARP_SIZE, 0, ctx.stream()>>>(p, (float *) dst->data);
@@ -170,7 +179,8 @@ void kvq_cuda_score_add(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     GGML_ASSERT(dst->src[5]->type == GGML_TYPE_I64 && ggml_is_contiguous(dst->src[5]));
 
     kvq_score_add_params p = {};
-    p.in         = kvq_score_params_of(dst->src[1], dst->src[2], dst->src[3], ggml_get_op_params_f32(dst, 3));
+    p.in         = kvq_score_params_of(dst->src[1], dst->src[2], dst->src[3], ggml_get_op_params_i32(dst, 9),
+                                       ggml_get_op_params_f32(dst, 3));
     p.lse        = (const float *) dst->src[4]->data;
     p.cells      = (const int64_t *) dst->src[5]->data;
     p.scores     = (char *) scores->data;

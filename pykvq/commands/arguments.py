@@ -1,0 +1,24 @@
+"""Argument types the pykvq commands share: their values as llama.cpp's tools spell them."""
+
+from __future__ import annotations
+
+import argparse
+
+from pykvq import kv_types
+
+
+def switch(text: str) -> bool:
+    """on/off, as llama.cpp's boolean flags take it."""
+    if text in ("on", "1", "true", "yes"):
+        return True
+    if text in ("off", "0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
+def selection(text: str) -> kv_types.Selection:
+    """--kv-select's HH,RW[,N]."""
+    try:
+        return kv_types.parse_select(text)
+    except kv_types.KvTypeError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
