@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import ContextConfig, KvConfig, LlamaError, Model
+from pykvq import ContextConfig, KvConfig, LlamaError, Model, Sampler, SamplerSettings
+from pykvq.llama_tools import run_tool
 from pykvq.kv_types import Selection
 
 N_PROMPT = 600
@@ -215,6 +216,22 @@ def test_pykvq_inspect_counts_the_cells_a_context_keeps(model: Model, smollm2: P
     assert f"keeps {chosen['cells']} of a {N_PROMPT}-token prompt's cells" in text
     row = next(line.split() for line in text.splitlines() if line.strip().startswith("kivi2 "))
     assert float(row[3]) < float(row[2])
+
+
+def test_llama_completion_takes_the_observation_window(model: Model, smollm2: Path, hamlet: Path) -> None:
+    prompt = model.detokenize(model.tokenize(hamlet.read_text()[30000:32000], add_special=False))
+    greedy = Sampler(SamplerSettings(temp=0))
+
+    def ours(select) -> str:
+        with context(model, select) as ctx:
+            return "".join(ctx.generate_text(model.tokenize(prompt, parse_special=True), 24, greedy))
+
+    selected = ours((0.25, 0.25, 32))
+    assert selected != ours(None)
+    out = run_tool("llama-completion", ["-m", str(smollm2), "-p", prompt, "-n", "24", "-no-cnv", "-t", "2",
+                                        "-c", "1024", "-b", "1024", "-ub", "1024", "--no-warmup", "--temp", "0",
+                                        "-fa", "on", "-ctk", "kivi2", "-ctv", "kivi2", "--kv-select", "0.25,0.25,32"])
+    assert out[len(prompt):].startswith(selected)
 
 
 def test_llama_cpp_python_selects_the_prompt(smollm2: Path, tokens: list[int]) -> None:
