@@ -66,24 +66,29 @@ def build_prompt(model: Model, length: int, depth: int, key: str) -> Prompt:
 class Setting:
     spec: KvSpec
     select: kv_types.Selection | None = None
+    sinks: int | None = None  # kivi types only
 
     @property
     def label(self) -> str:
+        label = self.spec.label + (f" +{self.sinks} sinks" if self.sinks else "")
         if self.select is None:
-            return self.spec.label
-        return f"{self.spec.label} sel {kv_types.selection_label(self.select)}"
+            return label
+        return f"{label} sel {kv_types.selection_label(self.select)}"
 
 
 def kv_config(setting: Setting) -> KvConfig:
     spec = setting.spec
     return KvConfig(spec.name, spec.name, rotate=True if spec.rotate else None, layers=spec.layers or "none",
-                    select=setting.select)
+                    select=setting.select, sinks=setting.sinks)
 
 
-def settings_of(specs: list[KvSpec], selects: list[kv_types.Selection]) -> list[Setting]:
-    """Each type as given, then each kivi type under each selection."""
-    plain = [Setting(spec) for spec in specs]
-    return plain + [Setting(spec, select) for select in selects for spec in specs if spec.is_kivi]
+def settings_of(specs: list[KvSpec], selects: list[kv_types.Selection], sinks: int | None = None) -> list[Setting]:
+    """Each type as given, then each kivi type under each selection; kivi types with `sinks` sinks."""
+    def setting(spec: KvSpec, select: kv_types.Selection | None = None) -> Setting:
+        return Setting(spec, select, sinks if spec.is_kivi else None)
+
+    plain = [setting(spec) for spec in specs]
+    return plain + [setting(spec, select) for select in selects for spec in specs if spec.is_kivi]
 
 
 def answer(model: Model, config: ContextConfig, prompt: Prompt) -> str:
@@ -183,6 +188,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated, as pykvq perplexity takes them (f16 first: the reference)")
     p.add_argument("--kv-select", metavar="HH,RW[,N]", nargs="*", default=[], type=kv_types.parse_select,
                    help="MiniKV selections to run each kivi type under, e.g. 0.25,0.25 0.125,0.125")
+    p.add_argument("--kv-sinks", type=int, help="sinks of the kivi types (default: the model's kvq.sinks, else 0)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--depths", type=int, nargs="+", default=[0, 25, 50, 75, 100])
     p.add_argument("--trials", type=int, default=3, help="keys per length and depth")
@@ -196,7 +202,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--kv-types must start with f16, the reference the others are judged against")
     if any(not 0 <= d <= 100 for d in args.depths) or args.trials < 1 or any(n < 128 for n in args.lengths):
         p.error("depths are percentages 0..100, trials at least 1, lengths at least 128 tokens")
-    args.settings = settings_of(specs, args.kv_select)
+    if args.kv_sinks is not None and args.kv_sinks < 0:
+        p.error("--kv-sinks is a count of 0 or more")
+    args.settings = settings_of(specs, args.kv_select, args.kv_sinks)
     return args
 
 
@@ -213,10 +221,11 @@ def main(argv: list[str] | None = None) -> None:
                    for n in args.lengths for d in args.depths for _ in range(args.trials)]
         rows = run(model, args.settings, prompts, args.threads)
     record = {"model": name, "lengths": args.lengths, "depths": args.depths, "trials": args.trials,
-              "seed": args.seed, "ngl": args.ngl, "kv_types": [s.label for s in args.settings], "rows": rows}
+              "seed": args.seed, "ngl": args.ngl, "kv_sinks": args.kv_sinks,
+              "kv_types": [s.label for s in args.settings], "rows": rows}
     record["summary"] = summary(record)
-    selected = "-select" if args.kv_select else ""
-    save_results(RESULTS / f"passkey-{model_tag(name)}-{'-'.join(map(str, args.lengths))}{selected}", record, plot,
+    variant = ("-select" if args.kv_select else "") + (f"-sinks{args.kv_sinks}" if args.kv_sinks else "")
+    save_results(RESULTS / f"passkey-{model_tag(name)}-{'-'.join(map(str, args.lengths))}{variant}", record, plot,
                  table)
 
 

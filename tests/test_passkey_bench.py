@@ -53,3 +53,9 @@ def test_selections_run_each_kivi_type(monkeypatch: pytest.MonkeyPatch, tmp_path
                   "--kv-select", "0.25,0.25", "--ngl", str(device.NGL)])
     record = json.loads(next(tmp_path.glob("passkey-*-select.json")).read_text())
     assert record["kv_types"] == ["f16", "kivi2", "kivi2 sel 0.25/0.25"] and len(record["rows"]) == 3
+
+
+def test_sinks_go_to_the_kivi_settings_only() -> None:
+    args = passkey.parse_args(["--kv-types", "f16,kivi2", "--kv-select", "0.25,0.25,32", "--kv-sinks", "4"])
+    assert [s.label for s in args.settings] == ["f16", "kivi2 +4 sinks", "kivi2 +4 sinks sel 0.25/0.25 obs 32"]
+    assert [passkey.kv_config(s).sinks for s in args.settings] == [None, 4, 4]
