@@ -82,15 +82,17 @@ def test_heavy_hitters_beat_the_recent_window_alone(model: Model, tokens: list[i
 
 
 def test_an_observation_window_scores_with_the_prompts_last_queries(model: Model, tokens: list[int]) -> None:
-    # a window as long as the prompt is every query, as 0 is; a short one picks other heavy hitters (its
-    # kernel-level sums are judged in test_kvq_score.py), keeping as many cells
+    # the kernels' sums over the last queries are judged in test_kvq_score.py; here the selection they feed: keeping
+    # every token is still plain kivi2, and a short window picks other heavy hitters, keeping as many cells
+    plain = prompt_then_continuation(model, tokens, None)
+    np.testing.assert_array_equal(prompt_then_continuation(model, tokens, (0.5, 0.5, 16))[1], plain[1])
     every = prompt_then_continuation(model, tokens, (0.25, 0.25, 0))
-    whole = prompt_then_continuation(model, tokens, (0.25, 0.25, N_PROMPT))
-    np.testing.assert_array_equal(whole[1], every[1])
     last = prompt_then_continuation(model, tokens, (0.25, 0.25, 16))
     assert last[2] == every[2] == N_PROMPT // 2
     np.testing.assert_array_equal(last[0], every[0])
     assert not np.array_equal(last[1], every[1])
+    # a window of every query differs from 0 by SnapKV's pooling alone
+    assert not np.array_equal(prompt_then_continuation(model, tokens, (0.25, 0.25, N_PROMPT))[1], every[1])
 
 
 def test_state_after_selection_continues_exactly(model: Model, tokens: list[int]) -> None:

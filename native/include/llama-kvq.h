@@ -37,8 +37,9 @@ struct llama_kvq_params {
     // kivi. A prompt no longer than the window is kept whole.
     float   select_hh;
     float   select_recent;
-    // the prompt's last select_observe tokens are the queries whose attention picks the heavy hitters (SnapKV's
-    // observation window: what the end of the prompt, a question, looks at); 0: all of the prompt's (MiniKV's
+    // the prompt's last select_observe tokens are the queries whose attention picks the heavy hitters, each token
+    // scored with its 6 nearest neighbours (SnapKV's observation window and pooling: what the end of the prompt, a
+    // question, looks at, and what surrounds it); 0: all of the prompt's queries, no pooling (MiniKV's
     // accumulated score). Default 0.
     int32_t select_observe;
 };

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#define KVQ_SELECT_POOL 7
+
 std::string llama_kvq_check_select(float hh, float recent, int32_t observe) {
     if (observe < 0) {
         return "the selection's observation window must be 0 (all of the prompt) or more tokens, got " +
@@ -61,7 +63,24 @@ static ggml_tensor * kvq_token_range(ggml_context * ctx, uint32_t first, uint32_
     return ggml_repeat_4d(ctx, row, n, n_head_kv, 1, 1);
 }
 
+// SnapKV's pooling: each token scored with its neighbours (KVQ_SELECT_POOL tokens centred on it), so that the
+// tokens around one the observed queries look at (the rest of a number, of a name) are kept with it
+static ggml_tensor * kvq_pool_scores(ggml_context * ctx, ggml_tensor * mass) {
+    const int half = KVQ_SELECT_POOL/2;
+    ggml_tensor * padded = ggml_pad_ext(ctx, ggml_cont(ctx, mass), half, half, 0, 0, 0, 0, 0, 0);
+    ggml_tensor * sum = nullptr;
+    for (int j = 0; j < KVQ_SELECT_POOL; ++j) {
+        ggml_tensor * shifted = ggml_view_2d(ctx, padded, mass->ne[0], mass->ne[1], padded->nb[1],
+                                             j*ggml_element_size(padded));
+        sum = sum ? ggml_add(ctx, sum, shifted) : shifted;
+    }
+    return sum;
+}
+
 ggml_tensor * llama_kvq_kept_tokens(ggml_context * ctx, ggml_tensor * mass, const llama_kvq_select & sel) {
+    if (sel.n_observe > 0) {
+        mass = kvq_pool_scores(ctx, mass);
+    }
     const int64_t n_head_kv = mass->ne[1];
     ggml_tensor * kept = nullptr;
     const auto append = [&](ggml_tensor * part) { kept = kept ? ggml_concat(ctx, kept, part, 0) : part; };

@@ -35,7 +35,8 @@ llama_kvq_select llama_kvq_select_for(const llama_kvq_params & params, uint32_t 
 ggml_tensor * llama_kvq_causal_mask(ggml_context * ctx, int64_t n);
 
 // the kept token indices I32 [n_keep, n_head_kv] of each KV head, in prompt order, from the attention mass F32
-// [n_prompt, n_head_kv] each prompt token received
+// [n_prompt, n_head_kv] each prompt token received (with an observation window pooled over neighbouring tokens, as
+// SnapKV does)
 ggml_tensor * llama_kvq_kept_tokens(ggml_context * ctx, ggml_tensor * mass, const llama_kvq_select & sel);
 
 // the kept rows of a prompt's K or V, cur F32 [head_dim, n_head_kv, n_prompt] -> [head_dim, n_head_kv, n_keep]
