@@ -102,7 +102,7 @@ LLAMA_API bool llama_kvq_memory_info(const struct llama_context * ctx, struct ll
 // Cells sequence seq_id holds in the cache that bounds it (an iSWA model's global cache, not its sliding-window
 // one, whose llama_memory_seq_pos_min has forgotten the start): fewer than its positions once prompt selection kept
 // part of its prompt. -1 when the context has no such cache.
-LLAMA_API int32_t llama_kvq_seq_cells(const struct llama_context * ctx, llama_seq_id seq_id);
+LLAMA_API int64_t llama_kvq_seq_cells(const struct llama_context * ctx, llama_seq_id seq_id);
 
 #ifdef __cplusplus
 }

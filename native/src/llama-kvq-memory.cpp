@@ -57,12 +57,12 @@ bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_me
 }
 
 // a selected prompt's kept cells take its last positions, consecutive (kvq_apply_select): the span of positions
-// is what the sequence holds
-int32_t llama_kvq_seq_cells(const struct llama_context * ctx, llama_seq_id seq_id) {
+// is what the sequence holds (64-bit: a state may place a cell at INT32_MAX)
+int64_t llama_kvq_seq_cells(const struct llama_context * ctx, llama_seq_id seq_id) {
     const llama_kv_cache * kv = ctx != nullptr ? kvq_bounding_cache(llama_get_memory(ctx)) : nullptr;
     if (kv == nullptr) {
         return -1;
     }
     const llama_pos pos_min = kv->seq_pos_min(seq_id);
-    return pos_min < 0 ? 0 : kv->seq_pos_max(seq_id) - pos_min + 1;
+    return pos_min < 0 ? 0 : (int64_t) kv->seq_pos_max(seq_id) - pos_min + 1;
 }

@@ -203,7 +203,7 @@ LLAMA_CDEF = """
         uint64_t swa_n_elements;
     };
     bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_memory_info * info);
-    int32_t llama_kvq_seq_cells(const struct llama_context * ctx, llama_seq_id seq_id);
+    int64_t llama_kvq_seq_cells(const struct llama_context * ctx, llama_seq_id seq_id);
 """
 
 # the structs copied from the headers, whose layout tests/test_llama_abi.py checks against the compiler's
