@@ -97,6 +97,11 @@ def parse_select(text: str) -> Selection:
     return hh, recent, observe
 
 
+def selection_spec(select: Selection) -> str:
+    """``HH,RW[,N]``, as --kv-select spells it."""
+    return ",".join(f"{x:g}" for x in select)
+
+
 def selection_label(select: Selection) -> str:
     """``0.25/0.25``, or ``0.25/0.25 obs 32`` with an observation window (``obs all`` for 0)."""
     shares = f"{select[0]:g}/{select[1]:g}"

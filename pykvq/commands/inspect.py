@@ -185,7 +185,7 @@ def format_text(info: dict, n_ctx: int, select: dict | None = None) -> str:
             line += f" {select['bytes_held'][c['kv_type']] / 2**20:>14.2f}"
         lines.append(line)
     if select:
-        lines.append(f"  selected: --kv-select {','.join(f'{x:g}' for x in select['select'])} keeps "
+        lines.append(f"  selected: --kv-select {kv_types.selection_spec(select['select'])} keeps "
                      f"{select['cells']} of a {n_ctx}-token prompt's cells (kivi types only)")
     if info.get("sliding_window"):
         lines += [f"  every layer counted at the full context; this model has sliding-window layers (window "

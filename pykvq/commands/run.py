@@ -241,7 +241,7 @@ def _report_selection(ctx: Context, kv: KvConfig) -> None:
         size = memory.held_bytes(n_cells, fp16)
         return f"{size / MIB:.2f} MiB, {8 * size / (n_cells * elements_per_cell):.2f} bits per element"
 
-    print(f"pykvq: prompt selection {','.join(f'{x:g}' for x in kv.select)}: the sequence holds {held} cells for its "
+    print(f"pykvq: prompt selection {kv_types.selection_spec(kv.select)}: the sequence holds {held} cells for its "
           f"{n_tokens} tokens, {describe(held)}; without selection {n_tokens} cells, {describe(n_tokens)}",
           file=sys.stderr)
 
