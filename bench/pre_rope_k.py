@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from decode_speed import RESULTS
+from hf_study import MODELS, perplexity, studied_model
 
 from pykvq import assets
 from pykvq.api.llama import Model
@@ -33,7 +30,6 @@ from pykvq.convert.kv_calibration import fake_quantize, kivi_attention
 
 log = logging.getLogger("pre_rope_k")
 ATTENTION_NAME = "pykvq_pre_rope_study"
-MODELS = {"smollm2": assets.default_model, "qwen2.5-coder-1.5b": assets.qwen_model}
 
 
 @dataclass
@@ -89,35 +85,6 @@ class StudyAttention:
         return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
 
 
-@contextmanager
-def studied(gguf: Path, study: StudyAttention) -> Iterator:
-    """The HF model of a GGUF, its attention and RoPE those of `study` while the block runs."""
-    import torch
-    from transformers import AttentionInterface, AutoModelForCausalLM
-
-    AttentionInterface.register(ATTENTION_NAME, study)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                 attn_implementation=ATTENTION_NAME)
-    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
-    original = modeling.apply_rotary_pos_emb
-    modeling.apply_rotary_pos_emb = study.rope(original)
-    try:
-        yield model.eval()
-    finally:
-        modeling.apply_rotary_pos_emb = original
-
-
-def perplexity(model, tokens: list[int]) -> float:
-    """PPL of the second half of the tokens, each given all before it."""
-    import torch
-
-    with torch.inference_mode():
-        logits = model(torch.tensor([tokens]), use_cache=False).logits[0].float()
-    first = len(tokens) // 2
-    nll = torch.nn.functional.cross_entropy(logits[first - 1:-1], torch.tensor(tokens[first:]))
-    return math.exp(float(nll))
-
-
 def study_model(name: str, text: Path, n_tokens: int, bits: list[int], window: int, sinks: int) -> dict:
     from tqdm import tqdm
 
@@ -127,7 +94,7 @@ def study_model(name: str, text: Path, n_tokens: int, bits: list[int], window: i
     study = StudyAttention(window, sinks)
     settings = [Setting()] + [Setting(b, pre) for b in bits for pre in (False, True)]
     rows: list[Row] = []
-    with studied(gguf, study) as model:
+    with studied_model(gguf, ATTENTION_NAME, study, study.rope) as model:
         for setting in tqdm(settings, desc=name, unit="setting"):
             study.setting = setting
             ppl = perplexity(model, tokens)

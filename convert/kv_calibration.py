@@ -63,8 +63,13 @@ class Calibration:
                 for part in PARTS for il in range(self.n_layer)]
 
 
-def fake_quantize(x, bits: int, dim: int):
-    """``x`` with each group of 32 consecutive values along ``dim`` replaced by its kivi dequantization."""
+def fake_quantize(x, bits: int, dim: int, clip=None, about_midpoint: bool = False):
+    """``x`` with each group of 32 consecutive values along ``dim`` replaced by its kivi dequantization.
+
+    clip (SKVQ's clipped dynamic quantization): a ratio in (0, 1], or a tensor of them broadcast against the
+    groups [..., n_groups, 1], that narrows each group's range before the step is taken; values outside get the
+    end codes. SKVQ scales the group's min and max (eq. 2); about_midpoint narrows the range about its middle
+    instead, which also clips a group whose values all share a sign."""
     import torch
 
     moved = x.movedim(dim, -1)
@@ -76,6 +81,12 @@ def fake_quantize(x, bits: int, dim: int):
     groups = moved.reshape(*moved.shape[:-1], -1, GROUP).float()
     lo = groups.amin(-1, keepdim=True)
     hi = groups.amax(-1, keepdim=True)
+    if clip is not None:
+        if about_midpoint:
+            middle, half = (hi + lo) / 2, (hi - lo) / 2 * clip
+            lo, hi = middle - half, middle + half
+        else:
+            lo, hi = lo * clip, hi * clip
     qmax = (1 << bits) - 1
     step = ((hi - lo) / qmax).clamp(max=65504.0).half().float()
     low = lo.half().float()
@@ -96,18 +107,13 @@ def fp16_masks(n_tokens: int, window: int, sinks: int, device):
     return near_v | own_tile, near_v
 
 
-def kivi_attention(q, k, v, scaling: float, window: int, sinks: int, k_bits: int | None, v_bits: int | None,
-                   k_quantized=None):
-    """Causal attention of one sequence, q [heads, tokens, dim], k/v [KV heads, tokens, dim], with K and/or V
-    quantized as the cache does (None: fp16 throughout). k_quantized: the keys read where the cache reads K
-    quantized, instead of K's own per-channel tiles (another quantization's, e.g. before RoPE)."""
+def kivi_probabilities(q, k, scaling: float, near_k, k_bits: int | None, k_quantized=None):
+    """The causal attention probabilities [heads, query, key] of kivi_attention, with K quantized as it says."""
     import torch
 
     groups = q.shape[0] // k.shape[0]
     n = q.shape[1]
-    near_k, near_v = fp16_masks(n, window, sinks, q.device)
     keys = k.half().float().repeat_interleave(groups, 0)
-    values = v.half().float().repeat_interleave(groups, 0)
     scores = (q.half().float() @ keys.transpose(-1, -2)) * scaling
     if k_bits is not None:
         # sealed tiles hold the fp16 K the ring held, quantized per channel over tokens
@@ -115,10 +121,23 @@ def kivi_attention(q, k, v, scaling: float, window: int, sinks: int, k_bits: int
         k_q = k_q.repeat_interleave(groups, 0)
         scores = torch.where(near_k, scores, (q.half().float() @ k_q.transpose(-1, -2)) * scaling)
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    p = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+
+
+def kivi_attention(q, k, v, scaling: float, window: int, sinks: int, k_bits: int | None, v_bits: int | None,
+                   k_quantized=None, v_quantized=None):
+    """Causal attention of one sequence, q [heads, tokens, dim], k/v [KV heads, tokens, dim], with K and/or V
+    quantized as the cache does (None: fp16 throughout). k_quantized / v_quantized: the keys / values read where
+    the cache reads them quantized, instead of their own kivi groups (another quantization's, e.g. K before RoPE
+    or V clipped)."""
+    groups = q.shape[0] // k.shape[0]
+    near_k, near_v = fp16_masks(q.shape[1], window, sinks, q.device)
+    p = kivi_probabilities(q, k, scaling, near_k, k_bits, k_quantized)
+    values = v.half().float().repeat_interleave(groups, 0)
     if v_bits is None:
         return p @ values
-    v_q = fake_quantize(v.float(), v_bits, dim=2).repeat_interleave(groups, 0)   # per token, over channels
+    v_q = fake_quantize(v.float(), v_bits, dim=2) if v_quantized is None else v_quantized.float()  # per token
+    v_q = v_q.repeat_interleave(groups, 0)
     return (p * near_v) @ values + (p * ~near_v) @ v_q
 
 

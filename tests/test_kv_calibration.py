@@ -76,3 +76,34 @@ def test_given_quantized_keys_are_read_exactly_where_the_cache_reads_k_quantized
     first_sealed = 32    # query i reads cell j quantized from i - j >= the window (32) in a tile before i's on
     torch.testing.assert_close(zeros[:, :first_sealed], own[:, :first_sealed], rtol=0, atol=0)
     assert (zeros[:, first_sealed:] - own[:, first_sealed:]).abs().max() > 1e-2
+
+
+def test_given_quantized_values_are_read_exactly_where_the_cache_reads_v_quantized() -> None:
+    q, k, v = (torch.from_numpy(a) for a in random_qkv(100))
+    scale = 64 ** -0.5
+    own = kivi_attention(q, k, v, scale, 32, 0, None, 2)
+    given = kivi_attention(q, k, v, scale, 32, 0, None, 2, v_quantized=fake_quantize(v, 2, dim=2))
+    torch.testing.assert_close(given, own, rtol=0, atol=0)
+    zeros = kivi_attention(q, k, v, scale, 32, 0, None, 2, v_quantized=torch.zeros_like(v))
+    window = 32     # query i reads V row j quantized from i - j >= the window
+    torch.testing.assert_close(zeros[:, :window], own[:, :window], rtol=0, atol=0)
+    assert (zeros[:, window:] - own[:, window:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("about_midpoint", [False, True])
+def test_a_clip_narrows_each_group_to_its_ratio(about_midpoint: bool) -> None:
+    rows = torch.from_numpy(np.random.default_rng(7).standard_normal((6, 64)).astype(np.float32))
+    torch.testing.assert_close(fake_quantize(rows, 2, dim=1, clip=1.0, about_midpoint=about_midpoint),
+                               fake_quantize(rows, 2, dim=1), rtol=0, atol=0)
+    ratio = torch.tensor([1.0, 0.5]).view(1, 2, 1)      # group 0 as is, group 1 narrowed to half its range
+    clipped = fake_quantize(rows, 2, dim=1, clip=ratio, about_midpoint=about_midpoint).reshape(6, 2, 32)
+    groups = rows.reshape(6, 2, 32)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    if about_midpoint:
+        middle, half = (hi + lo) / 2, (hi - lo) / 2
+        lo, hi = middle - ratio[..., 0] * half, middle + ratio[..., 0] * half
+    else:
+        lo, hi = lo * ratio[..., 0], hi * ratio[..., 0]
+    # the end codes give the narrowed range's ends (within fp16's rounding of the minimum and the step)
+    torch.testing.assert_close(clipped.amin(-1), lo, rtol=0, atol=1e-2)
+    torch.testing.assert_close(clipped.amax(-1), hi, rtol=0, atol=1e-2)

@@ -1,0 +1,45 @@
+"""The HF form of a dev model (transformers loads the GGUF) with its attention replaced, for the studies that
+measure a quantization outside the kernels before it is built into them (pre_rope_k.py, skvq_clip.py)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from pykvq import assets
+
+MODELS = {"smollm2": assets.default_model, "qwen2.5-coder-1.5b": assets.qwen_model}
+
+
+@contextmanager
+def studied_model(gguf: Path, name: str, attention: Callable, rope: Callable | None = None) -> Iterator:
+    """The HF model of a GGUF whose attention is `attention` (registered under `name`) while the block runs; with
+    `rope`, its RoPE is rope(the model's own) too."""
+    import torch
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    AttentionInterface.register(name, attention)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                 attn_implementation=name)
+    modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    original = modeling.apply_rotary_pos_emb
+    if rope is not None:
+        modeling.apply_rotary_pos_emb = rope(original)
+    try:
+        yield model.eval()
+    finally:
+        modeling.apply_rotary_pos_emb = original
+
+
+def perplexity(model, tokens: list[int]) -> float:
+    """PPL of the second half of the tokens, each given all before it."""
+    import torch
+
+    with torch.inference_mode():
+        logits = model(torch.tensor([tokens]), use_cache=False).logits[0].float()
+    first = len(tokens) // 2
+    nll = torch.nn.functional.cross_entropy(logits[first - 1:-1], torch.tensor(tokens[first:]))
+    return math.exp(float(nll))
