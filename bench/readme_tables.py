@@ -139,6 +139,22 @@ def pre_rope_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def skvq_clip_table(path: Path) -> str:
+    record = json.loads(path.read_text())
+    first = record["models"][0]
+    lines = [f"SKVQ's clipping and V channel reordering for kivi2 K and V (calibrated on {first['calibration_tokens']} "
+             f"tokens of Macbeth, PPL of the second half of {first['tokens']} tokens of {first['text']}, window "
+             f"{first['window']}, sinks {first['sinks']}, outside the kernels: bench/skvq_clip.py):", "",
+             "| model | recipe | PPL | ΔPPL vs f16 | share of kivi2's loss removed |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    for m in record["models"]:
+        for r in m["rows"]:
+            removed = r["share_of_kivi2_loss_removed"]
+            lines.append(f"| {m['model']} | {r['recipe']} | {r['ppl']:.3f} | {r['delta_pct']:+.2f}% | "
+                         f"{'' if removed is None else f'{100 * removed:.0f}%'} |")
+    return "\n".join(lines)
+
+
 def minikv_table(path: Path) -> str:
     record = json.loads(path.read_text())
     lines = [f"MiniKV prompt selection ({record['model']}, a {record['prompt']}-token prompt of {record['text']} in "
@@ -162,6 +178,7 @@ def render() -> str:
     parts += [iswa_memory_table(p) for p in sorted(RESULTS.glob("iswa-memory-*.json"))]
     parts += [passkey_table(p) for p in sorted(RESULTS.glob("passkey-*.json"))]
     parts += [pre_rope_table(p) for p in sorted(RESULTS.glob("pre-rope-k*.json"))]
+    parts += [skvq_clip_table(p) for p in sorted(RESULTS.glob("skvq-clip*.json"))]
     parts += [minikv_table(p) for p in sorted(RESULTS.glob("minikv-*.json"))]
     return "\n\n".join(parts)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from decode_speed import RESULTS
 from hf_study import MODELS, perplexity, studied_model
+from readme_tables import skvq_clip_table
 
 from pykvq import assets
 from pykvq.api.llama import Model
@@ -81,12 +82,13 @@ class Recipe:
     form: str = "skvq"
     granularity: str = "group"      # "group": the per-head/per-group ratios; "layer": one per layer and part
     clip: bool = False
+    parts: str = "kv"               # which of K and V a clip applies to
     reorder: bool = False
 
     def k_clip(self, ratios: LayerRatios, n_kv_head: int):
         import torch
 
-        if not self.clip:
+        if not self.clip or "k" not in self.parts:
             return torch.ones(n_kv_head)
         if self.granularity == "layer":
             return torch.full((n_kv_head,), ratios.k_layer[self.form])
@@ -95,7 +97,7 @@ class Recipe:
     def v_clip(self, ratios: LayerRatios, n_kv_head: int, n_group: int):
         import torch
 
-        if not self.clip:
+        if not self.clip or "v" not in self.parts:
             return torch.ones(n_kv_head, n_group)
         if self.granularity == "layer":
             return torch.full((n_kv_head, n_group), ratios.v_layer[self.form])
@@ -106,6 +108,8 @@ RECIPES = [
     Recipe("f16", quantized=False),
     Recipe("kivi2"),
     Recipe("kivi2 clip per layer", clip=True, granularity="layer"),
+    Recipe("kivi2 clip per layer, K only", clip=True, granularity="layer", parts="k"),
+    Recipe("kivi2 clip per layer, V only", clip=True, granularity="layer", parts="v"),
     Recipe("kivi2 clip per group", clip=True),
     Recipe("kivi2 clip per group (midpoint)", clip=True, form="midpoint"),
     Recipe("kivi2 V reordered", reorder=True),
@@ -251,16 +255,6 @@ def study_model(name: str, calibration_text: str, text: Path, n_tokens: int, n_c
             "rows": [asdict(r) for r in rows], "calibrated": ratio_summary(study.ratios)}
 
 
-def format_table(record: dict) -> str:
-    lines = ["| model | recipe | PPL | ΔPPL vs f16 | share of kivi2's loss removed |",
-             "| --- | --- | ---: | ---: | ---: |"]
-    for m in record["models"]:
-        for r in m["rows"]:
-            share = "" if r["share_of_kivi2_loss_removed"] is None else f"{100 * r['share_of_kivi2_loss_removed']:.0f}%"
-            lines.append(f"| {m['model']} | {r['recipe']} | {r['ppl']:.3f} | {r['delta_pct']:+.2f}% | {share} |")
-    return "\n".join(lines)
-
-
 def plot(path: Path, record: dict) -> None:
     import matplotlib
 
@@ -274,6 +268,7 @@ def plot(path: Path, record: dict) -> None:
                        color=["tab:gray"] + ["tab:blue"] * (len(quantized) - 1))
         ax.bar_label(bars, labels=[f"{r['delta_pct']:+.2f}%" for r in quantized], fontsize=8)
         ax.invert_yaxis()
+        ax.margins(x=0.2)
         ax.set_xlabel("ΔPPL vs f16 (%), K and V kivi2")
         ax.set_title(f"{m['model']} ({m['tokens']} tokens, window {m['window']})")
     fig.tight_layout()
@@ -301,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     out = RESULTS / "skvq-clip"
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     plot(out.with_suffix(".png"), record)
-    print(format_table(record))
+    print(skvq_clip_table(out.with_suffix(".json")))
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def test_reordering_groups_channels_of_like_magnitude_and_is_undone() -> None:
 
 def test_the_study_runs_and_writes_its_record(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(skvq_clip, "RESULTS", tmp_path)
-    skvq_clip.main(["--models", "smollm2", "--tokens", "192", "--calibration-tokens", "128", "--window", "32"])
+    skvq_clip.main(["--models", "smollm2", "--tokens", "128", "--calibration-tokens", "96", "--window", "16"])
     record = json.loads((tmp_path / "skvq-clip.json").read_text())["models"][0]
     rows = {row["recipe"]: row for row in record["rows"]}
     assert set(rows) == {recipe.label for recipe in skvq_clip.RECIPES}
