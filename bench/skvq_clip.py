@@ -153,10 +153,10 @@ class StudyAttention:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         il = int(module.layer_idx)
         if self.calibrating:
-            self.ratios[il] = self.calibrate(q, k, v, scale)
+            out = self.attention(q, k, v, scale)
+            self.ratios[il] = self.calibrate(q, k, v, scale, out)
             if self.progress is not None:
                 self.progress.update()
-            out = kivi_attention(q, k, v, scale, self.window, self.sinks, None, None)
         else:
             out = self.attend(il, q, k, v, scale)
         return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
@@ -165,11 +165,11 @@ class StudyAttention:
         return kivi_attention(q, k, v, scale, self.window, self.sinks, None if k_quantized is None else BITS,
                               None if v_quantized is None else BITS, k_quantized=k_quantized, v_quantized=v_quantized)
 
-    def calibrate(self, q, k, v, scale) -> LayerRatios:
+    def calibrate(self, q, k, v, scale, reference) -> LayerRatios:
+        """The layer's ratios, judged against its fp16 attention output `reference`."""
         import torch
 
         n_kv_head, n_group = k.shape[0], v.shape[-1] // GROUP
-        reference = self.attention(q, k, v, scale)
         near_k, near_v = fp16_masks(q.shape[1], self.window, self.sinks, q.device)
         # with K in fp16 a quantized V changes the output by the far probabilities times its error
         far_v = kivi_probabilities(q, k, scale, near_k, None) * ~near_v

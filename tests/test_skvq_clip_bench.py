@@ -32,7 +32,7 @@ def layer_qkv(n_tokens: int = 160, seed: int = 0):
 def test_each_v_group_gets_its_own_ratio() -> None:
     q, k, v = layer_qkv()
     study = skvq_clip.StudyAttention(window=16, sinks=0)
-    ratios = study.calibrate(q, k, v, 64 ** -0.5)
+    ratios = study.calibrate(q, k, v, 64 ** -0.5, study.attention(q, k, v, 64 ** -0.5))
     for form in skvq_clip.FORMS:
         chosen = ratios.v[form]
         assert chosen.shape == (2, 2)
