@@ -22,6 +22,8 @@ class Case:
     k_type: int = GGML_TYPE_KIVI2
     v_type: int = GGML_TYPE_KIVI2
     head_dim_v: int | None = None  # None: head_dim
+    clip_k: float = 1.0            # SKVQ's clip ratios of the quantized blocks
+    clip_v: float = 1.0
 
     @property
     def dv(self) -> int:
@@ -88,8 +90,9 @@ def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches
             k_cur = ctx.tensor(k[first:first + n].astype(np.float32))
             v_cur = ctx.tensor(v[first:first + n].astype(np.float32))
             idxs = ctx.tensor(cells)
-            v_store = lib.ggml_set_rows(ctx.ctx, v_rows, lib.ggml_reshape_2d(ctx.ctx, v_cur, n_embd_v, n), idxs)
-            sealed = lib.ggml_kvq_seal_k(ctx.ctx, k_tiles, k_fp16, k_cur, idxs, n_sink, 1)
+            v_store = lib.ggml_kvq_store_v(ctx.ctx, v_rows, lib.ggml_reshape_2d(ctx.ctx, v_cur, n_embd_v, n), idxs,
+                                           case.clip_v)
+            sealed = lib.ggml_kvq_seal_k(ctx.ctx, k_tiles, k_fp16, k_cur, idxs, n_sink, 1, case.clip_k)
             k_wide = lib.ggml_kvq_wide(ctx.ctx, sealed, k_fp16, k_cur, idxs, window, n_sink, 1, n_alloc, n_kv)
             wide_mask = lib.ggml_kvq_wide_mask(ctx.ctx, mask, idxs, window, n_sink, 1, n_alloc, False, n_kv)
             if wide:

@@ -13,7 +13,9 @@ def block_bytes(bits: int) -> int:
     return 4 + QK * bits // 8
 
 
-def quantize_block(x: np.ndarray, bits: int) -> bytes:
+def quantize_block(x: np.ndarray, bits: int, clip: float = 1.0) -> bytes:
+    """One block; clip (SKVQ): the range [min, max] narrowed to [clip*min, clip*max] in float32, values beyond it
+    given the end codes."""
     x = np.asarray(x, dtype=np.float32)
     assert x.shape == (QK,)
     nbytes, qmax = QK * bits // 8, (1 << bits) - 1
@@ -22,7 +24,7 @@ def quantize_block(x: np.ndarray, bits: int) -> bytes:
     qs = np.zeros(nbytes, dtype=np.uint8)
     if not present.any():
         return np.float16(0).tobytes() + np.float16(0).tobytes() + qs.tobytes()
-    lo, hi = v[present].min(), v[present].max()
+    lo, hi = v[present].min() * np.float32(clip), v[present].max() * np.float32(clip)
     d_wanted = np.float32(np.float32(hi - lo) / np.float32(qmax))
     d16, m16 = np.float16(min(d_wanted, FP16_MAX)), np.float16(lo)
     d, m = np.float32(d16), np.float32(m16)
@@ -46,9 +48,9 @@ def dequantize_block(block: bytes, bits: int) -> np.ndarray:
     return (m + d * codes).astype(np.float32)
 
 
-def quantize_rows(rows: np.ndarray, bits: int) -> np.ndarray:
+def quantize_rows(rows: np.ndarray, bits: int, clip: float = 1.0) -> np.ndarray:
     rows = np.asarray(rows, dtype=np.float32)
-    out = [b"".join(quantize_block(r[i:i + QK], bits) for i in range(0, r.size, QK)) for r in rows]
+    out = [b"".join(quantize_block(r[i:i + QK], bits, clip) for i in range(0, r.size, QK)) for r in rows]
     return np.frombuffer(b"".join(out), dtype=np.uint8).reshape(len(rows), -1)
 
 
@@ -63,7 +65,7 @@ def fp16_round(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
 
 
-def dequantized_k_tiles(k: np.ndarray, bits: int) -> np.ndarray:
+def dequantized_k_tiles(k: np.ndarray, bits: int, clip: float = 1.0) -> np.ndarray:
     """K [n_cells, n_embd] as the cache's sealed per-channel tiles give it back (complete tiles only;
     the cells of an incomplete last tile are NaN: the contract never reads them quantized)."""
     k16 = fp16_round(k)
@@ -71,25 +73,26 @@ def dequantized_k_tiles(k: np.ndarray, bits: int) -> np.ndarray:
     for t in range(k16.shape[0] // QK):
         for c in range(k16.shape[1]):
             cells = slice(t * QK, (t + 1) * QK)
-            out[cells, c] = dequantize_block(quantize_block(k16[cells, c], bits), bits)
+            out[cells, c] = dequantize_block(quantize_block(k16[cells, c], bits, clip), bits)
     return out
 
 
-def dequantized_v_rows(v: np.ndarray, bits: int) -> np.ndarray:
-    """V [n_cells, n_embd] quantized per token (from the unrounded values, as ggml_set_rows writes it)."""
-    return dequantize_rows(quantize_rows(v, bits), bits, v.shape[1])
+def dequantized_v_rows(v: np.ndarray, bits: int, clip: float = 1.0) -> np.ndarray:
+    """V [n_cells, n_embd] quantized per token (from the unrounded values, as ggml_kvq_store_v writes it)."""
+    return dequantize_rows(quantize_rows(v, bits, clip), bits, v.shape[1])
 
 
 def _contract_reads(k: np.ndarray, v: np.ndarray | None, query_cells: np.ndarray, *, window: int, n_sink: int,
-                    k_bits: int, v_bits: int, n_swa: int, k_fp16: bool = False):
+                    k_bits: int, v_bits: int, n_swa: int, k_fp16: bool = False, clip_k: float = 1.0,
+                    clip_v: float = 1.0):
     """For each query (index n at cell i): the cells j it attends and, per KV head, the keys and values (None
     without v) it reads there (DESIGN.md §5); with k_fp16 the quantized keys are rounded to fp16, as the
     flash-attention prefill's wide cells hold them."""
     n_cells = k.shape[0]
-    kq = dequantized_k_tiles(k.reshape(n_cells, -1), k_bits).reshape(k.shape)
+    kq = dequantized_k_tiles(k.reshape(n_cells, -1), k_bits, clip_k).reshape(k.shape)
     if k_fp16:
         kq = fp16_round(kq)
-    vq = None if v is None else dequantized_v_rows(v.reshape(n_cells, -1), v_bits).reshape(v.shape)
+    vq = None if v is None else dequantized_v_rows(v.reshape(n_cells, -1), v_bits, clip_v).reshape(v.shape)
     k16, v16 = fp16_round(k), None if v is None else fp16_round(v)
     for n, i in enumerate(query_cells):
         j = np.arange(max(0, i - n_swa + 1) if n_swa else 0, i + 1)
@@ -109,14 +112,16 @@ def _probabilities(keys: np.ndarray, q: np.ndarray, scale: float) -> np.ndarray:
 
 
 def kivi_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_cells: np.ndarray, *, window: int,
-                   n_sink: int, k_bits: int, v_bits: int, scale: float, n_swa: int = 0) -> np.ndarray:
+                   n_sink: int, k_bits: int, v_bits: int, scale: float, n_swa: int = 0, clip_k: float = 1.0,
+                   clip_v: float = 1.0) -> np.ndarray:
     """DESIGN.md §5 in plain numpy (float64 softmax): q [n_q, n_head, d], k/v [n_cells, n_head_kv, d];
     the query at cell i attends cells 0..i, or with a sliding window (n_swa > 0, llama.cpp's standard SWA) the
-    last n_swa of them. Q is taken in fp16, as upstream's flash attention does."""
+    last n_swa of them. Q is taken in fp16, as upstream's flash attention does. clip_k / clip_v: the quantized
+    blocks' clip ratios."""
     group = q.shape[1] // k.shape[1]
     out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
     for n, _, keys, vals in _contract_reads(k, v, query_cells, window=window, n_sink=n_sink, k_bits=k_bits,
-                                            v_bits=v_bits, n_swa=n_swa):
+                                            v_bits=v_bits, n_swa=n_swa, clip_k=clip_k, clip_v=clip_v):
         for h in range(q.shape[1]):
             out[n, h] = _probabilities(keys[:, h // group], q[n, h], scale) @ vals[:, h // group]
     return out

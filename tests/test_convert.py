@@ -151,7 +151,9 @@ def test_inspect_shows_the_metadata_and_the_memory(calibrated: tuple[Path, subpr
 
 
 @pytest.mark.parametrize("metadata, needle", [
-    ({"kvq.version": 2}, "version 2"),
+    ({"kvq.version": 3}, "version 3"),
+    ({gguf_metadata.KEY_CLIP: "k:*=1.5"}, "not a clip ratio in (0, 1]"),
+    ({gguf_metadata.KEY_CLIP: "k:0-1=0.9"}, "kvq.kv_clip does not fit its 3 layers"),
     ({gguf_metadata.KEY_LAYERS: "k:0-3=kivi2;v:*=kivi2"}, "does not fit its 3 layers"),
     ({gguf_metadata.KEY_LAYERS: "k:*=kivi3"}, "kivi3"),
     ({"kvq.calibration.error_k_kivi2": [0.1, 0.2]}, "must hold 3 values"),

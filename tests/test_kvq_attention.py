@@ -17,12 +17,14 @@ from pykvq.bindings.ggml_types import GGML_TYPE_KIVI1, GGML_TYPE_KIVI4, KIVI_BIT
 def reference(case: Case, q, k, v, n_swa: int = 0) -> np.ndarray:
     return oracle.kivi_attention(q, k, v, np.arange(k.shape[0]), window=case.window, n_sink=case.n_sink,
                                  k_bits=KIVI_BITS[case.k_type], v_bits=KIVI_BITS[case.v_type],
-                                 scale=1.0 / np.sqrt(case.head_dim), n_swa=n_swa)
+                                 scale=1.0 / np.sqrt(case.head_dim), n_swa=n_swa, clip_k=case.clip_k,
+                                 clip_v=case.clip_v)
 
 
 def case_id(c: Case) -> str:
     bits = f"k{KIVI_BITS[c.k_type]}v{KIVI_BITS[c.v_type]}"
-    return f"d{c.head_dim}/{c.dv}-h{c.n_head}/{c.n_head_kv}-w{c.window}-s{c.n_sink}-{bits}"
+    clip = f"-clip{c.clip_k:g}/{c.clip_v:g}" if (c.clip_k, c.clip_v) != (1.0, 1.0) else ""
+    return f"d{c.head_dim}/{c.dv}-h{c.n_head}/{c.n_head_kv}-w{c.window}-s{c.n_sink}-{bits}{clip}"
 
 
 CASES = [
@@ -34,6 +36,10 @@ CASES = [
     Case(head_dim=64, n_head=16, n_head_kv=1, window=32, n_sink=2),                 # GQA 16
     Case(head_dim=192, n_head=4, n_head_kv=2, window=32, n_sink=0, head_dim_v=128),  # K head size != V's
     Case(head_dim=96, n_head=6, n_head_kv=3, window=24, n_sink=0),
+    # SKVQ's clipping: the K tiles and V rows each with their own ratio, and 1-bit K (two codes: the clip decides
+    # both ends)
+    Case(head_dim=64, n_head=6, n_head_kv=2, window=32, n_sink=2, clip_k=0.85, clip_v=0.7),
+    Case(head_dim=64, n_head=4, n_head_kv=2, window=16, n_sink=0, k_type=GGML_TYPE_KIVI1, clip_k=0.6, clip_v=0.95),
 ]
 
 

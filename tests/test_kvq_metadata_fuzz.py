@@ -82,10 +82,13 @@ GENERIC = [
 PER_LAYER_KEYS = ("kvq.calibration.kld_k_kivi4", "kvq.calibration.error_v_kivi1", "kvq.calibration.v_rms")
 # what each key takes besides the generic values: the valid ones, and the edges of valid
 EXTRA = {
-    gguf_metadata.KEY_VERSION: [Value(T.UINT32, 2), Value(T.UINT8, 1), Value(T.INT16, 1)],
+    gguf_metadata.KEY_VERSION: [Value(T.UINT32, 2), Value(T.UINT32, 3), Value(T.UINT8, 1), Value(T.INT16, 2)],
     gguf_metadata.KEY_LAYERS: [Value(T.STRING, s) for s in (
         "asymkv:1/0", "k:*=kivi4;v:0=kivi1,1-=kivi2", "k:0=f16,1-=kivi2;v:0=f16,1-=kivi2", "k:0-5=kivi2;v:*=kivi2",
         "k:*=kivi3", "asymkv:1/0\x00junk", "none", "k:*=kivi2;v:*=q8_0")],
+    gguf_metadata.KEY_CLIP: [Value(T.STRING, s) for s in (
+        "k:*=0.9;v:*=0.8", "v:0=1,1-=0.5", "k:*=0.85\x00junk", "none", "k:*=1.5", "k:*=0", "k:0=0.9", "asymkv:1/0",
+        "k:*=kivi2")],
     gguf_metadata.KEY_WINDOW: [Value(T.UINT32, 7), Value(T.INT64, 64), Value(T.UINT32, INT32_MAX + 1)],
     gguf_metadata.KEY_SINKS: [Value(T.UINT32, 4), Value(T.INT8, 0)],
     gguf_metadata.KEY_BUDGET: [Value(T.FLOAT32, 2.5)],
@@ -94,13 +97,14 @@ EXTRA = {
     **{key: [Value(T.ARRAY, [0.1, 0.2, 0.3], T.FLOAT32)] for key in PER_LAYER_KEYS},
     gguf_metadata.PER_CHANNEL: [Value(T.ARRAY, [0.25] * N_EMBD_K_TOTAL, T.FLOAT32)],
 }
-KEYS = [gguf_metadata.KEY_VERSION, gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_WINDOW, gguf_metadata.KEY_SINKS,
+KEYS = [gguf_metadata.KEY_VERSION, gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_CLIP, gguf_metadata.KEY_WINDOW,
+        gguf_metadata.KEY_SINKS,
         gguf_metadata.KEY_BUDGET, "kvq.calibration.text", "kvq.calibration.n_tokens", "kvq.calibration.window",
         "kvq.calibration.sinks", *PER_LAYER_KEYS, gguf_metadata.PER_CHANNEL]
 VARIANTS = [(key, value) for key in KEYS for value in GENERIC + EXTRA.get(key, [])]
 # the keys llama.cpp reads (the value types through its GGUF loader)
 NATIVE_KEYS = (gguf_metadata.KEY_VERSION, gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_WINDOW,
-               gguf_metadata.KEY_SINKS)
+               gguf_metadata.KEY_SINKS, gguf_metadata.KEY_CLIP)
 
 
 # --- the oracles: the schema (gguf_metadata's docstring) and llama.cpp's text view of it
@@ -135,15 +139,26 @@ def spec_parses(spec: str) -> bool:
     return all((k in KIVI_IDS) == (v in KIVI_IDS) for k, v in zip(types_k, types_v, strict=True))
 
 
+def clip_parses(spec: str) -> bool:
+    """Whether a context takes these clip ratios."""
+    try:
+        native.resolve_clip(spec, N_LAYER)
+    except ValueError:
+        return False
+    return True
+
+
 def schema_accepts(key: str, v: Value) -> bool:
     """Whether a model whose kvq.* metadata is version 1 plus ``key`` = ``v`` is valid under the schema."""
     if not readable(v):
         return False
     whole = v.vtype in WHOLE
     if key == gguf_metadata.KEY_VERSION:
-        return whole and v.value == 1
+        return whole and v.value in (1, 2)
     if key == gguf_metadata.KEY_LAYERS:
         return v.vtype == T.STRING and spec_parses(v.value.split("\x00")[0])  # type: ignore[union-attr]
+    if key == gguf_metadata.KEY_CLIP:
+        return v.vtype == T.STRING and clip_parses(v.value.split("\x00")[0])  # type: ignore[union-attr]
     if key in gguf_metadata.WHOLE_NUMBERS:
         return whole and 0 <= v.value <= gguf_metadata.WHOLE_NUMBERS[key]  # type: ignore[operator]
     if key == gguf_metadata.KEY_BUDGET:
@@ -171,11 +186,12 @@ def native_text(v: Value) -> str:
 @dataclass(frozen=True)
 class Native:
     """What llama.cpp's cache takes from the model: per-layer types (None: its own), window and sinks (None: the
-    defaults)."""
+    defaults), clip ratios (None: none)."""
 
     layers: str | None = None
     window: int | None = None
     sinks: int | None = None
+    clip: str | None = None
 
 
 def native_count(key: str, text: str) -> int:
@@ -189,12 +205,16 @@ def native_settings(key: str, v: Value) -> Native:
     """What llama.cpp's cache takes from a model holding ``key`` = ``v``; ValueError when it must refuse the model."""
     if not loadable(v):
         raise ValueError("llama.cpp cannot load an array of arrays")
-    if key == gguf_metadata.KEY_VERSION and native_text(v) != "1":
+    if key == gguf_metadata.KEY_VERSION and native_text(v) not in ("1", "2"):
         raise ValueError("version")
     if key == gguf_metadata.KEY_WINDOW:
         return Native(window=native_count(key, native_text(v)))
     if key == gguf_metadata.KEY_SINKS:
         return Native(sinks=native_count(key, native_text(v)))
+    if key == gguf_metadata.KEY_CLIP and native_text(v) not in ("", "none"):
+        if not clip_parses(native_text(v)):
+            raise ValueError("kv_clip")
+        return Native(clip=native_text(v))
     if key != gguf_metadata.KEY_LAYERS or native_text(v) in ("", "none"):
         return Native()
     if not spec_parses(native_text(v)):
@@ -305,9 +325,11 @@ def test_inspect_and_run_apply_the_schema(base: Base, tmp_path: Path, key: str) 
             assert kv.sinks == v.value == info["kivi_sinks"]
         if key == gguf_metadata.KEY_LAYERS:
             assert kv.layers == v.value
+        if key == gguf_metadata.KEY_CLIP:
+            assert kv.clip == v.value
         # what the command line gives is not taken from the model, nor held against it
-        given = KvConfig("kivi2", "kivi2", 16, 0, layers="none")
-        if key in (gguf_metadata.KEY_WINDOW, gguf_metadata.KEY_SINKS, gguf_metadata.KEY_LAYERS):
+        given = KvConfig("kivi2", "kivi2", 16, 0, layers="none", clip="none")
+        if key in (gguf_metadata.KEY_WINDOW, gguf_metadata.KEY_SINKS, gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_CLIP):
             assert with_model_metadata(given, path) == given
 
 
@@ -315,12 +337,13 @@ def test_inspect_and_run_apply_the_schema(base: Base, tmp_path: Path, key: str) 
 def reference_logits(tiny: Path, native: Native) -> np.ndarray:
     """The logits of the model without metadata, given explicitly what llama.cpp takes from the variant."""
     with device.load_model(tiny) as model, model.context(_config(native.layers or "none", native.window,
-                                                                 native.sinks)) as ctx:
+                                                                 native.sinks, native.clip or "none")) as ctx:
         return ctx.eval(TOKENS)
 
 
-def _config(layers: str | None, window: int | None = None, sinks: int | None = None):
-    return device.context_config(n_ctx=256, n_threads=1, kv=KvConfig("kivi2", "kivi2", window, sinks, layers=layers))
+def _config(layers: str | None, window: int | None = None, sinks: int | None = None, clip: str | None = None):
+    return device.context_config(n_ctx=256, n_threads=1,
+                                 kv=KvConfig("kivi2", "kivi2", window, sinks, layers=layers, clip=clip))
 
 
 @pytest.mark.parametrize("key", NATIVE_KEYS)

@@ -51,6 +51,10 @@ GGML_API size_t quantize_kivi2(const float * GGML_RESTRICT src, void * GGML_REST
 GGML_API size_t quantize_kivi4(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix);
 GGML_API size_t quantize_kivi1(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix);
 
+// One block of 32 values with `bits`-bit codes, its range [min, max] first narrowed to [clip*min, clip*max]
+// (SKVQ's clipped dynamic quantization, clip in (0, 1]; 1: the plain format), values beyond it given the end codes
+GGML_API void ggml_kvq_quantize_block(const float * GGML_RESTRICT x, void * GGML_RESTRICT block, int bits, float clip);
+
 // ggml_validate_row_data for the kivi types: d and m must be finite
 GGML_API bool ggml_kvq_validate_row_data(enum ggml_type type, const void * data, size_t nbytes);
 
@@ -82,7 +86,7 @@ static inline bool ggml_kvq_is_kivi(enum ggml_type type) {
 //            T*32 .. T*32+31), one block per channel, channel-major; a tile is written ("sealed") once all
 //            of its cells exist
 //   v_rows   kivi type, [n_embd, kv_size*n_stream] (or [n_embd, kv_size, n_stream]), contiguous: one row per
-//            cell, quantized on write (ggml_set_rows)
+//            cell, quantized on write (ggml_kvq_store_v)
 //   k_fp16,  F16, [n_embd, n_sink + n_ring, n_stream]: rows 0 .. n_sink-1 hold a stream's sink cells for good;
 //   v_fp16   cell c also sits in ring slot n_sink + c % n_ring while it is among the n_ring most recent cells
 // The current batch: k_cur, v_cur F32 [head_dim, n_head_kv, n_tokens]; k_idxs I64 [n_tokens], its global
@@ -102,7 +106,11 @@ enum ggml_kvq_op {
     GGML_KVQ_OP_WIDE_MASK = 4,
     GGML_KVQ_OP_SCORE_LSE = 5,
     GGML_KVQ_OP_SCORE_ADD = 6,
+    GGML_KVQ_OP_STORE_V   = 7,
 };
+
+// the op param (F32) that holds SEAL_K's and STORE_V's clip ratio
+#define GGML_KVQ_CLIP_PARAM 7
 
 // the contract's arithmetic below is shared by the CPU and the CUDA kernels
 #ifdef __CUDACC__
@@ -170,7 +178,8 @@ static inline GGML_KVQ_HOST_DEVICE int64_t ggml_kvq_wide_col(const struct ggml_k
 // n_ring must cover max(window, QK_KIVI) cells; this is the smallest multiple of QK_KIVI that does
 GGML_API int32_t ggml_kvq_ring_size(int32_t window);
 
-// quantize every K tile that the batch completes; returns k_tiles (as a view, for ordering)
+// quantize every K tile that the batch completes, each channel's range clipped by `clip` (ggml_kvq_quantize_block);
+// returns k_tiles (as a view, for ordering)
 GGML_API struct ggml_tensor * ggml_kvq_seal_k(
         struct ggml_context * ctx,
         struct ggml_tensor  * k_tiles,
@@ -178,7 +187,17 @@ GGML_API struct ggml_tensor * ggml_kvq_seal_k(
         struct ggml_tensor  * k_cur,
         struct ggml_tensor  * k_idxs,
         int32_t               n_sink,
-        int32_t               n_seq);
+        int32_t               n_seq,
+        float                 clip);
+
+// quantize the rows of v F32 [n_embd, n] into rows idxs I64 [n] of v_rows (a kivi type, [n_embd, rows]), each
+// 32-channel group's range clipped by `clip`: ggml_set_rows with SKVQ's clipping; returns v_rows (as a view)
+GGML_API struct ggml_tensor * ggml_kvq_store_v(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * v_rows,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * idxs,
+        float                 clip);
 
 // attention of q [head_dim, n_head, n_tokens] over cells 0 .. n_kv-1 of its stream (n_kv = mask->ne[0]), reading the
 // quantized tiles and rows directly. Query at cell i attends cell j through its fp16 value when
@@ -213,7 +232,7 @@ GGML_API struct ggml_tensor * ggml_kvq_ring_put(
         int32_t               n_seq,
         int64_t               kv_size);
 
-// K (k_sealed from ggml_kvq_seal_k) or V (v_stored, the V rows after ggml_set_rows) of each segment as F16 wide
+// K (k_sealed from ggml_kvq_seal_k) or V (v_stored, the V rows after ggml_kvq_store_v) of each segment as F16 wide
 // cells [n_embd, n_wide, n_seq]; n_kv: the cells of a stream block A covers
 GGML_API struct ggml_tensor * ggml_kvq_wide(
         struct ggml_context * ctx,

@@ -25,8 +25,9 @@ static float kvq_read_channel(const kvq_source * src, int64_t cell, int64_t chan
 
 static void kvq_seal_k(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * k_tiles = dst->src[0];
-    const ggml_from_float_t quantize = ggml_get_type_traits(k_tiles->type)->from_float_ref;
-    const size_t  bb     = ggml_kvq_block_bytes(ggml_kvq_bits(k_tiles->type));
+    const int     bits   = ggml_kvq_bits(k_tiles->type);
+    const float   clip   = ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM);
+    const size_t  bb     = ggml_kvq_block_bytes(bits);
     const int64_t n_embd = dst->src[2]->ne[0]*dst->src[2]->ne[1];
 
     for (int64_t seg = 0; seg < kvq_n_seq(dst); ++seg) {
@@ -41,8 +42,32 @@ static void kvq_seal_k(const struct ggml_compute_params * params, struct ggml_te
                 for (int u = 0; u < QK_KIVI; ++u) {
                     x[u] = kvq_read_channel(&src, tile*QK_KIVI + u, c);
                 }
-                quantize(x, row + c*bb, QK_KIVI);
+                ggml_kvq_quantize_block(x, row + c*bb, bits, clip);
             }
+        }
+    }
+}
+
+//
+// STORE_V
+//
+
+static void kvq_store_v(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * v_rows = dst->src[0];
+    const struct ggml_tensor * v      = dst->src[1];
+    const struct ggml_tensor * idxs   = dst->src[2];
+    const int     bits     = ggml_kvq_bits(v_rows->type);
+    const float   clip     = ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM);
+    const size_t  bb       = ggml_kvq_block_bytes(bits);
+    const int64_t n_blocks = v->ne[0]/QK_KIVI;
+
+    for (int64_t r = params->ith; r < v->ne[1]; r += params->nth) {
+        const int64_t row = ((const int64_t *) idxs->data)[r];
+        GGML_ASSERT(row >= 0 && row < ggml_nrows(v_rows));
+        const float * x = (const float *) ((const char *) v->data + r*v->nb[1]);
+        uint8_t     * y = (uint8_t *) v_rows->data + row*v_rows->nb[1];
+        for (int64_t ib = 0; ib < n_blocks; ++ib) {
+            ggml_kvq_quantize_block(x + ib*QK_KIVI, y + ib*bb, bits, clip);
         }
     }
 }
@@ -361,6 +386,7 @@ void ggml_compute_forward_kvq(const struct ggml_compute_params * params, struct 
         case GGML_KVQ_OP_WIDE_MASK: kvq_wide_mask(params, dst); break;
         case GGML_KVQ_OP_SCORE_LSE: kvq_score_lse(params, dst); break;
         case GGML_KVQ_OP_SCORE_ADD: kvq_score_add(params, dst); break;
+        case GGML_KVQ_OP_STORE_V:   kvq_store_v(params, dst);   break;
         default:                    GGML_ABORT("unknown kvq op");
     }
 }

@@ -22,7 +22,8 @@ static void kvq_check_batch(const struct ggml_tensor * fp16, const struct ggml_t
     GGML_ASSERT(n_sink >= 0 && fp16->ne[1] > n_sink && (fp16->ne[1] - n_sink) % QK_KIVI == 0);
 }
 
-// op params: { op, window, n_sink, scale, n_seq, kv_size, mask_all_streams }
+// op params: { op, window, n_sink, scale, n_seq, kv_size, mask_all_streams }; SEAL_K's and STORE_V's clip at
+// GGML_KVQ_CLIP_PARAM
 static void kvq_set_params(struct ggml_tensor * t, enum ggml_kvq_op op, int32_t window, int32_t n_sink, float scale,
                            int32_t n_seq, int64_t kv_size, bool mask_all_streams) {
     GGML_ASSERT(kv_size > 0 && kv_size <= INT32_MAX && kv_size % QK_KIVI == 0);
@@ -39,18 +40,44 @@ struct ggml_tensor * ggml_kvq_seal_k(
         struct ggml_tensor  * k_cur,
         struct ggml_tensor  * k_idxs,
         int32_t               n_sink,
-        int32_t               n_seq) {
+        int32_t               n_seq,
+        float                 clip) {
     GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_is_contiguous(k_tiles));
+    GGML_ASSERT(clip > 0.0f && clip <= 1.0f);
     GGML_ASSERT(k_tiles->ne[0] == (int64_t) kvq_n_embd(k_cur)*QK_KIVI);
     GGML_ASSERT(k_tiles->ne[2] == k_fp16->ne[2] && k_tiles->ne[3] == 1);
     kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink, n_seq);
 
     struct ggml_tensor * result = ggml_view_tensor(ctx, k_tiles);
     kvq_set_params(result, GGML_KVQ_OP_SEAL_K, 0, n_sink, 0.0f, n_seq, k_tiles->ne[1]*QK_KIVI, false);
+    ggml_set_op_params_f32(result, GGML_KVQ_CLIP_PARAM, clip);
     result->src[0] = k_tiles;
     result->src[1] = k_fp16;
     result->src[2] = k_cur;
     result->src[3] = k_idxs;
+    return result;
+}
+
+struct ggml_tensor * ggml_kvq_store_v(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * v_rows,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * idxs,
+        float                 clip) {
+    GGML_ASSERT(ggml_kvq_is_kivi(v_rows->type) && ggml_is_contiguous(v_rows) && ggml_n_dims(v_rows) <= 2);
+    GGML_ASSERT(v->type == GGML_TYPE_F32 && v->nb[0] == sizeof(float) && ggml_n_dims(v) <= 2);
+    GGML_ASSERT(v->ne[0] == v_rows->ne[0] && v->ne[0] % QK_KIVI == 0);
+    GGML_ASSERT(idxs->type == GGML_TYPE_I64 && ggml_is_contiguous(idxs) && idxs->ne[0] == v->ne[1]);
+    GGML_ASSERT(clip > 0.0f && clip <= 1.0f);
+
+    struct ggml_tensor * result = ggml_view_tensor(ctx, v_rows);
+    int32_t params[GGML_KVQ_CLIP_PARAM + 1] = { GGML_KVQ_OP_STORE_V };
+    ggml_set_op_params(result, params, sizeof(params));
+    ggml_set_op_params_f32(result, GGML_KVQ_CLIP_PARAM, clip);
+    result->op     = GGML_OP_KVQ;
+    result->src[0] = v_rows;
+    result->src[1] = v;
+    result->src[2] = idxs;
     return result;
 }
 

@@ -17,10 +17,19 @@ static float kivi_saturate(float v) {
     return v > KIVI_FP16_MAX ? KIVI_FP16_MAX : (v < -KIVI_FP16_MAX ? -KIVI_FP16_MAX : v);
 }
 
+// a bound of the range narrowed by clip; stored through a volatile so that no compiler fuses the product into
+// the step's subtraction (an FMA would round differently from the oracle and the CUDA kernel)
+static float kivi_clip_bound(float v, float clip) {
+    volatile float r = v*clip;
+    return r;
+}
+
 // One block. The codes are computed from the fp16-rounded d and m that dequantization will use, with
 // a subtraction, a multiplication and a round-to-nearest-even: no operation a compiler could fuse,
 // so SIMD paths and the numpy oracle reproduce it exactly.
-static void kivi_quantize_block(const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT block, int bits) {
+void ggml_kvq_quantize_block(const float * GGML_RESTRICT x, void * GGML_RESTRICT out, int bits, float clip) {
+    GGML_ASSERT(clip > 0.0f && clip <= 1.0f);
+    uint8_t   * block  = (uint8_t *) out;
     const int   nbytes = QK_KIVI*bits/8;
     const int   qmax   = (1 << bits) - 1;
     float lo =  INFINITY;
@@ -41,6 +50,9 @@ static void kivi_quantize_block(const float * GGML_RESTRICT x, uint8_t * GGML_RE
         dm[1] = GGML_FP32_TO_FP16(0.0f);
         return;
     }
+    // SKVQ's clipping: the range narrowed about zero; values beyond it take the end codes
+    lo = kivi_clip_bound(lo, clip);
+    hi = kivi_clip_bound(hi, clip);
     const float d_wanted = (hi - lo)/qmax;
     dm[0] = GGML_FP32_TO_FP16(d_wanted > KIVI_FP16_MAX ? KIVI_FP16_MAX : d_wanted);
     dm[1] = GGML_FP32_TO_FP16(lo);
@@ -75,7 +87,7 @@ static void kivi_quantize_row(const float * GGML_RESTRICT x, void * GGML_RESTRIC
     GGML_ASSERT(k % QK_KIVI == 0);
     uint8_t * out = (uint8_t *) y;
     for (int64_t ib = 0; ib < k/QK_KIVI; ++ib) {
-        kivi_quantize_block(x + ib*QK_KIVI, out + ib*ggml_kvq_block_bytes(bits), bits);
+        ggml_kvq_quantize_block(x + ib*QK_KIVI, out + ib*ggml_kvq_block_bytes(bits), bits, 1.0f);
     }
 }
 

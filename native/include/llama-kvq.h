@@ -54,7 +54,8 @@ LLAMA_API struct llama_kvq_params llama_kvq_get_params(void);
 LLAMA_API const char *            llama_kvq_last_error(void);
 
 // One setting by name, as the tools' command lines give it: "window", "sinks" and "rollback" take a count,
-// "rotate" takes on/off, "layers" a per-layer spec (llama_kvq_set_layer_types), "type_swa" a type name
+// "rotate" takes on/off, "layers" a per-layer spec (llama_kvq_set_layer_types), "clip" a per-layer clip spec
+// (llama_kvq_set_clip), "type_swa" a type name
 // (llama_kvq_set_swa_types). Returns false (see llama_kvq_last_error) for an unknown name or a bad value.
 LLAMA_API bool llama_kvq_set_param(const char * name, const char * value);
 
@@ -81,6 +82,19 @@ LLAMA_API const char * llama_kvq_get_layer_types(void);   // valid until the nex
 // llama_kvq_last_error) when it does not parse or does not fit the layers.
 LLAMA_API bool llama_kvq_resolve_layer_types(const char * spec, int32_t n_layer, enum ggml_type type_k,
                                              enum ggml_type type_v, enum ggml_type * types_k, enum ggml_type * types_v);
+
+// SKVQ's clipped quantization for the kivi layers of KV caches created afterwards: per layer, a ratio in (0, 1]
+// that narrows each quantization group's range [min, max] to [ratio*min, ratio*max] before its step is taken
+// (values beyond it get the end codes), in the per-layer spec form with ratios for types, e.g.
+// "k:*=0.9;v:0-3=1,4-=0.85" (a part left out: 1, no clipping). "" (or NULL): no spec, a model's "kvq.kv_clip"
+// metadata applies if it has one (pykvq calibrate writes it); "none": no clipping, metadata ignored. Returns
+// false (see llama_kvq_last_error) when the spec does not parse. Also "clip" in llama_kvq_set_param.
+LLAMA_API bool         llama_kvq_set_clip(const char * spec);
+LLAMA_API const char * llama_kvq_get_clip(void);   // valid until the next llama_kvq_set_clip
+
+// A clip spec resolved for n_layer layers into clip_k[n_layer] and clip_v[n_layer]; false (see
+// llama_kvq_last_error) when it does not parse or does not fit the layers.
+LLAMA_API bool llama_kvq_resolve_clip(const char * spec, int32_t n_layer, float * clip_k, float * clip_v);
 
 // What a context's KV cache holds and costs. bytes: all of its buffers (scales, fp16 window and sinks and
 // alignment included); f16_bytes: what f16 K and V for the same cells and layers would take.

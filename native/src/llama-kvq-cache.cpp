@@ -48,18 +48,35 @@ static size_t kvq_plain_part_offset(const ggml_tensor * t, uint32_t part, bool i
     return in_regions ? (size_t) part*part_cells*t->nb[1] : (size_t) part*t->nb[2];
 }
 
-// the model's own per-layer types (pykvq calibrate writes them), "" when it has none
-static std::string kvq_model_layer_spec(const llama_model & model) {
+// a per-layer spec of the model's own (pykvq calibrate writes them), "" when it has none; `flag` overrides it
+static std::string kvq_model_spec(const llama_model & model, const char * key, const char * flag) {
     char buf[4096];
-    if (llama_model_meta_val_str(&model, "kvq.version", buf, sizeof(buf)) >= 0 && std::string(buf) != "1") {
+    // version 2 added kvq.kv_clip; version 1 files are read as they are
+    if (llama_model_meta_val_str(&model, "kvq.version", buf, sizeof(buf)) >= 0 && std::string(buf) != "1" &&
+        std::string(buf) != "2") {
         throw std::runtime_error(std::string("the model's kvq.* metadata is version ") + buf +
-                                 "; this pykvq reads version 1 (--kv-layers none ignores it)");
+                                 "; this pykvq reads versions 1 and 2 (" + flag + " none ignores it)");
     }
-    const int32_t n = llama_model_meta_val_str(&model, "kvq.kv_layers", buf, sizeof(buf));
+    const int32_t n = llama_model_meta_val_str(&model, key, buf, sizeof(buf));
     if (n >= (int32_t) sizeof(buf)) {
-        throw std::runtime_error("the model's kvq.kv_layers metadata is longer than " + std::to_string(sizeof(buf)) + " bytes");
+        throw std::runtime_error(std::string("the model's ") + key + " metadata is longer than " +
+                                 std::to_string(sizeof(buf)) + " bytes");
     }
     return n < 0 ? "" : std::string(buf, n);
+}
+
+// Where a per-layer setting comes from: the command line (process-wide), else the model's metadata
+struct kvq_spec_source {
+    std::string spec;     // "" or "none": the default everywhere
+    std::string source;   // for messages
+};
+
+static kvq_spec_source kvq_spec_for(const llama_model & model, const std::string & given, const char * key,
+                                    const char * flag) {
+    if (!given.empty()) {
+        return { given, flag };
+    }
+    return { kvq_model_spec(model, key, flag), std::string("the model's ") + key };
 }
 
 // The K and V type of every layer: --kv-layers (llama_kvq_set_layer_types), else the model's kvq.kv_layers, else
@@ -71,17 +88,25 @@ struct kvq_layer_plan {
 };
 
 static kvq_layer_plan kvq_plan_layers(const llama_model & model, uint32_t n_layer, ggml_type type_k, ggml_type type_v) {
-    kvq_layer_plan plan = { {}, llama_kvq_layer_spec(), "--kv-layers" };
-    if (plan.spec.empty()) {
-        plan.spec   = kvq_model_layer_spec(model);
-        plan.source = "the model's kvq.kv_layers";
-    }
+    const kvq_spec_source given = kvq_spec_for(model, llama_kvq_layer_spec(), "kvq.kv_layers", "--kv-layers");
+    kvq_layer_plan plan = { {}, given.spec, given.source };
     try {
         plan.types = llama_kvq_resolve_layer_spec(plan.spec, (int32_t) n_layer, type_k, type_v);
     } catch (const std::invalid_argument & err) {
         throw std::runtime_error(plan.source + ": " + err.what());
     }
     return plan;
+}
+
+// SKVQ's clip ratio of every layer's K and V: --kv-clip (llama_kvq_set_clip), else the model's kvq.kv_clip, else 1
+static llama_kvq_layer_clips kvq_plan_clips(const llama_model & model, uint32_t n_layer, std::string & spec) {
+    const kvq_spec_source given = kvq_spec_for(model, llama_kvq_clip_spec(), "kvq.kv_clip", "--kv-clip");
+    spec = given.spec == "none" ? "" : given.spec;
+    try {
+        return llama_kvq_resolve_clip_spec(given.spec, (int32_t) n_layer);
+    } catch (const std::invalid_argument & err) {
+        throw std::runtime_error(given.source + ": " + err.what());
+    }
 }
 
 llama_kvq_swa_plan llama_kvq_plan_swa_cache(const llama_model & model, const llama_hparams & hparams, ggml_type type_k,
@@ -174,6 +199,8 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
     const std::string & source = plan.source;
     kvq_types_k = std::move(plan.types.k);
     kvq_types_v = std::move(plan.types.v);
+    std::string clip_spec;
+    kvq_clips = kvq_plan_clips(model, hparams.n_layer_all, clip_spec);
 
     bool any_kivi = false;
     for (uint32_t il = 0; il < kvq_types_k.size(); ++il) {
@@ -215,10 +242,11 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
     if (other != nullptr) {
         throw std::runtime_error("KV cache " + types + ": kivi types do not support a cache that shares another's cells yet");
     }
-    LLAMA_LOG_INFO("%s: kivi %sKV cache: window = %d, sinks = %d, rollback = %d, rotation = %s, %u %s of %u cells%s%s\n",
+    LLAMA_LOG_INFO("%s: kivi %sKV cache: window = %d, sinks = %d, rollback = %d, rotation = %s, %u %s of %u cells%s%s%s%s\n",
             __func__, n_swa != 0 ? "sliding-window " : "", kvq_params.window, kvq_params.n_sink, kvq_params.n_rollback, kvq_params.rotate ? "on" : "off",
             kvq_n_part, unified ? "sequence regions" : "sequence streams", kvq_part_cells,
-            spec.empty() || spec == "none" ? "" : ", layer types = ", spec == "none" ? "" : spec.c_str());
+            spec.empty() || spec == "none" ? "" : ", layer types = ", spec == "none" ? "" : spec.c_str(),
+            clip_spec.empty() ? "" : ", clip = ", clip_spec.c_str());
 }
 
 // What the fused kernels do not compute is refused here, at context creation, rather than answered wrongly: they
@@ -1048,8 +1076,11 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     // V rows of every part, indexed by the global cells of k_idxs/v_idxs
     ggml_tensor * v_rows   = ggml_reshape_2d(ctx, layer.v, layer.v->ne[0], layer.v->ne[1]*layer.v->ne[2]);
     GGML_ASSERT(ggml_row_size(v_cur->type, v_cur->ne[0]) == v_cur->nb[1]);
-    ggml_tensor * v_stored = ggml_set_rows(ctx, v_rows, ggml_view_2d(ctx, v_cur, v_rows->ne[0], v_cur->ne[2], v_cur->nb[2], 0), v_idxs);
-    ggml_tensor * k_sealed = ggml_kvq_seal_k(ctx, layer.k, layer.k_fp16, k_cur, k_idxs, n_sink, n_seq);
+    const float clip_k = kvq_clips.k[il];
+    const float clip_v = kvq_clips.v[il];
+    ggml_tensor * v_stored = ggml_kvq_store_v(ctx, v_rows, ggml_view_2d(ctx, v_cur, v_rows->ne[0], v_cur->ne[2], v_cur->nb[2], 0),
+                                              v_idxs, clip_v);
+    ggml_tensor * k_sealed = ggml_kvq_seal_k(ctx, layer.k, layer.k_fp16, k_cur, k_idxs, n_sink, n_seq, clip_k);
     ggml_build_forward_expand(gf, k_sealed);
     ggml_build_forward_expand(gf, v_stored);
 
@@ -1092,9 +1123,9 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
         v_ring    = llama_kvq_gather_kept(ctx, v_cur, kept);
         ring_idxs = ggml_view_1d(ctx, k_idxs, n_keep, 0);
         ggml_tensor * keep_v_idxs = ggml_view_1d(ctx, v_idxs, n_keep, 0);
-        ggml_build_forward_expand(gf, ggml_kvq_seal_k(ctx, k_sealed, layer.k_fp16, k_ring, ring_idxs, n_sink, 1));
-        ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_stored, ggml_reshape_2d(ctx, v_ring, v_rows->ne[0], n_keep),
-                                                    keep_v_idxs));
+        ggml_build_forward_expand(gf, ggml_kvq_seal_k(ctx, k_sealed, layer.k_fp16, k_ring, ring_idxs, n_sink, 1, clip_k));
+        ggml_build_forward_expand(gf, ggml_kvq_store_v(ctx, v_stored, ggml_reshape_2d(ctx, v_ring, v_rows->ne[0], n_keep),
+                                                       keep_v_idxs, clip_v));
     }
 
     // the ring changes only after the attention has read it

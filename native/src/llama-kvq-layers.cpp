@@ -1,13 +1,15 @@
-// Per-layer KV cache types: the spec language of --kv-layers / llama_kvq_set_layer_types.
+// Per-layer KV cache settings: the spec language of --kv-layers / llama_kvq_set_layer_types (types) and of
+// --kv-clip / llama_kvq_set_clip (clip ratios).
 //
-//   spec    := "asymkv:" L_K "/" L_V | part (";" part)*
+//   spec    := "asymkv:" L_K "/" L_V | part (";" part)*      (asymkv: types only)
 //   part    := ("k" | "v") ":" rule ("," rule)*
-//   rule    := range "=" TYPE
+//   rule    := range "=" VALUE                               (a type name, or a ratio in (0, 1])
 //   range   := "*" | N | N "-" | N "-" M            (layers, inclusive; "N-" runs to the last layer)
 //
 // asymkv:L_K/L_V is AsymKV's notation: K is kivi2 in the first L_K layers and kivi1 after, V likewise.
-// A part must give every layer exactly one type; a part left out keeps the context's type_k or type_v.
-// Parse errors are reported when the spec is set; layer bounds once the model's layer count is known.
+// A part must give every layer exactly one value; a part left out keeps the context's type_k or type_v (a ratio
+// of 1: no clipping). Parse errors are reported when the spec is set; layer bounds once the model's layer count
+// is known.
 
 #include "llama-kvq-layers.h"
 
@@ -39,8 +41,17 @@ namespace {
 struct kvq_rule {
     int32_t     first;
     int32_t     last;   // -1: up to the last layer
-    ggml_type   type;
+    std::string value;
     std::string text;
+};
+
+// what the values of a spec are: parse() throws std::invalid_argument for a bad one
+template <typename T>
+struct kvq_values {
+    const char * what;       // "TYPE", "RATIO"
+    const char * example;    // a rule
+    bool         asymkv;     // whether AsymKV's asymkv:L_K/L_V names them
+    T (*parse)(const std::string & value, const std::string & where);
 };
 
 struct kvq_part {
@@ -93,13 +104,27 @@ ggml_type kvq_parse_type(const std::string & name, const std::string & where) {
     return type;
 }
 
-kvq_rule kvq_parse_rule(const std::string & text) {
+float kvq_parse_clip(const std::string & value, const std::string & where) {
+    char * end = nullptr;
+    const float v = std::strtof(value.c_str(), &end);
+    if (value.empty() || *end != '\0' || !(v > 0.0f && v <= 1.0f)) {
+        kvq_fail(where, "'" + value + "' is not a clip ratio in (0, 1]");
+    }
+    return v;
+}
+
+const kvq_values<ggml_type> kvq_types = { "TYPE",  "0-15=kivi2", true,  kvq_parse_type };
+const kvq_values<float>     kvq_clips = { "RATIO", "0-15=0.9",   false, kvq_parse_clip };
+
+template <typename T>
+kvq_rule kvq_parse_rule(const std::string & text, const kvq_values<T> & values) {
     const size_t eq = text.find('=');
     if (eq == std::string::npos) {
-        kvq_fail(text, "expected LAYERS=TYPE, e.g. 0-15=kivi2");
+        kvq_fail(text, std::string("expected LAYERS=") + values.what + ", e.g. " + values.example);
     }
     const std::string range = kvq_trim(text.substr(0, eq));
-    kvq_rule rule = { 0, -1, kvq_parse_type(kvq_trim(text.substr(eq + 1)), text), text };
+    kvq_rule rule = { 0, -1, kvq_trim(text.substr(eq + 1)), text };
+    values.parse(rule.value, text);
     if (range == "*") {
         return rule;
     }
@@ -116,7 +141,8 @@ kvq_rule kvq_parse_rule(const std::string & text) {
     return rule;
 }
 
-void kvq_parse_part(const std::string & text, kvq_spec & spec) {
+template <typename T>
+void kvq_parse_part(const std::string & text, kvq_spec & spec, const kvq_values<T> & values) {
     const size_t colon = text.find(':');
     const std::string name = kvq_trim(text.substr(0, colon));
     if (colon == std::string::npos || (name != "k" && name != "v")) {
@@ -128,14 +154,15 @@ void kvq_parse_part(const std::string & text, kvq_spec & spec) {
     }
     part.given = true;
     for (const std::string & rule : kvq_split(text.substr(colon + 1), ',')) {
-        part.rules.push_back(kvq_parse_rule(rule));
+        part.rules.push_back(kvq_parse_rule(rule, values));
     }
 }
 
-kvq_spec kvq_parse(const std::string & text) {
+template <typename T>
+kvq_spec kvq_parse(const std::string & text, const kvq_values<T> & values) {
     kvq_spec spec;
     const std::string asymkv = "asymkv:";
-    if (text.compare(0, asymkv.size(), asymkv) == 0) {
+    if (values.asymkv && text.compare(0, asymkv.size(), asymkv) == 0) {
         const std::string counts = text.substr(asymkv.size());
         const size_t slash = counts.find('/');
         if (slash == std::string::npos) {
@@ -147,7 +174,7 @@ kvq_spec kvq_parse(const std::string & text) {
         return spec;
     }
     for (const std::string & part : kvq_split(text, ';')) {
-        kvq_parse_part(part, spec);
+        kvq_parse_part(part, spec, values);
     }
     return spec;
 }
@@ -161,10 +188,10 @@ kvq_part kvq_asymkv_part(int32_t l, int32_t n_layer, const char * name) {
     kvq_part part;
     part.given = true;
     if (l > 0) {
-        part.rules.push_back({ 0, l - 1, GGML_TYPE_KIVI2, "0-" + std::to_string(l - 1) + "=kivi2" });
+        part.rules.push_back({ 0, l - 1, "kivi2", "0-" + std::to_string(l - 1) + "=kivi2" });
     }
     if (l < n_layer) {
-        part.rules.push_back({ l, -1, GGML_TYPE_KIVI1, std::to_string(l) + "-=kivi1" });
+        part.rules.push_back({ l, -1, "kivi1", std::to_string(l) + "-=kivi1" });
     }
     return part;
 }
@@ -173,10 +200,12 @@ std::string kvq_layers_text(int32_t first, int32_t last) {
     return first == last ? "layer " + std::to_string(first) : "layers " + std::to_string(first) + "-" + std::to_string(last);
 }
 
-std::vector<ggml_type> kvq_resolve_part(const kvq_part & part, const char * name, int32_t n_layer, ggml_type fallback) {
-    std::vector<ggml_type> types(n_layer, fallback);
+template <typename T>
+std::vector<T> kvq_resolve_part(const kvq_part & part, const char * name, int32_t n_layer, T fallback,
+                                const kvq_values<T> & values) {
+    std::vector<T> out(n_layer, fallback);
     if (!part.given) {
-        return types;
+        return out;
     }
     std::vector<const kvq_rule *> owner(n_layer, nullptr);
     for (const kvq_rule & rule : part.rules) {
@@ -186,11 +215,11 @@ std::vector<ggml_type> kvq_resolve_part(const kvq_part & part, const char * name
         }
         for (int32_t il = rule.first; il <= last; ++il) {
             if (owner[il] != nullptr) {
-                kvq_fail(rule.text, std::string(name) + ": layer " + std::to_string(il) + " already has a type from '" +
+                kvq_fail(rule.text, std::string(name) + ": layer " + std::to_string(il) + " already has a value from '" +
                          owner[il]->text + "'");
             }
             owner[il] = &rule;
-            types[il] = rule.type;
+            out[il]   = values.parse(rule.value, rule.text);
         }
     }
     for (int32_t il = 0; il < n_layer; ++il) {
@@ -199,10 +228,10 @@ std::vector<ggml_type> kvq_resolve_part(const kvq_part & part, const char * name
             while (last + 1 < n_layer && owner[last + 1] == nullptr) {
                 ++last;
             }
-            kvq_fail(std::string(name) + ":", kvq_layers_text(il, last) + (il == last ? " has" : " have") + " no type");
+            kvq_fail(std::string(name) + ":", kvq_layers_text(il, last) + (il == last ? " has" : " have") + " no value");
         }
     }
-    return types;
+    return out;
 }
 
 } // namespace
@@ -212,9 +241,33 @@ void llama_kvq_check_layer_spec(const std::string & spec) {
         return;
     }
     try {
-        kvq_parse(spec);
+        kvq_parse(spec, kvq_types);
     } catch (const std::invalid_argument & err) {
         throw std::invalid_argument("layer types '" + spec + "' " + err.what());
+    }
+}
+
+void llama_kvq_check_clip_spec(const std::string & spec) {
+    if (spec.empty() || spec == "none") {
+        return;
+    }
+    try {
+        kvq_parse(spec, kvq_clips);
+    } catch (const std::invalid_argument & err) {
+        throw std::invalid_argument("clip ratios '" + spec + "' " + err.what());
+    }
+}
+
+llama_kvq_layer_clips llama_kvq_resolve_clip_spec(const std::string & spec, int32_t n_layer) {
+    if (spec.empty() || spec == "none") {
+        return { std::vector<float>(n_layer, 1.0f), std::vector<float>(n_layer, 1.0f) };
+    }
+    try {
+        const kvq_spec parsed = kvq_parse(spec, kvq_clips);
+        return { kvq_resolve_part(parsed.k, "k", n_layer, 1.0f, kvq_clips),
+                 kvq_resolve_part(parsed.v, "v", n_layer, 1.0f, kvq_clips) };
+    } catch (const std::invalid_argument & err) {
+        throw std::invalid_argument("clip ratios '" + spec + "' " + err.what());
     }
 }
 
@@ -223,12 +276,13 @@ llama_kvq_layer_types llama_kvq_resolve_layer_spec(const std::string & spec, int
         return { std::vector<ggml_type>(n_layer, type_k), std::vector<ggml_type>(n_layer, type_v) };
     }
     try {
-        const kvq_spec parsed = kvq_parse(spec);
+        const kvq_spec parsed = kvq_parse(spec, kvq_types);
         if (parsed.asymkv) {
-            return { kvq_resolve_part(kvq_asymkv_part(parsed.l_k, n_layer, "L_K"), "k", n_layer, type_k),
-                     kvq_resolve_part(kvq_asymkv_part(parsed.l_v, n_layer, "L_V"), "v", n_layer, type_v) };
+            return { kvq_resolve_part(kvq_asymkv_part(parsed.l_k, n_layer, "L_K"), "k", n_layer, type_k, kvq_types),
+                     kvq_resolve_part(kvq_asymkv_part(parsed.l_v, n_layer, "L_V"), "v", n_layer, type_v, kvq_types) };
         }
-        return { kvq_resolve_part(parsed.k, "k", n_layer, type_k), kvq_resolve_part(parsed.v, "v", n_layer, type_v) };
+        return { kvq_resolve_part(parsed.k, "k", n_layer, type_k, kvq_types),
+                 kvq_resolve_part(parsed.v, "v", n_layer, type_v, kvq_types) };
     } catch (const std::invalid_argument & err) {
         throw std::invalid_argument("layer types '" + spec + "' " + err.what());
     }

@@ -1,4 +1,4 @@
-// Per-layer KV cache types (llama-kvq-layers.cpp has the spec language).
+// Per-layer KV cache types and clip ratios (llama-kvq-layers.cpp has the spec language).
 #pragma once
 
 #include "ggml.h"
@@ -25,3 +25,16 @@ llama_kvq_layer_types llama_kvq_resolve_layer_spec(const std::string & spec, int
 
 // the process-wide spec set with llama_kvq_set_layer_types ("" when none)
 std::string llama_kvq_layer_spec(void);
+
+// SKVQ's clip ratio of each layer's K and V (1: no clipping)
+struct llama_kvq_layer_clips {
+    std::vector<float> k;
+    std::vector<float> v;
+};
+
+// as for the types: "" and "none" are valid (no clipping anywhere), a part left out is not clipped
+void                  llama_kvq_check_clip_spec(const std::string & spec);
+llama_kvq_layer_clips llama_kvq_resolve_clip_spec(const std::string & spec, int32_t n_layer);
+
+// the process-wide spec set with llama_kvq_set_clip ("" when none)
+std::string llama_kvq_clip_spec(void);

@@ -23,6 +23,8 @@ static llama_kvq_params kvq_params = { LLAMA_KVQ_FROM_MODEL, LLAMA_KVQ_FROM_MODE
 static std::string      kvq_error;
 static std::string      kvq_layer_spec;
 static std::string      kvq_layer_spec_out;   // what llama_kvq_get_layer_types hands out
+static std::string      kvq_clip_spec;
+static std::string      kvq_clip_spec_out;    // what llama_kvq_get_clip hands out
 static ggml_type        kvq_swa_type_k = GGML_TYPE_COUNT;
 static ggml_type        kvq_swa_type_v = GGML_TYPE_COUNT;
 
@@ -172,11 +174,13 @@ bool llama_kvq_set_param(const char * name, const char * value) {
         ok = kvq_parse_select(value, params);
     } else if (std::strcmp(name, "layers") == 0) {
         return llama_kvq_set_layer_types(value);
+    } else if (std::strcmp(name, "clip") == 0) {
+        return llama_kvq_set_clip(value);
     } else if (std::strcmp(name, "type_swa") == 0) {
         return kvq_set_swa_type_name(value);
     } else {
         std::lock_guard<std::mutex> lock(kvq_params_mutex);
-        kvq_error = std::string("unknown kivi setting '") + name + "' (valid: window, sinks, rollback, rotate, select, layers, type_swa)";
+        kvq_error = std::string("unknown kivi setting '") + name + "' (valid: window, sinks, rollback, rotate, select, layers, clip, type_swa)";
         return false;
     }
     if (!ok) {
@@ -201,9 +205,9 @@ bool llama_kvq_set_param(const char * name, const char * value) {
 }
 
 // kvq_params_mutex held
-static bool kvq_parses(const std::string & spec) {
+static bool kvq_parses(const std::string & spec, void (*check)(const std::string &)) {
     try {
-        llama_kvq_check_layer_spec(spec);
+        check(spec);
     } catch (const std::invalid_argument & err) {
         kvq_error = err.what();
         return false;
@@ -212,30 +216,64 @@ static bool kvq_parses(const std::string & spec) {
     return true;
 }
 
-bool llama_kvq_check_layer_types(const char * spec) {
-    std::lock_guard<std::mutex> lock(kvq_params_mutex);
-    return kvq_parses(spec ? spec : "");
-}
-
-bool llama_kvq_set_layer_types(const char * spec) {
+static bool kvq_set_spec(const char * spec, void (*check)(const std::string &), std::string & setting) {
     const std::string text = spec ? spec : "";
     std::lock_guard<std::mutex> lock(kvq_params_mutex);
-    if (!kvq_parses(text)) {
+    if (!kvq_parses(text, check)) {
         return false;
     }
-    kvq_layer_spec = text;
+    setting = text;
     return true;
 }
 
-const char * llama_kvq_get_layer_types(void) {
+static const char * kvq_get_spec(const std::string & setting, std::string & out) {
     std::lock_guard<std::mutex> lock(kvq_params_mutex);
-    kvq_layer_spec_out = kvq_layer_spec;
-    return kvq_layer_spec_out.c_str();
+    out = setting;
+    return out.c_str();
+}
+
+bool llama_kvq_check_layer_types(const char * spec) {
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    return kvq_parses(spec ? spec : "", llama_kvq_check_layer_spec);
+}
+
+bool llama_kvq_set_layer_types(const char * spec) {
+    return kvq_set_spec(spec, llama_kvq_check_layer_spec, kvq_layer_spec);
+}
+
+const char * llama_kvq_get_layer_types(void) {
+    return kvq_get_spec(kvq_layer_spec, kvq_layer_spec_out);
 }
 
 std::string llama_kvq_layer_spec(void) {
     std::lock_guard<std::mutex> lock(kvq_params_mutex);
     return kvq_layer_spec;
+}
+
+bool llama_kvq_set_clip(const char * spec) {
+    return kvq_set_spec(spec, llama_kvq_check_clip_spec, kvq_clip_spec);
+}
+
+const char * llama_kvq_get_clip(void) {
+    return kvq_get_spec(kvq_clip_spec, kvq_clip_spec_out);
+}
+
+std::string llama_kvq_clip_spec(void) {
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    return kvq_clip_spec;
+}
+
+bool llama_kvq_resolve_clip(const char * spec, int32_t n_layer, float * clip_k, float * clip_v) {
+    try {
+        const llama_kvq_layer_clips clips = llama_kvq_resolve_clip_spec(spec ? spec : "", n_layer);
+        std::copy(clips.k.begin(), clips.k.end(), clip_k);
+        std::copy(clips.v.begin(), clips.v.end(), clip_v);
+    } catch (const std::invalid_argument & err) {
+        std::lock_guard<std::mutex> lock(kvq_params_mutex);
+        kvq_error = err.what();
+        return false;
+    }
+    return true;
 }
 
 bool llama_kvq_resolve_layer_types(const char * spec, int32_t n_layer, enum ggml_type type_k, enum ggml_type type_v,

@@ -59,7 +59,8 @@ class KvConfig:
     recent shares of a prompt that its sequence keeps (e.g. ``(0.25, 0.25)``), and optionally how many of the
     prompt's last tokens pick the heavy hitters by their attention (``(0.25, 0.25, 32)``; 0: all of them; left out:
     the default); the prompt must be decoded in one call that fits one ubatch (n_ubatch), and every layer must be
-    kivi."""
+    kivi. ``clip``: SKVQ's clipped quantization, per-layer ratios in the ``layers`` form (``"k:*=0.9;v:*=0.85"``);
+    None lets a model's kvq.kv_clip metadata apply, ``"none"`` ignores it."""
 
     type_k: str = "f16"
     type_v: str = "f16"
@@ -70,6 +71,7 @@ class KvConfig:
     rollback: int | None = None
     type_swa: str | None = None
     select: Selection | None = None
+    clip: str | None = None
 
     @classmethod
     def preset(cls, name: str, **settings) -> KvConfig:
@@ -198,14 +200,17 @@ def kvq_params_applied(kv: KvConfig) -> Iterator[None]:
     """Hold ``kv``'s kivi settings in the C API while a context is created in this block."""
     with _context_lock:
         previous, previous_layers, previous_swa = native.kvq_params(), native.kvq_layer_types(), native.swa_types()
+        previous_clip = native.kvq_clip()
         try:
             native.set_kvq_params(kv.kvq_params())
             native.set_kvq_layer_types(kv.layers or "")
+            native.set_kvq_clip(kv.clip or "")
             native.set_swa_type_name(kv.type_swa)
             yield
         finally:
             native.set_kvq_params(previous)
             native.set_kvq_layer_types(previous_layers)
+            native.set_kvq_clip(previous_clip)
             native.set_swa_types(*previous_swa)
 
 

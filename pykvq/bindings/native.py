@@ -226,6 +226,29 @@ def set_kvq_layer_types(spec: str) -> None:
         raise ValueError(_str(lib.llama.llama_kvq_last_error()))
 
 
+def kvq_clip() -> str:
+    """The process-wide clip spec ("" when none: a model's kvq.kv_clip applies)."""
+    return _str(libs().llama.llama_kvq_get_clip())
+
+
+def set_kvq_clip(spec: str) -> None:
+    """Set the process-wide clip spec (SKVQ's per-layer clip ratios); ValueError naming the offending part when it
+    does not parse."""
+    lib = libs()
+    if not lib.llama.llama_kvq_set_clip(spec.encode()):
+        raise ValueError(_str(lib.llama.llama_kvq_last_error()))
+
+
+def resolve_clip(spec: str, n_layer: int) -> tuple[list[float], list[float]]:
+    """The K and V clip ratio of each layer under a clip spec; ValueError naming the offending part."""
+    lib = libs()
+    clip_k = lib.ffi.new("float[]", n_layer)
+    clip_v = lib.ffi.new("float[]", n_layer)
+    if not lib.llama.llama_kvq_resolve_clip(spec.encode(), n_layer, clip_k, clip_v):
+        raise ValueError(_str(lib.llama.llama_kvq_last_error()))
+    return list(clip_k), list(clip_v)
+
+
 def swa_types() -> tuple[int, int]:
     """The process-wide types of an iSWA model's sliding-window cache, as set_swa_types takes them back."""
     lib = libs()

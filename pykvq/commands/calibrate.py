@@ -1,5 +1,6 @@
-"""`pykvq calibrate`: choose the kivi sinks count, measure each layer's K and V sensitivity on a text, choose
-per-layer widths for a budget (pykvq.allocation), and write them into a copy of the model as kvq.* metadata."""
+"""`pykvq calibrate`: choose the kivi sinks count and SKVQ's clip ratios, measure each layer's K and V sensitivity on
+a text, choose per-layer widths for a budget (pykvq.allocation), and write them into a copy of the model as kvq.*
+metadata."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tqdm import tqdm
 from pykvq import gguf_metadata
 from pykvq.allocation import BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, format_allocation, refine
 from pykvq.api.llama import ContextConfig, KvConfig, Model
+from pykvq.bindings import native
 
 log = logging.getLogger("pykvq.calibrate")
 
@@ -26,6 +28,10 @@ REFERENCE = "kivi2"
 # attention sinks intact: the fewest whose KL divergence is within SINKS_TOLERANCE of the best count's
 SINK_CANDIDATES = (0, 1, 2, 4, 8)
 SINKS_TOLERANCE = 0.02
+# SKVQ's clipping: a ratio for K and one for V, each the mildest whose KL divergence is within CLIP_TOLERANCE of the
+# best ratio's, V's chosen first (K unclipped), then K's with V's in place
+CLIP_CANDIDATES = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+CLIP_TOLERANCE = 0.01
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class Probe:
     window: int
     sinks: int
     threads: int
+    clip: str = "none"      # SKVQ's clip ratios while measuring, the --kv-clip form
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -72,15 +79,21 @@ class Calibrator:
         with self.model.context(config) as ctx:
             return log_softmax(ctx.eval(self.tokens, all_logits=True))
 
-    def kld(self, layers: str, sinks: int | None = None) -> float:
-        """KL divergence against f16 KV of a per-layer mix, with the probe's sinks or `sinks`."""
+    def kld(self, layers: str, sinks: int | None = None, clip: str | None = None) -> float:
+        """KL divergence against f16 KV of a per-layer mix, with the probe's sinks and clip ratios or those given."""
         kv = KvConfig(REFERENCE, REFERENCE, self.probe.window, self.probe.sinks if sinks is None else sinks,
-                      layers=layers)
+                      layers=layers, clip=self.probe.clip if clip is None else clip)
         return mean_kld(self.reference, self._log_probs(kv))
 
     def sinks_klds(self, candidates: tuple[int, ...]) -> dict[int, float]:
         """KL divergence of kivi2 everywhere with each sinks count."""
         return {n: self.kld("none", n) for n in tqdm(candidates, unit="count", desc="sinks")}
+
+    def clip_klds(self, part: str, fixed: dict[str, float], candidates: tuple[float, ...]) -> dict[float, float]:
+        """KL divergence of kivi2 everywhere with ``part`` (k or v) clipped by each ratio, and the ``fixed`` ratios
+        of other parts."""
+        return {r: self.kld("none", clip=clip_spec({**fixed, part: r}))
+                for r in tqdm(candidates, unit="ratio", desc=f"clip {part.upper()}")}
 
     def sensitivities(self) -> list[Sensitivity]:
         n_layer = self.model.n_layer
@@ -96,6 +109,24 @@ class Calibrator:
                         progress.update()
                     out.append(Sensitivity(part, layer, cost))
         return out
+
+
+def clip_spec(ratios: dict[str, float]) -> str:
+    """The --kv-clip form of one ratio per part (k, v) for every layer; "none" when nothing clips."""
+    return ";".join(f"{part}:*={ratio:g}" for part, ratio in sorted(ratios.items()) if ratio != 1.0) or "none"
+
+
+def choose_clip(klds: dict[float, float]) -> float:
+    """The mildest ratio whose KL divergence is within CLIP_TOLERANCE of the best."""
+    best = min(klds.values())
+    return max(r for r, kld in klds.items() if kld <= best * (1 + CLIP_TOLERANCE))
+
+
+def calibrated_clip(calibrator: Calibrator) -> str:
+    """V's ratio with K unclipped, then K's with V's in place (the two interact: SKVQ clips both)."""
+    v = choose_clip(calibrator.clip_klds("v", {}, CLIP_CANDIDATES))
+    k = choose_clip(calibrator.clip_klds("k", {"v": v}, CLIP_CANDIDATES))
+    return clip_spec({"k": k, "v": v})
 
 
 def choose_sinks(klds: dict[int, float]) -> int:
@@ -122,6 +153,8 @@ def metadata(allocation: Allocation, budget: float, sensitivities: list[Sensitiv
         "kvq.calibration.sinks": probe.sinks,
         gguf_metadata.KEY_SINKS: probe.sinks,
     }
+    if probe.clip != "none":
+        record[gguf_metadata.KEY_CLIP] = probe.clip
     for part in PARTS:
         for name in PROBED:
             record[f"kvq.calibration.kld_{part}_{name}"] = [s.cost[name] for s in sensitivities if s.part == part]
@@ -138,8 +171,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--refine {args.refine}: the number of mixes to measure is 0 or more")
     if args.kv_budget < min(BITS.values()):
         raise ValueError(f"--kv-budget {args.kv_budget:g} is below what any mix reaches (1 bit: kivi1 everywhere)")
-    probe = Probe(args.ctx_size, args.kv_window, 0 if args.kv_sinks == "auto" else args.kv_sinks, args.threads)
+    clip = "none" if args.kv_clip == "auto" else args.kv_clip
+    probe = Probe(args.ctx_size, args.kv_window, 0 if args.kv_sinks == "auto" else args.kv_sinks, args.threads, clip)
     with Model(args.model) as model:
+        if clip != "none":
+            native.resolve_clip(clip, model.n_layer)    # refused before any measurement, naming the part
         tokens = model.tokenize(args.file.read_text(encoding="utf-8", errors="replace"))[:probe.n_tokens]
         if len(tokens) < probe.n_tokens:
             raise ValueError(f"the calibration text has {len(tokens)} tokens; -c asks for {probe.n_tokens}")
@@ -149,6 +185,11 @@ def run(args: argparse.Namespace) -> int:
             probe = calibrator.probe = replace(probe, sinks=choose_sinks(klds))
             print("kivi2 everywhere, KL divergence against f16 KV by sinks: "
                   + ", ".join(f"{n}: {kld:.4f}" for n, kld in klds.items()) + f" -> {probe.sinks} sinks")
+        if args.kv_clip == "auto":
+            unclipped = calibrator.kld("none")
+            probe = calibrator.probe = replace(probe, clip=calibrated_clip(calibrator))
+            print(f"kivi2 everywhere, KL divergence against f16 KV: {unclipped:.4f} unclipped, "
+                  f"{calibrator.kld('none'):.4f} with --kv-clip '{probe.clip}'")
         sensitivities = calibrator.sensitivities()
         additive = allocate(sensitivities, model.n_layer, args.kv_budget)
         result = refined(calibrator, additive, sensitivities, args.kv_budget, args.refine)
@@ -176,9 +217,10 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "calibrate", help="choose per-layer K/V widths for a bit budget and write them into a copy of the model",
         description="Chooses the kivi sinks count (the fewest within 2% of the best KL divergence against f16 "
-                    "KV), measures how much each layer's K and V at 4 and at 1 bits, kivi2 elsewhere, changes the "
-                    "output's KL divergence, picks the widths with the least total for the budget and writes them "
-                    "as kvq.kv_layers and kvq.sinks into a copy of the model, which run then uses.")
+                    "KV) and SKVQ's clip ratios for K and V, measures how much each layer's K and V at 4 and at 1 "
+                    "bits, kivi2 elsewhere, changes the output's KL divergence, picks the widths with the least "
+                    "total for the budget and writes them as kvq.kv_layers, kvq.kv_clip and kvq.sinks into a copy "
+                    "of the model, which run then uses.")
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
     p.add_argument("-f", "--file", type=Path, required=True, help="calibration text")
     p.add_argument("-o", "--output", type=Path, required=True, help="the GGUF copy to write")
@@ -190,6 +232,11 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                    help="kivi sinks: a count, or auto to choose it on the text among "
                         f"{', '.join(map(str, SINK_CANDIDATES))} (default %(default)s); written as the model's "
                         "kvq.sinks")
+    p.add_argument("--kv-clip", default="auto", metavar="auto|none|SPEC",
+                   help="SKVQ's clipping: auto chooses one ratio for K and one for V among "
+                        f"{', '.join(map(str, CLIP_CANDIDATES))} on the text (the mildest within 1%% of the best KL "
+                        "divergence), or give a --kv-clip spec or none (default %(default)s); written as the model's "
+                        "kvq.kv_clip and used while measuring")
     p.add_argument("--refine", type=int, default=24,
                    help="mixes measured as a whole after the additive choice, each one step from the best so far; "
                         "0 keeps the additive choice (default %(default)s)")

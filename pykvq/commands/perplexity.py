@@ -35,6 +35,7 @@ class Settings:
     window: int
     n_sink: int
     type_swa: str | None = None
+    clip: str = "none"      # SKVQ's per-layer clip ratios of every kivi run (the --kv-clip form)
 
 
 @dataclass
@@ -64,7 +65,7 @@ def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
             "-ctk", spec.name, "-ctv", spec.name]
     if spec.is_kivi:
         args += ["--kv-window", str(settings.window), "--kv-sinks", str(settings.n_sink),
-                 "--kv-rotate", "on" if spec.rotate else "off"]
+                 "--kv-rotate", "on" if spec.rotate else "off", "--kv-clip", settings.clip]
     if settings.type_swa is not None:
         args += ["--kv-type-swa", settings.type_swa]
     # "none": the runs compare the named types, whatever per-layer types the model's metadata suggests
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{what} file not found: {f}")
     # the model's kvq.* metadata: its window and sinks are the defaults, its per-layer types one more run
     overrides = ((gguf_metadata.KEY_LAYERS, args.kv_layers or None), (gguf_metadata.KEY_WINDOW, args.kv_window),
-                 (gguf_metadata.KEY_SINKS, args.kv_sinks))
+                 (gguf_metadata.KEY_SINKS, args.kv_sinks), (gguf_metadata.KEY_CLIP, args.kv_clip))
     given = [key for key, value in overrides if value is not None]
     kvq = model_info.checked_kvq(args.model, ignored=given)
     model_layers_spec = kvq.get(gguf_metadata.KEY_LAYERS)
@@ -222,8 +223,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("need -c >= 64, --chunks >= 1, -t >= 1, --kv-window >= 0 and --kv-sinks >= 0")
     if args.kv_type_swa is not None:
         kv_types.type_id(args.kv_type_swa)  # an unknown name is refused before any run, with the valid ones
+    clip = str(kvq.get(gguf_metadata.KEY_CLIP, "none") if args.kv_clip is None else args.kv_clip)
+    if clip != "none":
+        # refused before any run, naming the part
+        native.resolve_clip(clip, model_info.read_shape(gguf_metadata.read_fields(args.model)).n_layer)
+        log.info("kivi runs clip with %s", clip)
     settings = Settings(args.model, args.file, args.ctx_size, args.chunks, args.threads, window, n_sink,
-                        args.kv_type_swa)
+                        args.kv_type_swa, clip)
     runs = compare(settings, specs)
     print(format_table(runs))
     out = Path(args.output)
@@ -253,6 +259,9 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
                    help="kivi: recent tokens kept in fp16 (default: the model's kvq.window, else 128)")
     p.add_argument("--kv-sinks", type=int,
                    help="kivi: first tokens kept in fp16 for good (default: the model's kvq.sinks, else 0)")
+    p.add_argument("--kv-clip", metavar="SPEC",
+                   help="kivi runs: SKVQ's per-layer clip ratios, e.g. 'k:*=0.9;v:*=0.85'; 'none' ignores a model's "
+                        "kvq.kv_clip (default: the model's kvq.kv_clip, else none)")
     p.add_argument("--kv-type-swa", metavar="TYPE",
                    help="every run: K and V type of the sliding-window cache of a model with sliding-window layers "
                         "(Gemma 2/3, gpt-oss), e.g. f16 (default: each run's type)")

@@ -67,6 +67,10 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-layers", metavar="SPEC",
                    help="per-layer K and V types, e.g. 'k:0-15=kivi2,16-=kivi1;v:*=kivi1'; 'none' ignores a model's "
                         "kvq.kv_layers")
+    p.add_argument("--kv-clip", metavar="SPEC",
+                   help="kivi: SKVQ's clipping, per-layer ratios in (0, 1] that narrow each quantization group's "
+                        "range, e.g. 'k:*=0.9;v:*=0.85'; 'none' ignores a model's kvq.kv_clip (default: the model's "
+                        "kvq.kv_clip, else none)")
     p.add_argument("--kv-type-swa", metavar="TYPE",
                    help="K and V type of the sliding-window cache of a model with sliding-window layers (Gemma 2/3, "
                         "gpt-oss), e.g. f16 beside a kivi2 global cache (default: as the global layers)")
@@ -106,7 +110,7 @@ def kv_config(args: argparse.Namespace) -> KvConfig:
     if args.kv_type_swa is not None:
         kv_types.type_id(args.kv_type_swa)  # an unknown name is refused here, with the valid ones
     return KvConfig(type_k, type_v, args.kv_window, args.kv_sinks, rotate, layers, args.kv_rollback,
-                    args.kv_type_swa, args.kv_select)
+                    args.kv_type_swa, args.kv_select, args.kv_clip)
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -183,12 +187,12 @@ def _batch_sizes(args: argparse.Namespace, model: Model, kv: KvConfig) -> tuple[
 
 
 _METADATA_FIELDS = (("layers", gguf_metadata.KEY_LAYERS), ("window", gguf_metadata.KEY_WINDOW),
-                    ("sinks", gguf_metadata.KEY_SINKS))
+                    ("sinks", gguf_metadata.KEY_SINKS), ("clip", gguf_metadata.KEY_CLIP))
 
 
 def with_model_metadata(kv: KvConfig, model_path: Path) -> KvConfig:
-    """The model's kvq.* defaults (per-layer types, window, sinks) where the command line gives none: it wins.
-    The rest of its kvq.* metadata is checked as `pykvq inspect` checks it."""
+    """The model's kvq.* defaults (per-layer types, window, sinks, clip ratios) where the command line gives none:
+    it wins. The rest of its kvq.* metadata is checked as `pykvq inspect` checks it."""
     given = [key for field, key in _METADATA_FIELDS if getattr(kv, field) is not None]
     kvq = model_info.checked_kvq(model_path, ignored=given)
     from_model = {field: kvq[key] for field, key in _METADATA_FIELDS if key in kvq}
@@ -198,10 +202,12 @@ def with_model_metadata(kv: KvConfig, model_path: Path) -> KvConfig:
 
 
 def check_layers(kv: KvConfig, model: Model) -> None:
-    """Per-layer types checked against the model's layers before the context: the message names the part."""
-    if kv.layers in (None, "none"):
-        return
-    kv_types.layer_types(kv.layers, model.n_layer, kv.type_k, kv.type_v)
+    """Per-layer types and clip ratios checked against the model's layers before the context: the message names
+    the part."""
+    if kv.layers not in (None, "none"):
+        kv_types.layer_types(kv.layers, model.n_layer, kv.type_k, kv.type_v)
+    if kv.clip not in (None, "none"):
+        native.resolve_clip(kv.clip, model.n_layer)
 
 
 def _generate(model: Model, ctx: Context, args: argparse.Namespace, kv: KvConfig) -> None:
@@ -283,7 +289,8 @@ def _report(timings: Timings, memory: KvMemory, kv: KvConfig) -> None:
         window = defaults.window if kv.window is None else kv.window
         sinks = defaults.n_sink if kv.sinks is None else kv.sinks
         rollback = f", rollback {params.n_rollback}" if params.n_rollback else ""
-        settings = f" (window {window}, sinks {sinks}{rollback}{', rotated' if params.rotate else ''})"
+        clip = f", clip {kv.clip}" if kv.clip not in (None, "none") else ""
+        settings = f" (window {window}, sinks {sinks}{rollback}{clip}{', rotated' if params.rotate else ''})"
     types = f"layers {kv.layers}" if kv.layers not in (None, "none") else f"K {kv.type_k}, V {kv.type_v}"
     print(f"pykvq: KV cache {types}{settings}: {memory.bytes / MIB:.2f} MiB for "
           f"{memory.n_cells} cells, {memory.bits_per_element:.2f} bits per element; f16 KV would use "

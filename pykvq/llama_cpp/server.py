@@ -4,8 +4,8 @@
 
 takes every option of ``python -m llama_cpp.server`` plus pykvq's: ``--kv-type`` (any form `pykvq run` takes:
 kivi2, kivi2+rot, asymkv:16/0) sets --type_k, --type_v and --flash_attn true; ``--kv-window``, ``--kv-sinks``,
-``--kv-rollback``, ``--kv-rotate``, ``--kv-layers`` and ``--kv-type-swa`` set the kivi layers of every model the server
-loads.
+``--kv-rollback``, ``--kv-rotate``, ``--kv-layers``, ``--kv-clip`` and ``--kv-type-swa`` set the kivi layers of every
+model the server loads.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--kv-rollback", type=int, help="kivi: last tokens removable exactly (default 0)")
     parser.add_argument("--kv-rotate", choices=["on", "off"], help="kivi: Hadamard rotation (default off)")
     parser.add_argument("--kv-layers", help="per-layer K/V types, e.g. asymkv:16/0 or k:0-15=kivi2,16-=kivi1;v:*=kivi1")
+    parser.add_argument("--kv-clip", help="kivi: SKVQ's per-layer clip ratios, e.g. k:*=0.9;v:*=0.85")
     parser.add_argument("--kv-type-swa", help="K and V type of a Gemma-2/3 or gpt-oss model's sliding-window cache")
     return parser.parse_known_args(argv)
 
@@ -65,6 +66,8 @@ def server_argv(argv: list[str]) -> list[str]:
                                    rollback=ours.kv_rollback).kvq_params())
     if layers is not None:
         native.set_kvq_layer_types(layers)
+    if ours.kv_clip is not None:
+        native.set_kvq_clip(ours.kv_clip)
     native.set_swa_type_name(ours.kv_type_swa)
     if (spec is not None and spec.is_kivi) or layers is not None or ours.kv_type_swa in kv_types.KIVI_BITS:
         rest += ["--flash_attn", "true"]

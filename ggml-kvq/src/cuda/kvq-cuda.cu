@@ -42,9 +42,9 @@ static __device__ __forceinline__ float kvq_saturate(float x) {
 }
 
 // One block of 32 values into a 4-byte aligned block: fp16 d and m, then the codes (byte i % nbytes,
-// bit (i / nbytes)*bits), assembled as 32-bit words.
+// bit (i / nbytes)*bits), assembled as 32-bit words; the range clipped by `clip` (ggml_kvq_quantize_block).
 template <int bits>
-static __device__ void kvq_quantize_block(const float * x, uint32_t * block) {
+static __device__ void kvq_quantize_block(const float * x, uint32_t * block, const float clip) {
     constexpr int nbytes = QK_KIVI*bits/8;
     constexpr int qmax   = (1 << bits) - 1;
 
@@ -76,8 +76,8 @@ static __device__ void kvq_quantize_block(const float * x, uint32_t * block) {
         }
         return;
     }
-    lo = kvq_saturate(lo);
-    hi = kvq_saturate(hi);
+    lo = __fmul_rn(kvq_saturate(lo), clip);
+    hi = __fmul_rn(kvq_saturate(hi), clip);
     const float d_wanted = __fdiv_rn(__fsub_rn(hi, lo), (float) qmax);
     const half  dh = __float2half_rn(d_wanted > KVQ_FP16_MAX ? KVQ_FP16_MAX : d_wanted);
     const half  mh = __float2half_rn(lo);
@@ -111,7 +111,7 @@ static __device__ void kvq_quantize_block(const float * x, uint32_t * block) {
 
 template <int bits>
 static __global__ void kvq_seal_k_kernel(char * k_tiles, const size_t k_tiles_nb1, kvq_source src,
-                                         const int64_t * cells, const int n_embd) {
+                                         const int64_t * cells, const int n_embd, const float clip) {
     const int c = blockIdx.x*blockDim.x + threadIdx.x;
     if (c >= n_embd) {
         return;
@@ -136,7 +136,7 @@ static __global__ void kvq_seal_k_kernel(char * k_tiles, const size_t k_tiles_nb
         x[u] = cell >= first ? kvq_round_fp16(kvq_cur_row(src, cell - first, head)[hc])
                              : __half2float(((const half *) (src.fp16 + (src.n_sink + cell % src.n_ring)*src.fp16_nb1))[c]);
     }
-    kvq_quantize_block<bits>(x, (uint32_t *) (k_tiles + tile*k_tiles_nb1 + (size_t) c*kvq_block_bytes(bits)));
+    kvq_quantize_block<bits>(x, (uint32_t *) (k_tiles + tile*k_tiles_nb1 + (size_t) c*kvq_block_bytes(bits)), clip);
 }
 
 //
@@ -165,7 +165,7 @@ static __global__ void kvq_ring_put_kernel(kvq_source src, const int64_t * cells
 
 //
 // set_rows into a kivi tensor: upstream's ggml_set_rows (rows broadcast over dims 2 and 3, like
-// set-rows.cu), one thread per 32-value block
+// set-rows.cu), and STORE_V (the same with a clip ratio), one thread per 32-value block
 //
 
 template <typename idx_t, int bits>
@@ -174,7 +174,8 @@ static __global__ void kvq_set_rows_kernel(
         const size_t nb01, const size_t nb02, const size_t nb03,
         const size_t nb10, const size_t nb11, const size_t nb12,
         const size_t nb1, const size_t nb2, const size_t nb3,
-        const uint3 blocks_per_row, const uint3 ne01, const uint3 ne02, const uint3 ne11, const uint3 ne12) {
+        const uint3 blocks_per_row, const uint3 ne01, const uint3 ne02, const uint3 ne11, const uint3 ne12,
+        const float clip) {
     const int64_t i = (int64_t) blockDim.x*blockIdx.x + threadIdx.x;
     if (i >= n_blocks) {
         return;
@@ -197,7 +198,7 @@ static __global__ void kvq_set_rows_kernel(
     for (int u = 0; u < QK_KIVI; ++u) {
         xs[u] = x[u];
     }
-    kvq_quantize_block<bits>(xs, (uint32_t *) (dst + row*nb1 + i02*nb2 + i03*nb3 + (size_t) ib*kvq_block_bytes(bits)));
+    kvq_quantize_block<bits>(xs, (uint32_t *) (dst + row*nb1 + i02*nb2 + i03*nb3 + (size_t) ib*kvq_block_bytes(bits)), clip);
 }
 
 //
@@ -644,11 +645,12 @@ static void kvq_seal_k(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     // the tiles ending inside a segment are among the first ceil(n_tps/32) from its first/32 on
     const dim3 grid((n_embd + KVQ_BLOCK_SIZE - 1)/KVQ_BLOCK_SIZE, (src.n_tps + QK_KIVI - 1)/QK_KIVI, src.n_tokens/src.n_tps);
     char * data = (char *) k_tiles->data;
+    const float clip = ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM);
     cudaStream_t stream = ctx.stream();
     switch (ggml_kvq_bits(k_tiles->type)) {
-        case 1:  kvq_seal_k_kernel<1><<<grid, KVQ_BLOCK_SIZE, 0, stream>>>(data, k_tiles->nb[1], src, cells, n_embd); break;
-        case 2:  kvq_seal_k_kernel<2><<<grid, KVQ_BLOCK_SIZE, 0, stream>>>(data, k_tiles->nb[1], src, cells, n_embd); break;
-        default: kvq_seal_k_kernel<4><<<grid, KVQ_BLOCK_SIZE, 0, stream>>>(data, k_tiles->nb[1], src, cells, n_embd); break;
+        case 1:  kvq_seal_k_kernel<1><<<grid, KVQ_BLOCK_SIZE, 0, stream>>>(data, k_tiles->nb[1], src, cells, n_embd, clip); break;
+        case 2:  kvq_seal_k_kernel<2><<<grid, KVQ_BLOCK_SIZE, 0, stream>>>(data, k_tiles->nb[1], src, cells, n_embd, clip); break;
+        default: kvq_seal_k_kernel<4><<<grid, KVQ_BLOCK_SIZE, 0, stream>>>(data, k_tiles->nb[1], src, cells, n_embd, clip); break;
     }
     CUDA_CHECK(cudaGetLastError());
 }
@@ -801,12 +803,14 @@ void ggml_cuda_op_kvq(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         case GGML_KVQ_OP_WIDE_MASK: kvq_cuda_wide_mask(ctx, dst); break;
         case GGML_KVQ_OP_SCORE_LSE: kvq_cuda_score_lse(ctx, dst); break;
         case GGML_KVQ_OP_SCORE_ADD: kvq_cuda_score_add(ctx, dst); break;
+        case GGML_KVQ_OP_STORE_V:   kvq_store_v(ctx, dst);        break;
         default:                    GGML_ABORT("unknown kvq op");
     }
 }
 
 template <typename idx_t, int bits>
-static void kvq_set_rows_launch(const ggml_tensor * src0, const ggml_tensor * src1, ggml_tensor * dst, cudaStream_t stream) {
+static void kvq_set_rows_launch(const ggml_tensor * src0, const ggml_tensor * src1, ggml_tensor * dst, float clip,
+                                cudaStream_t stream) {
     GGML_TENSOR_BINARY_OP_LOCALS
 
     const int64_t n_blocks = ne00/QK_KIVI*ne01*ne02*ne03;
@@ -819,22 +823,23 @@ static void kvq_set_rows_launch(const ggml_tensor * src0, const ggml_tensor * sr
         (const char *) src0->data, (const char *) src1->data, (char *) dst->data, n_blocks,
         nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3,
         init_fastdiv_values(ne00/QK_KIVI), init_fastdiv_values(ne01), init_fastdiv_values(ne02),
-        init_fastdiv_values(ne11), init_fastdiv_values(ne12));
+        init_fastdiv_values(ne11), init_fastdiv_values(ne12), clip);
     CUDA_CHECK(cudaGetLastError());
 }
 
 template <int bits>
-static void kvq_set_rows_bits(const ggml_tensor * src0, const ggml_tensor * src1, ggml_tensor * dst, cudaStream_t stream) {
+static void kvq_set_rows_bits(const ggml_tensor * src0, const ggml_tensor * src1, ggml_tensor * dst, float clip,
+                              cudaStream_t stream) {
     if (src1->type == GGML_TYPE_I64) {
-        kvq_set_rows_launch<int64_t, bits>(src0, src1, dst, stream);
+        kvq_set_rows_launch<int64_t, bits>(src0, src1, dst, clip, stream);
     } else {
-        kvq_set_rows_launch<int32_t, bits>(src0, src1, dst, stream);
+        kvq_set_rows_launch<int32_t, bits>(src0, src1, dst, clip, stream);
     }
 }
 
-void ggml_cuda_kvq_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    const ggml_tensor * src0 = dst->src[0];
-    const ggml_tensor * src1 = dst->src[1];
+// rows src0 F32 into the rows src1 (I64 or I32) of the kivi tensor dst, ranges clipped by `clip`
+static void kvq_set_rows(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
+                         ggml_tensor * dst, float clip) {
     GGML_ASSERT(src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float));
     GGML_ASSERT(src1->type == GGML_TYPE_I64 || src1->type == GGML_TYPE_I32);
     GGML_ASSERT(ggml_kvq_is_kivi(dst->type) && src0->ne[0] % QK_KIVI == 0 && src0->ne[0] == dst->ne[0]);
@@ -842,10 +847,19 @@ void ggml_cuda_kvq_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) 
 
     cudaStream_t stream = ctx.stream();
     switch (ggml_kvq_bits(dst->type)) {
-        case 1:  kvq_set_rows_bits<1>(src0, src1, dst, stream); break;
-        case 2:  kvq_set_rows_bits<2>(src0, src1, dst, stream); break;
-        default: kvq_set_rows_bits<4>(src0, src1, dst, stream); break;
+        case 1:  kvq_set_rows_bits<1>(src0, src1, dst, clip, stream); break;
+        case 2:  kvq_set_rows_bits<2>(src0, src1, dst, clip, stream); break;
+        default: kvq_set_rows_bits<4>(src0, src1, dst, clip, stream); break;
     }
+}
+
+void ggml_cuda_kvq_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    kvq_set_rows(ctx, dst->src[0], dst->src[1], dst, 1.0f);
+}
+
+// STORE_V: upstream's set_rows with a clip ratio; dst is a view of the V rows (src[0])
+static void kvq_store_v(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    kvq_set_rows(ctx, dst->src[1], dst->src[2], dst, ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM));
 }
 
 static bool kvq_attn_supported(const ggml_tensor * op) {
@@ -859,12 +873,16 @@ static bool kvq_attn_supported(const ggml_tensor * op) {
            q->ne[1] % k_cur->ne[1] == 0 && q->ne[2] <= KVQ_MAX_GRID_YZ;
 }
 
+static bool kvq_set_rows_supported(const ggml_tensor * dst, const ggml_tensor * src0, const ggml_tensor * src1) {
+    return ggml_kvq_is_kivi(dst->type) && src0->type == GGML_TYPE_F32 &&
+           (src1->type == GGML_TYPE_I64 || src1->type == GGML_TYPE_I32) &&
+           src0->ne[0] % QK_KIVI == 0 && ggml_nelements(src0)/QK_KIVI <= INT32_MAX;
+}
+
 bool ggml_cuda_kvq_supports_op(const ggml_tensor * op) {
     switch (op->op) {
         case GGML_OP_SET_ROWS:
-            return ggml_kvq_is_kivi(op->type) && op->src[0]->type == GGML_TYPE_F32 &&
-                   (op->src[1]->type == GGML_TYPE_I64 || op->src[1]->type == GGML_TYPE_I32) &&
-                   op->src[0]->ne[0] % QK_KIVI == 0 && ggml_nelements(op->src[0])/QK_KIVI <= INT32_MAX;
+            return kvq_set_rows_supported(op, op->src[0], op->src[1]);
         case GGML_OP_KVQ:
             switch ((ggml_kvq_op) ggml_get_op_params_i32(op, 0)) {
                 case GGML_KVQ_OP_SEAL_K:   return ggml_kvq_is_kivi(op->src[0]->type) && op->src[2]->ne[2] <= KVQ_MAX_GRID_YZ;
@@ -881,6 +899,7 @@ bool ggml_cuda_kvq_supports_op(const ggml_tensor * op) {
                 case GGML_KVQ_OP_SCORE_ADD:
                     return op->src[1]->ne[0] <= KVQ_MAX_HEAD && op->ne[1] <= KVQ_MAX_GRID_YZ &&
                            ggml_get_op_params_i32(op, 4) <= KVQ_MAX_GRID_YZ;
+                case GGML_KVQ_OP_STORE_V:  return kvq_set_rows_supported(op, op->src[1], op->src[2]);
                 default:                   return false;
             }
         default:
