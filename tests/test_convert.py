@@ -87,7 +87,7 @@ def test_logits_match_transformers(tiny_hf: Path, tmp_path: Path, outtype: str, 
 
 def test_converted_model_has_default_kv_metadata(tiny_gguf: Path) -> None:
     meta = gguf_metadata.read_kvq(tiny_gguf)
-    assert meta[gguf_metadata.KEY_VERSION] == 1
+    assert meta[gguf_metadata.KEY_VERSION] == gguf_metadata.KVQ_VERSION
     assert meta[gguf_metadata.KEY_WINDOW] == 48 and meta[gguf_metadata.KEY_SINKS] == 2
     assert gguf_metadata.KEY_LAYERS not in meta
 

@@ -24,7 +24,8 @@ def tokens(model: Model, hamlet: Path) -> list[int]:
 
 
 def logits(model: Model, tokens: list[int], **kv: object) -> np.ndarray:
-    config = device.context_config(n_ctx=256, n_batch=256, n_threads=2, kv=KvConfig("kivi2", "kivi2", 16, 0, **kv))
+    kv = {"window": 16, "sinks": 0, **kv}
+    config = device.context_config(n_ctx=256, n_batch=256, n_threads=2, kv=KvConfig("kivi2", "kivi2", **kv))
     with model.context(config) as ctx:
         return ctx.eval(tokens, all_logits=True)
 
@@ -90,7 +91,7 @@ def test_a_bad_spec_is_refused_naming_its_part(spec: str, needle: str) -> None:
 def test_ratios_for_layers_the_model_lacks_are_refused_at_context_creation(model: Model, tokens: list[int]) -> None:
     with pytest.raises(LlamaError, match="--kv-clip: clip ratios 'k:0-40=0.9' .* the model has 30 layers"):
         logits(model, tokens, clip="k:0-40=0.9")
-    with pytest.raises(LlamaError, match="layers 10-29 have no value"):
+    with pytest.raises(LlamaError, match="layers 10-29 have no ratio"):
         logits(model, tokens, clip="k:0-9=0.9")
 
 
@@ -108,3 +109,14 @@ def test_llama_perplexity_takes_the_flag_and_the_model_s_ratios(smollm2: Path, h
     assert flagged != ppl(smollm2)
     assert ppl(tagged) == flagged
     assert ppl(tagged, "--kv-clip", "none") == ppl(smollm2)
+
+
+def test_a_version_1_file_is_still_read(smollm2: Path, tmp_path: Path, model: Model, tokens: list[int]) -> None:
+    """Version 2 added kvq.kv_clip; a file written before it keeps its meaning, for pykvq and for llama.cpp."""
+    old = tmp_path / "v1.gguf"
+    gguf_metadata.write_copy(smollm2, old, {gguf_metadata.KEY_VERSION: 1, gguf_metadata.KEY_LAYERS: "asymkv:30/20",
+                                            gguf_metadata.KEY_SINKS: 2})
+    assert gguf_metadata.read_kvq(old)[gguf_metadata.KEY_VERSION] == 1
+    with device.load_model(old) as m:
+        from_model = logits(m, tokens, sinks=None)
+    np.testing.assert_array_equal(from_model, logits(model, tokens, sinks=2, layers="asymkv:30/20"))

@@ -49,6 +49,7 @@ struct kvq_rule {
 template <typename T>
 struct kvq_values {
     const char * what;       // "TYPE", "RATIO"
+    const char * noun;       // "type", "ratio"
     const char * example;    // a rule
     bool         asymkv;     // whether AsymKV's asymkv:L_K/L_V names them
     T (*parse)(const std::string & value, const std::string & where);
@@ -113,8 +114,8 @@ float kvq_parse_clip(const std::string & value, const std::string & where) {
     return v;
 }
 
-const kvq_values<ggml_type> kvq_types = { "TYPE",  "0-15=kivi2", true,  kvq_parse_type };
-const kvq_values<float>     kvq_clips = { "RATIO", "0-15=0.9",   false, kvq_parse_clip };
+const kvq_values<ggml_type> kvq_types = { "TYPE",  "type",  "0-15=kivi2", true,  kvq_parse_type };
+const kvq_values<float>     kvq_clips = { "RATIO", "ratio", "0-15=0.9",   false, kvq_parse_clip };
 
 template <typename T>
 kvq_rule kvq_parse_rule(const std::string & text, const kvq_values<T> & values) {
@@ -215,7 +216,7 @@ std::vector<T> kvq_resolve_part(const kvq_part & part, const char * name, int32_
         }
         for (int32_t il = rule.first; il <= last; ++il) {
             if (owner[il] != nullptr) {
-                kvq_fail(rule.text, std::string(name) + ": layer " + std::to_string(il) + " already has a value from '" +
+                kvq_fail(rule.text, std::string(name) + ": layer " + std::to_string(il) + " already has a " + values.noun + " from '" +
                          owner[il]->text + "'");
             }
             owner[il] = &rule;
@@ -228,7 +229,7 @@ std::vector<T> kvq_resolve_part(const kvq_part & part, const char * name, int32_
             while (last + 1 < n_layer && owner[last + 1] == nullptr) {
                 ++last;
             }
-            kvq_fail(std::string(name) + ":", kvq_layers_text(il, last) + (il == last ? " has" : " have") + " no value");
+            kvq_fail(std::string(name) + ":", kvq_layers_text(il, last) + (il == last ? " has no " : " have no ") + values.noun);
         }
     }
     return out;

@@ -794,20 +794,6 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     }
 }
 
-void ggml_cuda_op_kvq(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    switch ((ggml_kvq_op) ggml_get_op_params_i32(dst, 0)) {
-        case GGML_KVQ_OP_SEAL_K:    kvq_seal_k(ctx, dst);         break;
-        case GGML_KVQ_OP_ATTN:      kvq_attn(ctx, dst);           break;
-        case GGML_KVQ_OP_RING_PUT:  kvq_ring_put(ctx, dst);       break;
-        case GGML_KVQ_OP_WIDE:      kvq_cuda_wide(ctx, dst);      break;
-        case GGML_KVQ_OP_WIDE_MASK: kvq_cuda_wide_mask(ctx, dst); break;
-        case GGML_KVQ_OP_SCORE_LSE: kvq_cuda_score_lse(ctx, dst); break;
-        case GGML_KVQ_OP_SCORE_ADD: kvq_cuda_score_add(ctx, dst); break;
-        case GGML_KVQ_OP_STORE_V:   kvq_store_v(ctx, dst);        break;
-        default:                    GGML_ABORT("unknown kvq op");
-    }
-}
-
 template <typename idx_t, int bits>
 static void kvq_set_rows_launch(const ggml_tensor * src0, const ggml_tensor * src1, ggml_tensor * dst, float clip,
                                 cudaStream_t stream) {
@@ -860,6 +846,20 @@ void ggml_cuda_kvq_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) 
 // STORE_V: upstream's set_rows with a clip ratio; dst is a view of the V rows (src[0])
 static void kvq_store_v(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     kvq_set_rows(ctx, dst->src[1], dst->src[2], dst, ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM));
+}
+
+void ggml_cuda_op_kvq(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    switch ((ggml_kvq_op) ggml_get_op_params_i32(dst, 0)) {
+        case GGML_KVQ_OP_SEAL_K:    kvq_seal_k(ctx, dst);         break;
+        case GGML_KVQ_OP_ATTN:      kvq_attn(ctx, dst);           break;
+        case GGML_KVQ_OP_RING_PUT:  kvq_ring_put(ctx, dst);       break;
+        case GGML_KVQ_OP_WIDE:      kvq_cuda_wide(ctx, dst);      break;
+        case GGML_KVQ_OP_WIDE_MASK: kvq_cuda_wide_mask(ctx, dst); break;
+        case GGML_KVQ_OP_SCORE_LSE: kvq_cuda_score_lse(ctx, dst); break;
+        case GGML_KVQ_OP_SCORE_ADD: kvq_cuda_score_add(ctx, dst); break;
+        case GGML_KVQ_OP_STORE_V:   kvq_store_v(ctx, dst);        break;
+        default:                    GGML_ABORT("unknown kvq op");
+    }
 }
 
 static bool kvq_attn_supported(const ggml_tensor * op) {
