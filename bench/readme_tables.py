@@ -155,6 +155,22 @@ def skvq_clip_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def kv_clip_table(path: Path) -> str:
+    record = json.loads(path.read_text())
+    c = record["calibration"]
+    lines = [f"SKVQ's clipping in the kernels ({record['model']}, {record['text']}, n_ctx {record['n_ctx']}, "
+             f"{record['chunks']} chunks, window {record['window']}; ratios and sinks chosen by pykvq calibrate on "
+             f"{c['n_tokens']} tokens of Macbeth: --kv-clip '{c['clip']}', {c['sinks']} sinks; bench/kv_clip.py):",
+             "", "| KV cache | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: |"]
+    for r in record["rows"]:
+        if r.get("failure"):
+            lines.append(f"| {r['label']} | failed: {r['failure'].splitlines()[0]} | | |")
+            continue
+        delta = "" if r["delta_pct"] is None or r["kv_type"] == "f16" else f"{r['delta_pct']:+.2f}"
+        lines.append(f"| {r['label']} | {r['ppl']:.4f} | {r['error']:.4f} | {delta} |")
+    return "\n".join(lines)
+
+
 def minikv_table(path: Path) -> str:
     record = json.loads(path.read_text())
     lines = [f"MiniKV prompt selection ({record['model']}, a {record['prompt']}-token prompt of {record['text']} in "
@@ -180,6 +196,7 @@ def render() -> str:
     parts += [pre_rope_table(p) for p in sorted(RESULTS.glob("pre-rope-k*.json"))]
     parts += [skvq_clip_table(p) for p in sorted(RESULTS.glob("skvq-clip*.json"))]
     parts += [minikv_table(p) for p in sorted(RESULTS.glob("minikv-*.json"))]
+    parts += [kv_clip_table(p) for p in sorted(RESULTS.glob("kv-clip-*.json"))]
     return "\n\n".join(parts)
 
 

@@ -34,6 +34,8 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     sinks = meta[gguf_metadata.KEY_SINKS]
     assert sinks in calibrate_command.SINK_CANDIDATES and meta["kvq.calibration.sinks"] == sinks
     assert f"-> {sinks} sinks" in proc.stdout
+    clip = meta.get(gguf_metadata.KEY_CLIP, "none")
+    assert f"with --kv-clip '{clip}'" in proc.stdout
     types_k, types_v = kv_types.layer_types(meta[gguf_metadata.KEY_LAYERS], N_LAYER, "kivi2", "kivi2")
     bits = [BITS[t] for t in types_k + types_v]
     assert sum(bits) / len(bits) <= 2.0
@@ -43,6 +45,7 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert run.returncode == 0 and f"KV cache layers {meta[gguf_metadata.KEY_LAYERS]}" in run.stderr
     assert f"sinks {sinks}" in run.stderr
+    assert clip == "none" or f"clip {clip}" in run.stderr
 
 
 @pytest.mark.parametrize("case, message", [
@@ -51,6 +54,8 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     ("no-text", "calibration text file not found"),
     ("short-text", "the calibration text has"),
     ("not-gguf", "invalid magic characters"),
+    ("bad-clip", "'1.5' is not a clip ratio in (0, 1]"),
+    ("clip-layers", "the model has 30 layers"),
 ])
 def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     short = tmp_path / "short.txt"
@@ -64,6 +69,8 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, ha
         "no-text": ["-m", str(smollm2), "-f", str(tmp_path / "missing.txt"), "-o", out],
         "short-text": ["-m", str(smollm2), "-f", str(short), "-o", out],
         "not-gguf": ["-m", str(notes), "-f", str(hamlet), "-o", out],
+        "bad-clip": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-clip", "k:*=1.5"],
+        "clip-layers": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-clip", "v:0-31=0.9"],
     }[case]
     proc = calibrate(*args, cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
@@ -77,6 +84,14 @@ def test_the_fewest_sinks_within_the_tolerance_of_the_best_are_chosen() -> None:
     assert calibrate_command.choose_sinks(klds) == 2
     assert calibrate_command.choose_sinks({0: 0.3, 4: 0.3}) == 0
     assert calibrate_command.choose_sinks({0: 0.0, 1: 0.0}) == 0
+
+
+def test_the_mildest_clip_within_the_tolerance_of_the_best_is_chosen() -> None:
+    assert calibrate_command.choose_clip({1.0: 0.2, 0.9: 0.16, 0.85: 0.1495, 0.8: 0.149}) == 0.85
+    assert calibrate_command.choose_clip({1.0: 0.1, 0.9: 0.1, 0.8: 0.2}) == 1.0
+    assert calibrate_command.clip_spec({"v": 0.85, "k": 0.9}) == "k:*=0.9;v:*=0.85"
+    assert calibrate_command.clip_spec({"k": 1.0, "v": 0.8}) == "v:*=0.8"
+    assert calibrate_command.clip_spec({"k": 1.0, "v": 1.0}) == "none"
 
 
 @pytest.mark.parametrize("text, wanted", [("auto", "auto"), ("0", 0), ("4", 4)])
