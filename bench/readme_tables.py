@@ -158,9 +158,12 @@ def skvq_clip_table(path: Path) -> str:
 def kv_clip_table(path: Path) -> str:
     record = json.loads(path.read_text())
     c = record["calibration"]
+    uniform = f"; one ratio per part for comparison: --kv-clip '{c['uniform']}'" if "uniform" in c else ""
     lines = [f"SKVQ's clipping in the kernels ({record['model']}, {record['text']}, n_ctx {record['n_ctx']}, "
-             f"{record['chunks']} chunks, window {record['window']}; ratios and sinks chosen by pykvq calibrate on "
-             f"{c['n_tokens']} tokens of Macbeth: --kv-clip '{c['clip']}', {c['sinks']} sinks; bench/kv_clip.py):",
+             f"{record['chunks']} chunks, window {record['window']}; per-layer ratios and sinks chosen by pykvq "
+             f"calibrate on {c['n_tokens']} tokens of Macbeth (KL divergence against f16 KV "
+             f"{c['kld_unclipped']:.4f} unclipped, {c['kld_per_layer']:.4f} clipped), {c['sinks']} sinks{uniform}; "
+             f"bench/kv_clip.py):",
              "", "| KV cache | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: |"]
     for r in record["rows"]:
         if r.get("failure"):

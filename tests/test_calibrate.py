@@ -35,7 +35,7 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     assert sinks in calibrate_command.SINK_CANDIDATES and meta["kvq.calibration.sinks"] == sinks
     assert f"-> {sinks} sinks" in proc.stdout
     clip = meta.get(gguf_metadata.KEY_CLIP, "none")
-    assert f"with --kv-clip '{clip}'" in proc.stdout
+    assert f"-> --kv-clip '{clip}'" in proc.stdout
     types_k, types_v = kv_types.layer_types(meta[gguf_metadata.KEY_LAYERS], N_LAYER, "kivi2", "kivi2")
     bits = [BITS[t] for t in types_k + types_v]
     assert sum(bits) / len(bits) <= 2.0
@@ -86,12 +86,10 @@ def test_the_fewest_sinks_within_the_tolerance_of_the_best_are_chosen() -> None:
     assert calibrate_command.choose_sinks({0: 0.0, 1: 0.0}) == 0
 
 
-def test_the_mildest_clip_within_the_tolerance_of_the_best_is_chosen() -> None:
-    assert calibrate_command.choose_clip({1.0: 0.2, 0.9: 0.16, 0.85: 0.1495, 0.8: 0.149}) == 0.85
-    assert calibrate_command.choose_clip({1.0: 0.1, 0.9: 0.1, 0.8: 0.2}) == 1.0
-    assert calibrate_command.clip_spec({"v": 0.85, "k": 0.9}) == "k:*=0.9;v:*=0.85"
-    assert calibrate_command.clip_spec({"k": 1.0, "v": 0.8}) == "v:*=0.8"
-    assert calibrate_command.clip_spec({"k": 1.0, "v": 1.0}) == "none"
+def test_clip_ratios_are_kept_only_where_the_cache_measures_them_better() -> None:
+    assert calibrate_command.ClipChoice("v:*=0.8", 0.2, 0.15).chosen == "v:*=0.8"
+    assert calibrate_command.ClipChoice("v:*=0.8", 0.2, 0.2).chosen == "none"
+    assert calibrate_command.ClipChoice("none", 0.2, 0.2).chosen == "none"
 
 
 @pytest.mark.parametrize("text, wanted", [("auto", "auto"), ("0", 0), ("4", 4)])

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from pykvq.api.sampling import Sampler, SamplerSettings
 from pykvq.bindings import devices, native
 from pykvq.bindings.log import sink
 from pykvq.kv_types import KIVI_BITS, Selection
+
+if TYPE_CHECKING:
+    from pykvq.api.capture import TensorObserver
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 T = TypeVar("T")
@@ -119,6 +122,8 @@ class ContextConfig:
     # a model with sliding-window layers (Gemma 2/3, gpt-oss): their cache holds the whole context (--swa-full)
     # rather than the window and a ubatch
     swa_full: bool = False
+    # llama.cpp's eval callback (cb_eval): sees the graph's named tensors as they are computed (pykvq.api.capture)
+    observer: TensorObserver | None = None
 
 
 @dataclass(frozen=True)
@@ -385,6 +390,8 @@ class Context(_Handle):
         params.no_perf = False
         params.type_k = kv_types.type_id(kv.type_k)
         params.type_v = kv_types.type_id(kv.type_v)
+        if config.observer is not None:
+            params.cb_eval = config.observer.c_callback()
         with kvq_params_applied(kv):
             ptr = _call(lib.llama.llama_init_from_model, self.model._ptr, params)
         if ptr == lib.ffi.NULL:

@@ -38,6 +38,12 @@ _CDEF = """
 
     int32_t ggml_kvq_ring_size(int32_t window);
 
+    const char * ggml_get_name(const void * tensor);
+    size_t       ggml_nbytes(const void * tensor);
+    int64_t      ggml_nelements(const void * tensor);
+    int64_t      ggml_nrows(const void * tensor);
+    void         ggml_backend_tensor_get(const void * tensor, void * data, size_t offset, size_t size);
+
     const char * ggml_type_name(int type);
     int64_t      ggml_blck_size(int type);
     size_t       ggml_type_size(int type);

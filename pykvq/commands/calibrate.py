@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pykvq import gguf_metadata
+from pykvq import clip_calibration, gguf_metadata
 from pykvq.allocation import BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, format_allocation, refine
+from pykvq.api.capture import AttentionCapture, TensorObserver
 from pykvq.api.llama import ContextConfig, KvConfig, Model
 from pykvq.bindings import native
 
@@ -28,10 +29,6 @@ REFERENCE = "kivi2"
 # attention sinks intact: the fewest whose KL divergence is within SINKS_TOLERANCE of the best count's
 SINK_CANDIDATES = (0, 1, 2, 4, 8)
 SINKS_TOLERANCE = 0.02
-# SKVQ's clipping: a ratio for K and one for V, each the mildest whose KL divergence is within CLIP_TOLERANCE of the
-# best ratio's, V's chosen first (K unclipped), then K's with V's in place
-CLIP_CANDIDATES = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
-CLIP_TOLERANCE = 0.01
 
 
 @dataclass(frozen=True)
@@ -65,17 +62,20 @@ def one_layer_spec(n_layer: int, part: str, layer: int, name: str) -> str:
 
 
 class Calibrator:
-    """Log-probabilities of one token sequence under different KV layer mixes, against f16 KV."""
+    """Log-probabilities of one token sequence under different KV layer mixes, against f16 KV; the Q, K and V every
+    layer attends with in the f16 run (one ubatch)."""
 
     def __init__(self, model: Model, tokens: list[int], probe: Probe) -> None:
         self.model = model
         self.tokens = tokens
         self.probe = probe
-        self.reference = self._log_probs(KvConfig(layers="none"))
+        self.capture = AttentionCapture(len(tokens))
+        self.reference = self._log_probs(KvConfig(layers="none"), self.capture)
 
-    def _log_probs(self, kv: KvConfig) -> np.ndarray:
-        config = ContextConfig(n_ctx=len(self.tokens), n_batch=len(self.tokens), n_threads=self.probe.threads,
-                               flash_attn="on", kv=kv)
+    def _log_probs(self, kv: KvConfig, observer: TensorObserver | None = None) -> np.ndarray:
+        n = len(self.tokens)
+        config = ContextConfig(n_ctx=n, n_batch=n, n_ubatch=n if observer is not None else ContextConfig.n_ubatch,
+                               n_threads=self.probe.threads, flash_attn="on", kv=kv, observer=observer)
         with self.model.context(config) as ctx:
             return log_softmax(ctx.eval(self.tokens, all_logits=True))
 
@@ -89,11 +89,11 @@ class Calibrator:
         """KL divergence of kivi2 everywhere with each sinks count."""
         return {n: self.kld("none", n) for n in tqdm(candidates, unit="count", desc="sinks")}
 
-    def clip_klds(self, part: str, fixed: dict[str, float], candidates: tuple[float, ...]) -> dict[float, float]:
-        """KL divergence of kivi2 everywhere with ``part`` (k or v) clipped by each ratio, and the ``fixed`` ratios
-        of other parts."""
-        return {r: self.kld("none", clip=clip_spec({**fixed, part: r}))
-                for r in tqdm(candidates, unit="ratio", desc=f"clip {part.upper()}")}
+    def per_layer_clip(self) -> str:
+        """SKVQ's ratios per layer from the f16 run's Q, K and V (pykvq.clip_calibration)."""
+        with tqdm(total=self.model.n_layer, unit="layer", desc="clip ratios") as progress:
+            return clip_calibration.per_layer_clip(self.capture.layer, self.model.n_layer, self.probe.window,
+                                                   self.probe.sinks, progress=progress.update)
 
     def sensitivities(self) -> list[Sensitivity]:
         n_layer = self.model.n_layer
@@ -111,22 +111,24 @@ class Calibrator:
         return out
 
 
-def clip_spec(ratios: dict[str, float]) -> str:
-    """The --kv-clip form of one ratio per part (k, v) for every layer; "none" when nothing clips."""
-    return ";".join(f"{part}:*={ratio:g}" for part, ratio in sorted(ratios.items()) if ratio != 1.0) or "none"
+@dataclass(frozen=True)
+class ClipChoice:
+    """The per-layer ratios found, and what the real cache measured with and without them (kivi2 everywhere)."""
+
+    found: str
+    kld_unclipped: float
+    kld_clipped: float
+
+    @property
+    def chosen(self) -> str:
+        """The ratios where they measured better than none, else none: the measurement decides, not the model."""
+        return self.found if self.kld_clipped < self.kld_unclipped else "none"
 
 
-def choose_clip(klds: dict[float, float]) -> float:
-    """The mildest ratio whose KL divergence is within CLIP_TOLERANCE of the best."""
-    best = min(klds.values())
-    return max(r for r, kld in klds.items() if kld <= best * (1 + CLIP_TOLERANCE))
-
-
-def calibrated_clip(calibrator: Calibrator) -> str:
-    """V's ratio with K unclipped, then K's with V's in place (the two interact: SKVQ clips both)."""
-    v = choose_clip(calibrator.clip_klds("v", {}, CLIP_CANDIDATES))
-    k = choose_clip(calibrator.clip_klds("k", {"v": v}, CLIP_CANDIDATES))
-    return clip_spec({"k": k, "v": v})
+def calibrated_clip(calibrator: Calibrator) -> ClipChoice:
+    found = calibrator.per_layer_clip()
+    unclipped = calibrator.kld("none", clip="none")
+    return ClipChoice(found, unclipped, unclipped if found == "none" else calibrator.kld("none", clip=found))
 
 
 def choose_sinks(klds: dict[int, float]) -> int:
@@ -186,10 +188,10 @@ def run(args: argparse.Namespace) -> int:
             print("kivi2 everywhere, KL divergence against f16 KV by sinks: "
                   + ", ".join(f"{n}: {kld:.4f}" for n, kld in klds.items()) + f" -> {probe.sinks} sinks")
         if args.kv_clip == "auto":
-            unclipped = calibrator.kld("none")
-            probe = calibrator.probe = replace(probe, clip=calibrated_clip(calibrator))
-            print(f"kivi2 everywhere, KL divergence against f16 KV: {unclipped:.4f} unclipped, "
-                  f"{calibrator.kld('none'):.4f} with --kv-clip '{probe.clip}'")
+            choice = calibrated_clip(calibrator)
+            probe = calibrator.probe = replace(probe, clip=choice.chosen)
+            print(f"kivi2 everywhere, KL divergence against f16 KV: {choice.kld_unclipped:.4f} unclipped, "
+                  f"{choice.kld_clipped:.4f} with the per-layer clip ratios {choice.found} -> --kv-clip '{probe.clip}'")
         sensitivities = calibrator.sensitivities()
         additive = allocate(sensitivities, model.n_layer, args.kv_budget)
         result = refined(calibrator, additive, sensitivities, args.kv_budget, args.refine)
@@ -233,10 +235,11 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                         f"{', '.join(map(str, SINK_CANDIDATES))} (default %(default)s); written as the model's "
                         "kvq.sinks")
     p.add_argument("--kv-clip", default="auto", metavar="auto|none|SPEC",
-                   help="SKVQ's clipping: auto chooses one ratio for K and one for V among "
-                        f"{', '.join(map(str, CLIP_CANDIDATES))} on the text (the mildest within 1%% of the best KL "
-                        "divergence), or give a --kv-clip spec or none (default %(default)s); written as the model's "
-                        "kvq.kv_clip and used while measuring")
+                   help="SKVQ's clipping: auto chooses per layer the K and the V ratio among "
+                        f"{', '.join(map(str, clip_calibration.RATIOS))} with the least attention-output error on the "
+                        "text, and keeps them if the cache's KL divergence against f16 KV measures lower with them; "
+                        "or give a --kv-clip spec or none (default %(default)s); written as the model's kvq.kv_clip "
+                        "and used while measuring")
     p.add_argument("--refine", type=int, default=24,
                    help="mixes measured as a whole after the additive choice, each one step from the best so far; "
                         "0 keeps the additive choice (default %(default)s)")

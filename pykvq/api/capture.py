@@ -1,0 +1,74 @@
+"""Tensors of llama.cpp's graph as it computes them (its eval callback, cb_eval): the post-RoPE Q, K and V that every
+attention layer attends with, for calibration on the model as llama.cpp runs it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from pykvq.bindings import native
+
+
+class TensorObserver(Protocol):
+    """What a context takes as its eval callback (ContextConfig.observer)."""
+
+    def c_callback(self) -> object:
+        """llama_context_params.cb_eval: a C function pointer that stays valid while the observer lives."""
+
+
+@dataclass
+class AttentionCapture:
+    """Each layer's Q, K and V of one ubatch of n_tokens tokens, as [n_tokens, heads, head_dim] float32 arrays.
+
+    llama.cpp names every step of a layer's Q, K and V alike ("Qcur-<layer>": projected, biased, normed, rotated);
+    the graph computes them in that order, so the last one kept is what the attention reads."""
+
+    n_tokens: int
+    tensors: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
+    _callback: object = field(default=None, repr=False)
+    _error: Exception | None = field(default=None, repr=False)
+
+    NAME = re.compile(rb"^(Qcur|Kcur|Vcur)-(\d+)$")
+
+    def c_callback(self) -> object:
+        lib = native.libs()
+
+        @lib.ffi.callback("bool(void *, bool, void *)")
+        def observe(tensor, ask: bool, _user_data) -> bool:
+            name = self.NAME.match(lib.ffi.string(lib.ggml_base.ggml_get_name(tensor)))
+            if ask or name is None:
+                return name is not None
+            # an exception must not cross into C: kept, and raised by layer()
+            try:
+                self._keep(lib, tensor, name.group(1).decode(), int(name.group(2)))
+            except (ValueError, MemoryError) as exc:
+                self._error = exc
+            return True
+
+        self._callback = observe
+        return lib.ffi.cast("void *", observe)
+
+    def _keep(self, lib, tensor, what: str, layer: int) -> None:
+        n = lib.ggml_base.ggml_nelements(tensor)
+        if lib.ggml_base.ggml_nbytes(tensor) != 4 * n or n % self.n_tokens != 0:
+            raise ValueError(f"{what}-{layer} is not float32 over the {self.n_tokens} tokens of one ubatch")
+        data = np.empty(n, dtype=np.float32)
+        lib.ggml_base.ggml_backend_tensor_get(tensor, lib.ffi.from_buffer(data), 0, data.nbytes)
+        rows = lib.ggml_base.ggml_nrows(tensor)
+        heads = rows // self.n_tokens
+        self.tensors[what, layer] = data.reshape(self.n_tokens, heads, n // rows)
+
+    def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Q [tokens, heads, dim], K and V [tokens, KV heads, dim] of a layer; V split into K's heads where the graph
+        names it unsplit."""
+        if self._error is not None:
+            raise self._error
+        try:
+            q, k, v = (self.tensors[what, layer] for what in ("Qcur", "Kcur", "Vcur"))
+        except KeyError as exc:
+            raise ValueError(f"llama.cpp's graph named no {exc.args[0][0]} tensor in layer {layer}: its Q, K and V "
+                             "cannot be captured for calibration") from None
+        return q, k, v.reshape(self.n_tokens, k.shape[1], -1)

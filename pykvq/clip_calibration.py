@@ -1,0 +1,126 @@
+"""SKVQ's clip ratios per layer, chosen from the Q, K and V a layer really attends with (pykvq.api.capture).
+
+SKVQ (§3.1) takes for each quantization group the clip ratio that minimizes the error of the attention output on
+calibration data. Here one ratio per layer for K and one for V (finer ratios did worse on held-out text in
+bench/skvq_clip.py), each judged with the other part in fp16, under the cache's contract (DESIGN.md §5): the
+window, the sinks and each query's own K tile read fp16; older K tiles per channel over 32 tokens, older V rows per
+32 channels, both at the kivi2 width the ratios are written for. The quantization is a numpy model of the format,
+used only to choose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+GROUP = 32
+BITS = 2
+RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
+def fake_quantize(x: np.ndarray, bits: int, clip: float) -> np.ndarray:
+    """``x`` with each group of 32 consecutive values along the last axis replaced by its kivi dequantization, the
+    group's range first narrowed by ``clip``."""
+    groups = x.reshape(*x.shape[:-1], -1, GROUP)
+    lo = groups.min(-1, keepdims=True) * np.float32(clip)
+    hi = groups.max(-1, keepdims=True) * np.float32(clip)
+    qmax = (1 << bits) - 1
+    step = np.minimum((hi - lo) / qmax, 65504.0).astype(np.float16).astype(np.float32)
+    low = lo.astype(np.float16).astype(np.float32)
+    codes = np.clip(np.rint((groups - low) / np.where(step > 0, step, 1.0)), 0, qmax)
+    return (low + step * np.where(step > 0, codes, 0.0)).reshape(x.shape)
+
+
+def _fp16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Contract:
+    """Which cells a query reads in fp16: [query, key] masks for n tokens of one sequence from its start."""
+
+    causal: np.ndarray
+    near_k: np.ndarray
+    near_v: np.ndarray
+
+    @classmethod
+    def of(cls, n: int, window: int, sinks: int) -> Contract:
+        i = np.arange(n)[:, None]
+        j = np.arange(n)[None, :]
+        near_v = (i - j < window) | (j < sinks)
+        # a K tile is sealed once the query is past it: its own tile is fp16 to it
+        return cls(j <= i, near_v | (j // GROUP >= i // GROUP), near_v)
+
+
+def _softmax(scores: np.ndarray, causal: np.ndarray) -> np.ndarray:
+    scores = np.where(causal, scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+@dataclass(frozen=True)
+class LayerErrors:
+    """Squared error of a layer's attention output, summed over its tokens and heads, per candidate ratio."""
+
+    k: tuple[float, ...]
+    v: tuple[float, ...]
+
+
+def layer_errors(q: np.ndarray, k: np.ndarray, v: np.ndarray, contract: Contract,
+                 ratios: Sequence[float] = RATIOS) -> LayerErrors:
+    """q [tokens, heads, dim], k and v [tokens, KV heads, dim] (post-RoPE, as the cache stores them)."""
+    group = q.shape[1] // k.shape[1]
+    qh = _fp16(q.transpose(1, 0, 2))                                       # [heads, tokens, dim]
+    kh = _fp16(k.transpose(1, 0, 2))                                       # [KV heads, tokens, dim]
+    vh = np.repeat(_fp16(v.transpose(1, 0, 2)), group, 0)
+    scale = np.float32(q.shape[-1] ** -0.5)
+    scores = qh @ np.repeat(kh, group, 0).transpose(0, 2, 1) * scale
+    p = _softmax(scores, contract.causal)
+    reference = p @ vh
+    # with K in fp16 a quantized V moves the output by the far probabilities times its error
+    far_v = p * ~contract.near_v
+    k_errors, v_errors = [], []
+    for ratio in ratios:
+        # K per channel over tokens: groups run along the token axis
+        kq = np.repeat(fake_quantize(kh.transpose(0, 2, 1), BITS, ratio).transpose(0, 2, 1), group, 0)
+        clipped = np.where(contract.near_k, scores, qh @ kq.transpose(0, 2, 1) * scale)
+        k_errors.append(float(((_softmax(clipped, contract.causal) @ vh - reference) ** 2).sum()))
+        vq = np.repeat(fake_quantize(v.transpose(1, 0, 2), BITS, ratio), group, 0)
+        v_errors.append(float(((far_v @ (vq - vh)) ** 2).sum()))
+    return LayerErrors(tuple(k_errors), tuple(v_errors))
+
+
+def per_layer_clip(layer_qkv: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]], n_layer: int, window: int,
+                   sinks: int, ratios: Sequence[float] = RATIOS, progress: Callable[[], None] | None = None) -> str:
+    """The --kv-clip spec of each layer's least-error K and V ratio; "none" when no layer gains by clipping."""
+    contract = None
+    chosen: dict[str, list[float]] = {"k": [], "v": []}
+    for il in range(n_layer):
+        q, k, v = layer_qkv(il)
+        if contract is None:
+            contract = Contract.of(q.shape[0], window, sinks)
+        errors = layer_errors(q, k, v, contract, ratios)
+        chosen["k"].append(ratios[int(np.argmin(errors.k))])
+        chosen["v"].append(ratios[int(np.argmin(errors.v))])
+        if progress is not None:
+            progress()
+    return clip_spec_per_layer(chosen)
+
+
+def clip_spec_per_layer(ratios: dict[str, list[float]]) -> str:
+    """The --kv-clip form of per-layer ratios (k, v: one per layer), runs of equal ratios as ranges; "none" when
+    nothing clips."""
+    parts = []
+    for part, values in sorted(ratios.items()):
+        if all(r == 1.0 for r in values):
+            continue
+        rules, start = [], 0
+        for il in range(1, len(values) + 1):
+            if il == len(values) or values[il] != values[start]:
+                span = str(start) if il - 1 == start else f"{start}-{il - 1}"
+                rules.append(f"{span}={values[start]:g}")
+                start = il
+        parts.append(f"{part}:{','.join(rules)}")
+    return ";".join(parts) or "none"
