@@ -50,6 +50,7 @@ template <typename T>
 struct kvq_values {
     const char * what;       // "TYPE", "RATIO"
     const char * noun;       // "type", "ratio"
+    const char * label;      // what a spec of them is, for messages
     const char * example;    // a rule
     bool         asymkv;     // whether AsymKV's asymkv:L_K/L_V names them
     T (*parse)(const std::string & value, const std::string & where);
@@ -114,8 +115,8 @@ float kvq_parse_clip(const std::string & value, const std::string & where) {
     return v;
 }
 
-const kvq_values<ggml_type> kvq_types = { "TYPE",  "type",  "0-15=kivi2", true,  kvq_parse_type };
-const kvq_values<float>     kvq_clips = { "RATIO", "ratio", "0-15=0.9",   false, kvq_parse_clip };
+const kvq_values<ggml_type> kvq_types = { "TYPE",  "type",  "layer types", "0-15=kivi2", true,  kvq_parse_type };
+const kvq_values<float>     kvq_clips = { "RATIO", "ratio", "clip ratios", "0-15=0.9",   false, kvq_parse_clip };
 
 template <typename T>
 kvq_rule kvq_parse_rule(const std::string & text, const kvq_values<T> & values) {
@@ -235,28 +236,30 @@ std::vector<T> kvq_resolve_part(const kvq_part & part, const char * name, int32_
     return out;
 }
 
-} // namespace
+[[noreturn]] void kvq_fail_spec(const std::string & spec, const char * label, const std::invalid_argument & err) {
+    throw std::invalid_argument(std::string(label) + " '" + spec + "' " + err.what());
+}
 
-void llama_kvq_check_layer_spec(const std::string & spec) {
+template <typename T>
+void kvq_check(const std::string & spec, const kvq_values<T> & values) {
     if (spec.empty() || spec == "none") {
         return;
     }
     try {
-        kvq_parse(spec, kvq_types);
+        kvq_parse(spec, values);
     } catch (const std::invalid_argument & err) {
-        throw std::invalid_argument("layer types '" + spec + "' " + err.what());
+        kvq_fail_spec(spec, values.label, err);
     }
 }
 
+} // namespace
+
+void llama_kvq_check_layer_spec(const std::string & spec) {
+    kvq_check(spec, kvq_types);
+}
+
 void llama_kvq_check_clip_spec(const std::string & spec) {
-    if (spec.empty() || spec == "none") {
-        return;
-    }
-    try {
-        kvq_parse(spec, kvq_clips);
-    } catch (const std::invalid_argument & err) {
-        throw std::invalid_argument("clip ratios '" + spec + "' " + err.what());
-    }
+    kvq_check(spec, kvq_clips);
 }
 
 llama_kvq_layer_clips llama_kvq_resolve_clip_spec(const std::string & spec, int32_t n_layer) {
@@ -268,7 +271,7 @@ llama_kvq_layer_clips llama_kvq_resolve_clip_spec(const std::string & spec, int3
         return { kvq_resolve_part(parsed.k, "k", n_layer, 1.0f, kvq_clips),
                  kvq_resolve_part(parsed.v, "v", n_layer, 1.0f, kvq_clips) };
     } catch (const std::invalid_argument & err) {
-        throw std::invalid_argument("clip ratios '" + spec + "' " + err.what());
+        kvq_fail_spec(spec, kvq_clips.label, err);
     }
 }
 
@@ -285,6 +288,6 @@ llama_kvq_layer_types llama_kvq_resolve_layer_spec(const std::string & spec, int
         return { kvq_resolve_part(parsed.k, "k", n_layer, type_k, kvq_types),
                  kvq_resolve_part(parsed.v, "v", n_layer, type_v, kvq_types) };
     } catch (const std::invalid_argument & err) {
-        throw std::invalid_argument("layer types '" + spec + "' " + err.what());
+        kvq_fail_spec(spec, kvq_types.label, err);
     }
 }
