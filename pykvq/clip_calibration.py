@@ -18,6 +18,9 @@ import numpy as np
 GROUP = 32
 BITS = 2
 RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+# the attention is computed whole ([heads, tokens, tokens] per layer): longer calibration texts are judged on their
+# first tokens, which are a sequence of their own under the contract
+MAX_TOKENS = 1024
 
 
 def fake_quantize(x: np.ndarray, bits: int, clip: float) -> np.ndarray:
@@ -98,7 +101,7 @@ def per_layer_clip(layer_qkv: Callable[[int], tuple[np.ndarray, np.ndarray, np.n
     contract = None
     chosen: dict[str, list[float]] = {"k": [], "v": []}
     for il in range(n_layer):
-        q, k, v = layer_qkv(il)
+        q, k, v = (x[:MAX_TOKENS] for x in layer_qkv(il))
         if contract is None:
             contract = Contract.of(q.shape[0], window, sinks)
         errors = layer_errors(q, k, v, contract, ratios)

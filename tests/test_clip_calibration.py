@@ -60,3 +60,10 @@ def test_per_layer_ratios_cover_every_layer() -> None:
             first, _, last = span.partition("-")
             covered += list(range(int(first), int(last or first) + 1))
         assert covered == [0, 1, 2, 3]
+
+
+def test_a_long_text_is_judged_on_its_first_tokens() -> None:
+    long = qkv(cc.MAX_TOKENS + 64, True, 5)
+    head = tuple(x[:cc.MAX_TOKENS] for x in long)
+    assert cc.per_layer_clip(lambda il: long, 1, window=16, sinks=0) == \
+        cc.per_layer_clip(lambda il: head, 1, window=16, sinks=0)
