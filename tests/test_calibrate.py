@@ -86,10 +86,19 @@ def test_the_fewest_sinks_within_the_tolerance_of_the_best_are_chosen() -> None:
     assert calibrate_command.choose_sinks({0: 0.0, 1: 0.0}) == 0
 
 
-def test_clip_ratios_are_kept_only_where_the_cache_measures_them_better() -> None:
-    assert calibrate_command.ClipChoice("v:*=0.8", 0.2, 0.15).chosen == "v:*=0.8"
-    assert calibrate_command.ClipChoice("v:*=0.8", 0.2, 0.2).chosen == "none"
-    assert calibrate_command.ClipChoice("none", 0.2, 0.2).chosen == "none"
+def test_the_clip_ratios_that_measure_lowest_are_kept() -> None:
+    def choice(klds: dict[str, float]) -> str:
+        return calibrate_command.ClipChoice("k:0=0.9,1-=1", "v:*=0.8", {}, klds).chosen
+
+    assert choice({"none": 0.2, "k:0=0.9,1-=1": 0.15, "v:*=0.8": 0.16}) == "k:0=0.9,1-=1"
+    assert choice({"none": 0.2, "k:0=0.9,1-=1": 0.17, "v:*=0.8": 0.16}) == "v:*=0.8"
+    assert choice({"none": 0.2, "k:0=0.9,1-=1": 0.2, "v:*=0.8": 0.2}) == "none"
+
+
+def test_one_ratio_per_part_is_spelled_for_every_layer() -> None:
+    assert calibrate_command.uniform_clip_spec({"v": 0.85, "k": 0.9}) == "k:*=0.9;v:*=0.85"
+    assert calibrate_command.uniform_clip_spec({"k": 1.0, "v": 0.8}) == "v:*=0.8"
+    assert calibrate_command.uniform_clip_spec({"k": 1.0, "v": 1.0}) == "none"
 
 
 @pytest.mark.parametrize("text, wanted", [("auto", "auto"), ("0", 0), ("4", 4)])

@@ -95,6 +95,17 @@ class Calibrator:
             return clip_calibration.per_layer_clip(self.capture.layer, self.model.n_layer, self.probe.window,
                                                    self.probe.sinks, progress=progress.update)
 
+    def uniform_clip(self) -> tuple[str, dict[str, dict[float, float]]]:
+        """One ratio per part for every layer, by the cache's KL divergence: V's with K unclipped, then K's with
+        V's in place (the two interact); the spec and every divergence measured, per part and ratio."""
+        chosen: dict[str, float] = {}
+        klds: dict[str, dict[float, float]] = {}
+        for part in ("v", "k"):
+            klds[part] = {r: self.kld("none", clip=uniform_clip_spec({**chosen, part: r}))
+                          for r in tqdm(clip_calibration.RATIOS, unit="ratio", desc=f"clip {part.upper()}")}
+            chosen[part] = min(klds[part], key=klds[part].__getitem__)
+        return uniform_clip_spec(chosen), klds
+
     def sensitivities(self) -> list[Sensitivity]:
         n_layer = self.model.n_layer
         base = self.kld("none")
@@ -113,22 +124,34 @@ class Calibrator:
 
 @dataclass(frozen=True)
 class ClipChoice:
-    """The per-layer ratios found, and what the real cache measured with and without them (kivi2 everywhere)."""
+    """Two candidates, each measured by the real cache (kivi2 everywhere, KL divergence against f16 KV): the
+    per-layer ratios of the least attention-output error, and one ratio per part found by that KL divergence."""
 
-    found: str
-    kld_unclipped: float
-    kld_clipped: float
+    per_layer: str
+    uniform: str
+    uniform_klds: dict[str, dict[float, float]]
+    klds: dict[str, float]     # spec -> KL divergence, "none" first
 
     @property
     def chosen(self) -> str:
-        """The ratios where they measured better than none, else none: the measurement decides, not the model."""
-        return self.found if self.kld_clipped < self.kld_unclipped else "none"
+        """The candidate that measured lowest; none on a tie: the measurement decides, not the model."""
+        return min(self.klds, key=self.klds.__getitem__)
+
+
+def uniform_clip_spec(ratios: dict[str, float]) -> str:
+    """The --kv-clip form of one ratio per part (k, v) for every layer; "none" when nothing clips."""
+    return ";".join(f"{part}:*={r:g}" for part, r in sorted(ratios.items()) if r != 1.0) or "none"
 
 
 def calibrated_clip(calibrator: Calibrator) -> ClipChoice:
-    found = calibrator.per_layer_clip()
-    unclipped = calibrator.kld("none", clip="none")
-    return ClipChoice(found, unclipped, unclipped if found == "none" else calibrator.kld("none", clip=found))
+    klds = {"none": calibrator.kld("none", clip="none")}
+    per_layer = calibrator.per_layer_clip()
+    if per_layer not in klds:
+        klds[per_layer] = calibrator.kld("none", clip=per_layer)
+    uniform, uniform_klds = calibrator.uniform_clip()
+    # its search measured it last: K's ratio with V's in place
+    klds.setdefault(uniform, min(uniform_klds["k"].values()))
+    return ClipChoice(per_layer, uniform, uniform_klds, klds)
 
 
 def choose_sinks(klds: dict[int, float]) -> int:
@@ -190,8 +213,9 @@ def run(args: argparse.Namespace) -> int:
         if args.kv_clip == "auto":
             choice = calibrated_clip(calibrator)
             probe = calibrator.probe = replace(probe, clip=choice.chosen)
-            print(f"kivi2 everywhere, KL divergence against f16 KV: {choice.kld_unclipped:.4f} unclipped, "
-                  f"{choice.kld_clipped:.4f} with the per-layer clip ratios {choice.found} -> --kv-clip '{probe.clip}'")
+            print("kivi2 everywhere, KL divergence against f16 KV by clip ratios: "
+                  + ", ".join(f"{spec}: {kld:.4f}" for spec, kld in choice.klds.items())
+                  + f" -> --kv-clip '{probe.clip}'")
         sensitivities = calibrator.sensitivities()
         additive = allocate(sensitivities, model.n_layer, args.kv_budget)
         result = refined(calibrator, additive, sensitivities, args.kv_budget, args.refine)
@@ -235,11 +259,12 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                         f"{', '.join(map(str, SINK_CANDIDATES))} (default %(default)s); written as the model's "
                         "kvq.sinks")
     p.add_argument("--kv-clip", default="auto", metavar="auto|none|SPEC",
-                   help="SKVQ's clipping: auto chooses per layer the K and the V ratio among "
+                   help="SKVQ's clipping: auto measures, by the cache's KL divergence against f16 KV, no clipping, "
+                        "the per-layer K and V ratios among "
                         f"{', '.join(map(str, clip_calibration.RATIOS))} with the least attention-output error on the "
-                        "text, and keeps them if the cache's KL divergence against f16 KV measures lower with them; "
-                        "or give a --kv-clip spec or none (default %(default)s); written as the model's kvq.kv_clip "
-                        "and used while measuring")
+                        "text, and one ratio per part searched by that KL divergence, and keeps the lowest; or give a "
+                        "--kv-clip spec or none (default %(default)s); written as the model's kvq.kv_clip and used "
+                        "while measuring")
     p.add_argument("--refine", type=int, default=24,
                    help="mixes measured as a whole after the additive choice, each one step from the best so far; "
                         "0 keeps the additive choice (default %(default)s)")
