@@ -168,13 +168,13 @@ def kv_clip_record_table(record: dict) -> str:
              f"{c['kld_per_layer']:.4f} with per-layer ratios (least attention-output error), {uniform_kld:.4f} with "
              f"--kv-clip '{c['uniform']}' (one ratio per part, searched by that divergence); {c['sinks']} sinks; "
              "bench/kv_clip.py):",
-             "", "| KV cache | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: |"]
+             "", "| KV cache | K, V bpe | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: | ---: |"]
     for r in record["rows"]:
         if r.get("failure"):
-            lines.append(f"| {r['label']} | failed: {r['failure'].splitlines()[0]} | | |")
+            lines.append(f"| {r['label']} | | failed: {r['failure'].splitlines()[0]} | | |")
             continue
         delta = "" if r["delta_pct"] is None or r["kv_type"] == "f16" else f"{r['delta_pct']:+.2f}"
-        lines.append(f"| {r['label']} | {r['ppl']:.4f} | {r['error']:.4f} | {delta} |")
+        lines.append(f"| {r['label']} | {r['bpe_k']:.2f} | {r['ppl']:.4f} | {r['error']:.4f} | {delta} |")
     return "\n".join(lines)
 
 
