@@ -1,5 +1,5 @@
-// Per-layer KV cache settings: the spec language of --kv-layers / llama_kvq_set_layer_types (types) and of
-// --kv-clip / llama_kvq_set_clip (clip ratios).
+// Per-layer KV cache settings: the spec language of --kv-layers and llama_kvq_set_layer_types, for types, and of
+// --kv-clip and llama_kvq_set_clip, for clip ratios.
 //
 //   spec    := "asymkv:" L_K "/" L_V | part (";" part)*      (asymkv: types only)
 //   part    := ("k" | "v") ":" rule ("," rule)*
