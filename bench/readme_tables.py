@@ -192,6 +192,33 @@ def minikv_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def recipe_table(path: Path) -> str:
+    return recipe_record_table(json.loads(path.read_text()))
+
+
+def recipe_record_table(record: dict) -> str:
+    c = record["calibration"]
+    lines = [f"The calibrated recipe against upstream's 4-bit KV ({record['model']}, {record['text']}, n_ctx "
+             f"{record['n_ctx']}, {record['chunks']} chunks; `pykvq calibrate` on {c['n_tokens']} tokens of Macbeth "
+             f"in {c['seconds'] / 60:.1f} min on {c['threads']} threads chose {c['kvq.sinks']} sinks, --kv-clip "
+             f"'{c['kvq.kv_clip'] or 'none'}' and the mix below; bench/recipe.py):", "",
+             "| KV cache | code bits | K, V bpe | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in record["rows"]:
+        bits = "" if r["code_bits"] is None else f"{r['code_bits']:.2f}"
+        delta = "" if r["kv_type"] == "f16" else f"{r['delta_pct']:+.2f}"
+        lines.append(f"| {r['label']} | {bits} | {r['bpe_k']:.2f}, {r['bpe_v']:.2f} | {r['ppl']:.4f} | "
+                     f"{r['error']:.4f} | {delta} |")
+    lines.append("")
+    for t in record["targets"]:
+        against = f"+{t['bar_pct']:.1f}% ({t['against']} collapsed)" if t["collapsed"] else \
+            f"{t['against']}'s {t['bar_pct']:+.2f}%"
+        lines.append(f"- {t['row']}: {t['delta_pct']:+.2f}% against {against}: "
+                     f"**{'met' if t['met'] else 'not met'}**")
+    mix = next(r for r in record["rows"] if r["label"] == "calibrated mix")
+    lines.append(f"- the mix: `--kv-layers '{mix['kv_type']}'`")
+    return "\n".join(lines)
+
+
 def render() -> str:
     parts = [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-c*.json"), key=lambda p: len(p.name))]
     parts += [asymkv_table(p) for p in sorted(RESULTS.glob("asymkv-c*.json"))]
@@ -204,6 +231,7 @@ def render() -> str:
     parts += [skvq_clip_table(p) for p in sorted(RESULTS.glob("skvq-clip*.json"))]
     parts += [minikv_table(p) for p in sorted(RESULTS.glob("minikv-*.json"))]
     parts += [kv_clip_table(p) for p in sorted(RESULTS.glob("kv-clip-*.json"))]
+    parts += [recipe_table(p) for p in sorted(RESULTS.glob("recipe-*.json"))]
     return "\n\n".join(parts)
 
 

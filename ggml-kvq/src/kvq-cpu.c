@@ -4,6 +4,7 @@
 #include "kvq-cpu-impl.h"
 #include "kvq-cpu-wide.h"
 #include "kvq-cpu-score.h"
+#include "vec.h"
 
 #include <math.h>
 #include <string.h>
@@ -301,10 +302,7 @@ static void kvq_attn_row(const kvq_attn_args * a, int64_t t, int64_t h, float * 
                 s = tile_scores[j - j0];
             } else {
                 kvq_read_fp16(&a->k, j, hk, head_dim, kbuf);
-                s = 0.0f;
-                for (int64_t c = 0; c < head_dim; ++c) {
-                    s += q[c]*kbuf[c];
-                }
+                ggml_vec_dot_f32((int) head_dim, &s, 0, q, 0, kbuf, 0, 1);
             }
             s = s*a->scale + mv;
 

@@ -1,0 +1,46 @@
+"""bench/recipe.py: issue 19's targets are judged against the right upstream row, with the fixed bar where that row
+collapsed, and the README table says which were met."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import recipe  # noqa: E402
+from readme_tables import recipe_record_table  # noqa: E402
+
+
+def row(label: str, delta: float, kv_type: str | None = None, code_bits: float | None = 2.0) -> dict:
+    return {"label": label, "kv_type": kv_type or label, "delta_pct": delta, "ppl": 10.0 * (1 + delta / 100),
+            "error": 0.1, "bpe_k": 4.0, "bpe_v": 4.0, "code_bits": code_bits}
+
+
+def rows(q4_0: float, q4_1: float, mix: float, uniform: float) -> list[dict]:
+    return [row("f16", 0.0, code_bits=None), row("q4_0", q4_0, code_bits=None), row("q4_1", q4_1, code_bits=None),
+            row("kivi2", 19.0), row("calibrated kivi2", uniform, "kivi2"),
+            row("calibrated mix", mix, "k:0=kivi4,1-=kivi1;v:*=kivi2")]
+
+
+def test_each_target_is_judged_against_its_upstream_row() -> None:
+    targets = {t["row"]: t for t in recipe.judged(rows(q4_0=5.5, q4_1=2.8, mix=5.0, uniform=3.0))}
+    assert targets["calibrated mix"]["against"] == "q4_0" and targets["calibrated mix"]["met"]
+    assert targets["calibrated kivi2"]["bar_pct"] == 2.8 and not targets["calibrated kivi2"]["met"]
+
+
+def test_a_collapsed_upstream_row_sets_the_fixed_bar() -> None:
+    targets = {t["row"]: t for t in recipe.judged(rows(q4_0=20000.0, q4_1=27000.0, mix=1.6, uniform=0.9))}
+    assert targets["calibrated mix"]["collapsed"] and targets["calibrated mix"]["bar_pct"] == 1.5
+    assert not targets["calibrated mix"]["met"]
+    assert targets["calibrated kivi2"]["met"]
+
+
+def test_the_table_names_the_mix_and_the_verdicts() -> None:
+    scored = rows(q4_0=5.5, q4_1=2.8, mix=5.0, uniform=3.0)
+    record = {"model": "m", "text": "t", "n_ctx": 2048, "chunks": 4, "rows": scored, "targets": recipe.judged(scored),
+              "calibration": {"n_tokens": 1024, "seconds": 90.0, "threads": 2, "kvq.sinks": 4,
+                              "kvq.kv_clip": "k:*=0.9"}}
+    table = recipe_record_table(record)
+    assert "calibrated mix: +5.00% against q4_0's +5.50%: **met**" in table
+    assert "calibrated kivi2: +3.00% against q4_1's +2.80%: **not met**" in table
+    assert "`--kv-layers 'k:0=kivi4,1-=kivi1;v:*=kivi2'`" in table
