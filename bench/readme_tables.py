@@ -192,6 +192,13 @@ def minikv_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def clip_words(spec: str | None) -> str:
+    """A clip spec as a table caption says it: uniform ratios spelled out, per-layer ones left to the JSON."""
+    if not spec or spec == "none":
+        return "no clipping"
+    return f"--kv-clip '{spec}'" if all("*" in part for part in spec.split(";")) else "per-layer clip ratios"
+
+
 def recipe_table(path: Path) -> str:
     return recipe_record_table(json.loads(path.read_text()))
 
@@ -200,8 +207,8 @@ def recipe_record_table(record: dict) -> str:
     c = record["calibration"]
     lines = [f"The calibrated recipe against upstream's 4-bit KV ({record['model']}, {record['text']}, n_ctx "
              f"{record['n_ctx']}, {record['chunks']} chunks; `pykvq calibrate` on {c['n_tokens']} tokens of Macbeth "
-             f"in {c['seconds'] / 60:.1f} min on {c['threads']} threads chose {c['kvq.sinks']} sinks, --kv-clip "
-             f"'{c['kvq.kv_clip'] or 'none'}' and the mix below; bench/recipe.py):", "",
+             f"in {c['seconds'] / 60:.1f} min on {c['threads']} threads chose {c['kvq.sinks']} sinks, "
+             f"{clip_words(c['kvq.kv_clip'])} and the mix below; bench/recipe.py):", "",
              "| KV cache | code bits | K, V bpe | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in record["rows"]:
         bits = "" if r["code_bits"] is None else f"{r['code_bits']:.2f}"

@@ -87,17 +87,19 @@ def plot(path: Path, record: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in record["rows"] if r["kv_type"] != "f16"]
+    rows = sorted((r for r in record["rows"] if r["kv_type"] != "f16"), key=lambda r: -r["delta_pct"])
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
+    for i, r in enumerate(rows):
         bpe = (r["bpe_k"] + r["bpe_v"]) / 2
         color = "tab:gray" if r["label"] in UPSTREAM[1:3] else "tab:blue" if r["label"] == "kivi2" else "tab:green"
         ax.scatter(bpe, r["delta_pct"], color=color, s=60)
-        ax.annotate(r["label"], (bpe, r["delta_pct"]), textcoords="offset points", xytext=(5, 4))
+        # from the worst down, labels alternate below and above: of two close rows the higher is labelled above
+        ax.annotate(r["label"], (bpe, r["delta_pct"]), textcoords="offset points", xytext=(6, 5 if i % 2 else -12))
     ax.set_yscale("symlog", linthresh=1.0)
     ax.set_xlabel("bits per element (K and V mean, scales, window and sinks included)")
     ax.set_ylabel("ΔPPL vs f16 KV (%), symlog")
-    ax.set_title(f"{record['model']}, {record['text']}, n_ctx {record['n_ctx']}, {record['chunks']} chunks")
+    ax.set_title(f"{Path(record['model']).stem}, {record['text']}, n_ctx {record['n_ctx']}, {record['chunks']} chunks",
+                 fontsize=10)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
