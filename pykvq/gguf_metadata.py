@@ -17,8 +17,14 @@ rest records how they were chosen, for later methods.
     kvq.calibration.sinks          uint32   kivi sinks during the measurement (pykvq convert)
 
   written by pykvq calibrate (llama.cpp's logits, KL divergence against f16 KV):
+    kvq.calibration.sensitivity              string            how the next were found: "attention" (the f16
+                                                               run's attention error, scaled by measured mixes)
+                                                               or "measured" (each one measured with the cache)
     kvq.calibration.kld_{k,v}_{kivi4,kivi1}  float32[n_layer]  KL divergence that layer's K or V at that
                                                                width adds to kivi2 everywhere (< 0: a gain)
+    kvq.calibration.kivi2_clip               string            the clip ratios chosen for kivi2 everywhere (the
+                                                               --kv-clip form): kvq.kv_clip takes each tensor's
+                                                               ratio at its width in kvq.kv_layers
   written by pykvq convert --calibrate (the HF model in torch, one layer quantized at a time):
     kvq.calibration.error_{k,v}_{kivi4,kivi2,kivi1}  float32[n_layer]  relative squared error of the layer's
                                                      attention output with its K or V at that width

@@ -1,4 +1,5 @@
-"""`pykvq calibrate`: measured sensitivities to a per-layer mix in a GGUF copy that run then uses."""
+"""`pykvq calibrate`: sensitivities (from the f16 run's attention, or measured) to a per-layer mix in a GGUF copy that
+run then uses."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pykvq import gguf_metadata, kv_types
+from pykvq import attention_sensitivity, gguf_metadata, kv_types
 from pykvq.allocation import BITS
 from pykvq.commands import calibrate as calibrate_command
 
@@ -31,11 +32,14 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     meta = gguf_metadata.read_kvq(out)
     assert meta["kvq.kv_budget"] == pytest.approx(2.0) and meta["kvq.calibration.n_tokens"] == 64
     assert all(len(meta[f"kvq.calibration.kld_{p}_{w}"]) == N_LAYER for p in "kv" for w in ("kivi4", "kivi1"))
+    assert meta["kvq.calibration.sensitivity"] == "attention"
     sinks = meta[gguf_metadata.KEY_SINKS]
     assert sinks in calibrate_command.SINK_CANDIDATES and meta["kvq.calibration.sinks"] == sinks
     assert f"-> {sinks} sinks" in proc.stdout
+    # the clip ratios chosen for kivi2 everywhere; the mix takes each tensor's at its width
+    assert f"-> --kv-clip '{meta['kvq.calibration.kivi2_clip']}'" in proc.stdout
     clip = meta.get(gguf_metadata.KEY_CLIP, "none")
-    assert f"-> --kv-clip '{clip}'" in proc.stdout
+    assert f"--kv-clip '{clip}' (each tensor at its width's ratio)" in proc.stdout
     types_k, types_v = kv_types.layer_types(meta[gguf_metadata.KEY_LAYERS], N_LAYER, "kivi2", "kivi2")
     bits = [BITS[t] for t in types_k + types_v]
     assert sum(bits) / len(bits) <= 2.0
@@ -110,3 +114,49 @@ def test_sinks_take_a_count_or_auto(text: str, wanted: int | str) -> None:
 def test_other_sinks_are_refused(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="neither a count"):
         calibrate_command.sinks_count(text)
+
+
+class ScriptedCalibrator(calibrate_command.Calibrator):
+    """A Calibrator whose KL divergence is a given function of the mix and clip spec: no model runs."""
+
+    def __init__(self, n_layer: int, kld) -> None:  # noqa: ANN001
+        self.model = argparse.Namespace(n_layer=n_layer)
+        self.probe = calibrate_command.Probe(64, 16, 0, 1)
+        self.calls: list[tuple[str, str | None]] = []
+        self._kld = kld
+
+    def kld(self, layers: str, sinks: int | None = None, clip: str | None = None) -> float:
+        self.calls.append((layers, clip))
+        return self._kld(layers, clip)
+
+
+def test_measured_sensitivities_move_one_tensor_at_a_time_at_its_widths_ratio() -> None:
+    n_layer = 3
+    price = {"kivi4": -0.01, "kivi2": 0.0, "kivi1": 0.1}
+
+    def kld(layers: str, clip: str | None) -> float:
+        types_k, types_v = kv_types.layer_types(layers, n_layer, "kivi2", "kivi2")
+        # V of layer 2 is twice as sensitive as the rest
+        return 0.5 + sum(price[t] for t in types_k + types_v) + price[types_v[2]]
+
+    widths = [attention_sensitivity.WidthErrors(part, il, {}, {"kivi4": 1.0, "kivi2": 0.9, "kivi1": 0.7})
+              for part in "kv" for il in range(n_layer)]
+    calibrator = ScriptedCalibrator(n_layer, kld)
+    costs = {(s.part, s.layer): s.cost for s in calibrator.measured_sensitivities(widths)}
+    assert costs["k", 0] == pytest.approx({"kivi2": 0.0, "kivi4": -0.01, "kivi1": 0.1})
+    assert costs["v", 2] == pytest.approx({"kivi2": 0.0, "kivi4": -0.02, "kivi1": 0.2})
+    assert len(calibrator.calls) == 1 + 2 * 2 * n_layer
+    assert ("k:0-2=kivi2;v:0=kivi1,1-2=kivi2", "k:0-2=0.9;v:0=0.7,1-2=0.9") in calibrator.calls
+
+
+def test_the_uniform_clip_search_stops_past_the_best_ratio() -> None:
+    def kld(layers: str, clip: str | None) -> float:
+        ratios = dict(rule.split(":*=") for rule in clip.split(";")) if clip != "none" else {}
+        return (float(ratios.get("k", 1)) - 0.8) ** 2 + (float(ratios.get("v", 1)) - 0.85) ** 2
+
+    calibrator = ScriptedCalibrator(2, kld)
+    spec, klds = calibrator.uniform_clip()
+    assert spec == "k:*=0.8;v:*=0.85"
+    # each part stops at the first ratio that measures worse than the best so far
+    assert list(klds["v"]) == [1.0, 0.95, 0.9, 0.85, 0.8]
+    assert list(klds["k"]) == [1.0, 0.95, 0.9, 0.85, 0.8, 0.75]

@@ -1,6 +1,7 @@
-"""`pykvq calibrate`: choose the kivi sinks count and SKVQ's clip ratios, measure each layer's K and V sensitivity on
-a text, choose per-layer widths for a budget (pykvq.allocation), and write them into a copy of the model as kvq.*
-metadata."""
+"""`pykvq calibrate`: choose the kivi sinks count and SKVQ's clip ratios, find each layer's K and V sensitivity on
+a text (from the f16 run's attention, pykvq.attention_sensitivity, or measured one tensor at a time), choose
+per-layer widths for a budget (pykvq.allocation), refine them by measuring mixes, and write them into a copy of the
+model as kvq.* metadata."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pykvq import clip_calibration, gguf_metadata
+from pykvq import attention_sensitivity, clip_calibration, gguf_metadata
 from pykvq.allocation import BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, format_allocation, refine
+from pykvq.attention_sensitivity import WidthErrors
 from pykvq.api.capture import AttentionCapture, TensorObserver
 from pykvq.api.llama import ContextConfig, KvConfig, Model
 from pykvq.bindings import native
@@ -24,7 +26,8 @@ log = logging.getLogger("pykvq.calibrate")
 # Each tensor is probed one width up and one down from kivi2 everywhere: budgets around 2 bits, where the
 # choice matters most, land near that point, and costs measured around it add up best there.
 PROBED = ("kivi4", "kivi1")
-REFERENCE = "kivi2"
+REFERENCE = attention_sensitivity.REFERENCE
+SENSITIVITY_SOURCES = ("attention", "measured")
 # Sinks (first tokens kept in fp16) cost a few fp16 cells, yet on some models they decide whether 2-bit K keeps
 # attention sinks intact: the fewest whose KL divergence is within SINKS_TOLERANCE of the best count's
 SINK_CANDIDATES = (0, 1, 2, 4, 8)
@@ -52,13 +55,9 @@ def mean_kld(reference: np.ndarray, other: np.ndarray) -> float:
     return float(np.mean(np.sum(np.exp(reference) * (reference - other), axis=1)))
 
 
-def one_layer_spec(n_layer: int, part: str, layer: int, name: str) -> str:
-    """The reference type everywhere but ``part`` of ``layer``."""
-    other = "v" if part == "k" else "k"
-    rest = [f"{r}={REFERENCE}" for r in ((f"0-{layer - 1}",) if layer > 0 else ())]
-    rest += [f"{layer}={name}"]
-    rest += [f"{layer + 1}-={REFERENCE}"] if layer + 1 < n_layer else []
-    return f"{part}:{','.join(rest)};{other}:*={REFERENCE}"
+def uniform_types(n_layer: int, **by_part: str) -> dict[tuple[str, int], str]:
+    """Each part's one type in every layer (the reference where a part is not given)."""
+    return {(part, il): by_part.get(part, REFERENCE) for part in PARTS for il in range(n_layer)}
 
 
 class Calibrator:
@@ -97,18 +96,50 @@ class Calibrator:
 
     def uniform_clip(self) -> tuple[str, dict[str, dict[float, float]]]:
         """One ratio per part for every layer, by the cache's KL divergence: V's with K unclipped, then K's with
-        V's in place (the two interact); the spec and every divergence measured, per part and ratio."""
+        V's in place (the two interact); the spec and every divergence measured, per part and ratio. Ratios are
+        tried from 1 down until one measures worse than the best so far: the divergence falls as clipping spares
+        the groups' bulk a coarser step, then rises as it cuts their extremes."""
         chosen: dict[str, float] = {}
         klds: dict[str, dict[float, float]] = {}
         for part in ("v", "k"):
-            klds[part] = {r: self.kld("none", clip=uniform_clip_spec({**chosen, part: r}))
-                          for r in tqdm(clip_calibration.RATIOS, unit="ratio", desc=f"clip {part.upper()}")}
+            klds[part] = {}
+            for r in tqdm(clip_calibration.RATIOS, unit="ratio", desc=f"clip {part.upper()}"):
+                klds[part][r] = self.kld("none", clip=uniform_clip_spec({**chosen, part: r}))
+                if klds[part][r] > min(klds[part].values()):
+                    break
             chosen[part] = min(klds[part], key=klds[part].__getitem__)
         return uniform_clip_spec(chosen), klds
 
-    def sensitivities(self) -> list[Sensitivity]:
+    def width_errors(self, ratios: tuple[float, ...] | None = clip_calibration.RATIOS) -> list[WidthErrors]:
+        """Each layer's K and V attention-output error and clip ratio per width (pykvq.attention_sensitivity):
+        kivi2 at the probe's ratios, the other widths at their best among ``ratios`` (None: the probe's too)."""
         n_layer = self.model.n_layer
-        base = self.kld("none")
+        k_clip, v_clip = native.resolve_clip(self.probe.clip, n_layer)
+        with tqdm(total=n_layer, unit="layer", desc="attention errors") as progress:
+            return attention_sensitivity.width_errors(self.capture.layer, n_layer, self.probe.window, self.probe.sinks,
+                                                      {"k": k_clip, "v": v_clip}, ratios, progress.update)
+
+    def mix_kld(self, types: dict[tuple[str, int], str], widths: list[WidthErrors]) -> float:
+        """KL divergence of a mix, each tensor clipped at its width's ratio."""
+        return self.kld(Allocation(types, self.model.n_layer, 0.0).spec(),
+                        clip=attention_sensitivity.clip_spec(widths, types))
+
+    def attention_sensitivities(self, widths: list[WidthErrors]) -> list[Sensitivity]:
+        """The attention errors in KL divergence: each part's scale from one measured mix, that part kivi2 and the
+        other kivi4 everywhere."""
+        other = {"k": "v", "v": "k"}
+        n_layer = self.model.n_layer
+        scale = {}
+        for part in tqdm(PARTS, unit="part", desc="error scale"):
+            kld = self.mix_kld(uniform_types(n_layer, **{part: REFERENCE, other[part]: "kivi4"}), widths)
+            scale[part] = attention_sensitivity.kld_scale(widths, part, kld)
+        return attention_sensitivity.sensitivities(widths, scale)
+
+    def measured_sensitivities(self, widths: list[WidthErrors]) -> list[Sensitivity]:
+        """Each tensor one width up and one down from kivi2 everywhere, measured as a whole mix."""
+        n_layer = self.model.n_layer
+        everywhere = uniform_types(n_layer)
+        base = self.mix_kld(everywhere, widths)
         out = []
         with tqdm(total=len(PARTS) * n_layer * len(PROBED), unit="probe", desc="calibrate") as progress:
             for part in PARTS:
@@ -116,7 +147,7 @@ class Calibrator:
                     cost = {REFERENCE: 0.0}
                     for name in PROBED:
                         progress.set_postfix_str(f"{part}{layer} {name}")
-                        cost[name] = self.kld(one_layer_spec(n_layer, part, layer, name)) - base
+                        cost[name] = self.mix_kld({**everywhere, (part, layer): name}, widths) - base
                         progress.update()
                     out.append(Sensitivity(part, layer, cost))
         return out
@@ -161,25 +192,27 @@ def choose_sinks(klds: dict[int, float]) -> int:
 
 
 def refined(calibrator: Calibrator, start: Allocation, sensitivities: list[Sensitivity], budget: float,
-            max_evaluations: int) -> Refinement:
+            max_evaluations: int, widths: list[WidthErrors]) -> Refinement:
     """The additive choice, then up to ``max_evaluations`` mixes measured from it (pykvq.allocation.refine)."""
     with tqdm(total=1 + max_evaluations, unit="mix", desc="refine") as progress:
-        return refine(start, sensitivities, budget, lambda a: calibrator.kld(a.spec()), 1 + max_evaluations,
-                      progress.update)
+        return refine(start, sensitivities, budget, lambda a: calibrator.mix_kld(a.types, widths),
+                      1 + max_evaluations, progress.update)
 
 
-def metadata(allocation: Allocation, budget: float, sensitivities: list[Sensitivity], text: Path,
-             probe: Probe) -> dict[str, object]:
+def metadata(allocation: Allocation, clip: str, budget: float, sensitivities: list[Sensitivity], source: str,
+             text: Path, probe: Probe) -> dict[str, object]:
     record: dict[str, object] = {
         **gguf_metadata.allocation_fields(allocation.spec(), budget),
+        "kvq.calibration.sensitivity": source,
         "kvq.calibration.text": text.name,
         "kvq.calibration.n_tokens": probe.n_tokens,
         "kvq.calibration.window": probe.window,
         "kvq.calibration.sinks": probe.sinks,
+        "kvq.calibration.kivi2_clip": probe.clip,
         gguf_metadata.KEY_SINKS: probe.sinks,
     }
-    if probe.clip != "none":
-        record[gguf_metadata.KEY_CLIP] = probe.clip
+    if clip != "none":
+        record[gguf_metadata.KEY_CLIP] = clip
     for part in PARTS:
         for name in PROBED:
             record[f"kvq.calibration.kld_{part}_{name}"] = [s.cost[name] for s in sensitivities if s.part == part]
@@ -216,17 +249,25 @@ def run(args: argparse.Namespace) -> int:
             print("kivi2 everywhere, KL divergence against f16 KV by clip ratios: "
                   + ", ".join(f"{spec}: {kld:.4f}" for spec, kld in choice.klds.items())
                   + f" -> --kv-clip '{probe.clip}'")
-        sensitivities = calibrator.sensitivities()
+        # ratios the user gave hold at every width; chosen ones are chosen per width
+        widths = calibrator.width_errors(clip_calibration.RATIOS if args.kv_clip == "auto" else None)
+        if args.sensitivity == "attention":
+            sensitivities = calibrator.attention_sensitivities(widths)
+        else:
+            sensitivities = calibrator.measured_sensitivities(widths)
         additive = allocate(sensitivities, model.n_layer, args.kv_budget)
-        result = refined(calibrator, additive, sensitivities, args.kv_budget, args.refine)
+        result = refined(calibrator, additive, sensitivities, args.kv_budget, args.refine, widths)
     allocation = result.allocation
+    clip = attention_sensitivity.clip_spec(widths, allocation.types)
     print(format_allocation(allocation))
     print(f"mean code bits {allocation.mean_bits:.3f} (budget {args.kv_budget:g}); KL divergence against f16 KV: "
           f"{result.start_measured:.4f} measured for the additive choice (predicted {additive.predicted_cost:+.4f} "
           f"from kivi2 everywhere), {result.measured:.4f} after {result.evaluations - 1} measured mixes")
     print(f"--kv-layers '{allocation.spec()}'")
+    print(f"--kv-clip '{clip}' (each tensor at its width's ratio)")
     gguf_metadata.write_copy(args.model, args.output,
-                             metadata(allocation, args.kv_budget, sensitivities, args.file, probe))
+                             metadata(allocation, clip, args.kv_budget, sensitivities, args.sensitivity, args.file,
+                                      probe))
     print(f"wrote {args.output}")
     return 0
 
@@ -243,10 +284,11 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "calibrate", help="choose per-layer K/V widths for a bit budget and write them into a copy of the model",
         description="Chooses the kivi sinks count (the fewest within 2% of the best KL divergence against f16 "
-                    "KV) and SKVQ's clip ratios for K and V, measures how much each layer's K and V at 4 and at 1 "
-                    "bits, kivi2 elsewhere, changes the output's KL divergence, picks the widths with the least "
-                    "total for the budget and writes them as kvq.kv_layers, kvq.kv_clip and kvq.sinks into a copy "
-                    "of the model, which run then uses.")
+                    "KV) and SKVQ's clip ratios for K and V, finds how much each layer's K and V at 4 and at 1 "
+                    "bits, kivi2 elsewhere, changes the output's KL divergence (from the f16 run's attention, or "
+                    "measured), picks the widths with the least total for the budget, refines them by measuring "
+                    "mixes, and writes them as kvq.kv_layers, kvq.kv_clip and kvq.sinks into a copy of the model, "
+                    "which run then uses.")
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
     p.add_argument("-f", "--file", type=Path, required=True, help="calibration text")
     p.add_argument("-o", "--output", type=Path, required=True, help="the GGUF copy to write")
@@ -265,6 +307,10 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                         "text, and one ratio per part searched by that KL divergence, and keeps the lowest; or give a "
                         "--kv-clip spec or none (default %(default)s); written as the model's kvq.kv_clip and used "
                         "while measuring")
+    p.add_argument("--sensitivity", choices=SENSITIVITY_SOURCES, default="attention",
+                   help="attention: each layer's sensitivities from the f16 run's attention output error at each "
+                        "width, scaled into KL divergence by two measured mixes; measured: each tensor at 4 and "
+                        "1 bits measured with the real cache, 4 x n_layer runs (default %(default)s)")
     p.add_argument("--refine", type=int, default=24,
                    help="mixes measured as a whole after the additive choice, each one step from the best so far; "
                         "0 keeps the additive choice (default %(default)s)")
