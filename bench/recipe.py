@@ -61,7 +61,7 @@ def calibrate(model: Path, n_tokens: int, threads: int, workdir: Path) -> tuple[
               "threads": threads, "summary": stdout.strip().splitlines(),
               **{key: kvq.get(key) for key in (gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_CLIP,
                                                 gguf_metadata.KEY_SINKS, gguf_metadata.KEY_BUDGET,
-                                                "kvq.calibration.kivi2_clip", "kvq.calibration.sensitivity")}}
+                                                gguf_metadata.KEY_KIVI2_CLIP, gguf_metadata.KEY_SENSITIVITY)}}
     return out, record
 
 
@@ -125,7 +125,7 @@ def main() -> None:
     rows = scored(model, ["--kv-types", ",".join(UPSTREAM)], args, args.workdir / f"recipe-{tag}-upstream")
     # kivi2 everywhere with the sinks and the clip ratios calibrated for it; the copy's own kvq.kv_clip is its mix's
     uniform = ["--kv-types", "kivi2", "--kv-sinks", str(calibration[gguf_metadata.KEY_SINKS]),
-               "--kv-clip", calibration["kvq.calibration.kivi2_clip"]]
+               "--kv-clip", calibration[gguf_metadata.KEY_KIVI2_CLIP]]
     mine = scored(model, uniform, args, args.workdir / f"recipe-{tag}-calibrated-kivi2")
     mine += scored(calibrated, ["--kv-types", "", "--kv-layers", calibration[gguf_metadata.KEY_LAYERS]], args,
                    args.workdir / f"recipe-{tag}-calibrated-mix")

@@ -64,6 +64,8 @@ KEY_WINDOW = "kvq.window"
 KEY_SINKS = "kvq.sinks"
 KEY_BUDGET = "kvq.kv_budget"
 KEY_CALIBRATION_TEXT = "kvq.calibration.text"
+KEY_SENSITIVITY = "kvq.calibration.sensitivity"
+KEY_KIVI2_CLIP = "kvq.calibration.kivi2_clip"
 
 # whole-number keys and their largest value: the settings reach llama.cpp's int32 fields
 WHOLE_NUMBERS = {KEY_WINDOW: INT32_MAX, KEY_SINKS: INT32_MAX, "kvq.calibration.window": INT32_MAX,

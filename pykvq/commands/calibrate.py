@@ -203,12 +203,12 @@ def metadata(allocation: Allocation, clip: str, budget: float, sensitivities: li
              text: Path, probe: Probe) -> dict[str, object]:
     record: dict[str, object] = {
         **gguf_metadata.allocation_fields(allocation.spec(), budget),
-        "kvq.calibration.sensitivity": source,
+        gguf_metadata.KEY_SENSITIVITY: source,
         "kvq.calibration.text": text.name,
         "kvq.calibration.n_tokens": probe.n_tokens,
         "kvq.calibration.window": probe.window,
         "kvq.calibration.sinks": probe.sinks,
-        "kvq.calibration.kivi2_clip": probe.clip,
+        gguf_metadata.KEY_KIVI2_CLIP: probe.clip,
         gguf_metadata.KEY_SINKS: probe.sinks,
     }
     if clip != "none":
