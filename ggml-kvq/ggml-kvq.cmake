@@ -20,8 +20,8 @@ if (TARGET ggml-cuda)
     if (PYKVQ_CUBLAS_INCLUDE_DIR)
         target_include_directories(ggml-cuda SYSTEM PRIVATE ${PYKVQ_CUBLAS_INCLUDE_DIR})
     endif()
-    # A CUDA object can pull the static libstdc++.a into libggml-cuda.so; exported, its copies of libstdc++'s
-    # symbols capture libllama's iostream calls (an uninitialised copy: a crash in model load). Keep them local.
+    # Should a static archive (libstdc++.a, cudart_static) still end up in libggml-cuda.so, its symbols stay
+    # local: exported, a copy of libstdc++'s would capture libllama's iostream calls (cmake/pykvq-libstdcxx.cmake).
     target_link_options(ggml-cuda PRIVATE "LINKER:--exclude-libs,ALL")
     target_sources(ggml-cuda PRIVATE
         ${PYKVQ_GGML_KVQ_DIR}/src/cuda/kvq-cuda.cu
