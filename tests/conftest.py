@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pykvq import assets, paths
+from pykvq.devtools import upstream
 
 # test helpers (oracles, the device setting) live next to the tests; importlib mode puts nothing on sys.path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -20,6 +21,9 @@ import kvq_graph as g  # noqa: E402
 from server_process import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+# upstream's tools (llama-perplexity, llama-completion, ... run directly or by pykvq) put every layer on a GPU
+# unless told: they follow the suite's device setting too, except where a test passes its own -ngl
+os.environ.setdefault("LLAMA_ARG_N_GPU_LAYERS", str(device.NGL))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -38,6 +42,17 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def upstream_source() -> upstream.Source:
+    """upstream llama.cpp's source (PYKVQ_UPSTREAM_SOURCE, the cache or pip); a machine without a network and
+    without a copy (the GPU machine) skips the tests that read it."""
+
+    try:
+        return upstream.resolve_source(os.environ.get(upstream.SOURCE_ENV))
+    except upstream.UpstreamError as exc:
+        pytest.skip(f"upstream llama.cpp's source is out of reach: {str(exc).splitlines()[0]}")
 
 
 @pytest.fixture(scope="session")
@@ -65,7 +80,9 @@ def rpc_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log = tmp_path_factory.mktemp("rpc") / "server.log"
     with log.open("w") as out:
-        server = subprocess.Popen([str(paths.tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "2"],
+        # -d CPU: on a CUDA build the server would serve the GPU, and "rpc" would judge the GPU's kernels twice
+        server = subprocess.Popen([str(paths.tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "2",
+                                   "-d", "CPU"],
                                   stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30

@@ -1,6 +1,6 @@
 """The kivi types on the GPU (CUDA builds only): nothing falls back to the CPU, results equal the CPU's, and
-batching does not change the logits there either; for prefill through the fused kernel and through flash
-attention over wide cells (LLAMA_KVQ_FA_PREFILL). Skipped on builds without the CUDA backend.
+batching changes the logits there only as much as f16's own rounding does; for prefill through the fused kernel
+and through flash attention over wide cells (LLAMA_KVQ_FA_PREFILL). Skipped on builds without the CUDA backend.
 
 Runs on random-weight models generated here (pykvq.devtools.random_model), so that it needs nothing fetched: the
 GPU machine has no network and a real model does not travel there."""
@@ -11,7 +11,6 @@ import random
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from pykvq import llama_tools
@@ -72,7 +71,6 @@ def test_nothing_falls_back_to_the_cpu(kv_type: str, model: Path, text: Path, pr
     assert splits(perplexity(model, text, kv_type, "-ngl", "99", "-lv", "4")) <= f16
 
 
-@pytest.mark.parametrize("kv_type", KIVI)
 def kl_divergence(model: Path, text: Path, kv_type: str, base: Path, base_args: list[str], args: list[str]) -> float:
     """Mean KL divergence of a run's token distributions from a base run's; asserts the top tokens agree."""
     perplexity(model, text, kv_type, "--kl-divergence-base", str(base), *base_args)
@@ -91,19 +89,25 @@ def test_gpu_logits_match_the_cpu(kv_type: str, model: Path, text: Path, tmp_pat
     assert kld < (1e-4 if prefill == "fused" else 1e-3)
 
 
-def _log_probs(model: Path, text: Path, kv_type: str, path: Path, *args: str) -> np.ndarray:
-    perplexity(model, text, kv_type, "--kl-divergence-base", str(path), *args)
-    return np.frombuffer(path.read_bytes(), dtype=np.uint8)
+def within_f16s_own_change(model: Path, text: Path, kv_type: str, tmp_path: Path, base_args: list[str],
+                           args: list[str]) -> None:
+    """cuBLAS picks its matmul kernels by shape, so on a GPU no KV type, f16 included, keeps bit-equal logits when
+    the batches change shape; a kivi type may add the codes that those roundings flip, and nothing of its own:
+    its KL divergence between the two shapes stays at rounding level (1e-3, the flash prefill's bar) or within
+    10x f16's between the same two shapes."""
+    tmp_path.mkdir(exist_ok=True)
+    f16 = kl_divergence(model, text, "f16", tmp_path / "f16.bin", base_args, args)
+    kivi = kl_divergence(model, text, kv_type, tmp_path / f"{kv_type}.bin", base_args, args)
+    assert kivi < max(1e-3, 10 * f16), f"{kv_type}: KL divergence {kivi:.2e} between the shapes, f16's {f16:.2e}"
 
 
 @pytest.mark.parametrize("kv_type", KIVI)
-def test_batching_does_not_change_gpu_logits(kv_type: str, model: Path, text: Path, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batching_changes_gpu_logits_as_f16s_rounding_does(kv_type: str, model: Path, text: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL["fused"])
-    whole = _log_probs(model, text, kv_type, tmp_path / "ub512.bin", "-ngl", "99", "-ub", str(CTX))
     for ubatch in ("37", "1"):
-        other = _log_probs(model, text, kv_type, tmp_path / f"ub{ubatch}.bin", "-ngl", "99", "-ub", ubatch)
-        assert np.array_equal(other, whole), f"-ub {ubatch} changed the logits"
+        within_f16s_own_change(model, text, kv_type, tmp_path / f"ub{ubatch}", ["-ngl", "99", "-ub", str(CTX)],
+                               ["-ngl", "99", "-ub", ubatch])
 
 
 @pytest.mark.parametrize("kv_type", KIVI)
@@ -119,12 +123,10 @@ def test_flash_prefill_batching_changes_gpu_logits_by_rounding_only(kv_type: str
 
 
 @pytest.mark.parametrize("kv_type", KIVI)
-def test_sequences_in_one_batch_give_the_logits_of_one_on_gpu(kv_type: str, model: Path, text: Path,
-                                                               tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """-b 2*c: llama-perplexity decodes two chunks as two sequences (per-sequence streams) in the same batches;
-    through the fused kernel each chunk's logits must equal those of the chunk decoded alone."""
+def test_sequences_in_one_batch_change_gpu_logits_as_f16s_rounding_does(kv_type: str, model: Path, text: Path,
+                                                                       tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """-b 2*c: llama-perplexity decodes two chunks as two sequences (per-sequence streams) in the same batches,
+    through the fused kernel."""
     monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL["fused"])
-    one = _log_probs(model, text, kv_type, tmp_path / "seq1.bin", "-ngl", "99")
-    two = _log_probs(model, text, kv_type, tmp_path / "seq2.bin", "-ngl", "99", "-b", str(2 * CTX))
-    assert np.array_equal(two, one), "two sequences per batch changed the logits"
+    within_f16s_own_change(model, text, kv_type, tmp_path, ["-ngl", "99"], ["-ngl", "99", "-b", str(2 * CTX)])

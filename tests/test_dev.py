@@ -12,7 +12,7 @@ from pykvq.devtools import dev, upstream
 
 
 @pytest.fixture
-def checkout(tmp_path: Path, repo: Path) -> Path:
+def checkout(tmp_path: Path, repo: Path, upstream_source: upstream.Source) -> Path:
     """A copy of this checkout's patch series, so that exporting never touches the real one."""
     copy = tmp_path / "checkout"
     for d in (*upstream.PATCH_DIRS, "pykvq"):
@@ -58,7 +58,8 @@ def test_export_refuses_a_commit_spanning_ggml_and_llama(checkout: Path, tmp_pat
     assert dev.main(["--repo", str(checkout), "export", str(tree)]) == 1
 
 
-def test_pruned_prepatched_tree_fits_the_gpu_machine(repo: Path, tmp_path: Path) -> None:
+def test_pruned_prepatched_tree_fits_the_gpu_machine(repo: Path, tmp_path: Path,
+                                                     upstream_source: upstream.Source) -> None:
     dest = tmp_path / "prepatched"
     assert dev.main(["--repo", str(repo), "prune", str(dest)]) == 0
     marker = json.loads((dest / upstream.PATCHED_MARKER).read_text())

