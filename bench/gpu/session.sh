@@ -24,6 +24,8 @@ SITE=$WORK/site
 STEPS=${PYKVQ_GPU_STEPS:-"build diagnose smoke suite control bench"}
 # the suite's tests spread over this many pytest-xdist workers, each with its share of the cores (tests/conftest.py)
 WORKERS=${PYKVQ_GPU_WORKERS:-8}
+# later commands (poll, status) report the steps the chain was started with
+[ -z "${PYKVQ_GPU_STEPS:-}" ] && [ -f /tmp/pykvq-gpu/steps ] && STEPS=$(cat /tmp/pykvq-gpu/steps)
 OUT=${OUT:-$WORK/out}
 export PYKVQ_CACHE_DIR=$WORK/cache
 export PYTHONPATH=$SITE
@@ -101,7 +103,7 @@ EOF
     return $problems
 }
 
-# pytest's summary as JSON: the GPU, passed, failed, skipped and the failing tests' names
+# pytest's summary as JSON: the GPU, passed, failed, skipped and each failing test with its message
 run_suite() {
     local name=$1
     shift
@@ -116,7 +118,10 @@ import xml.etree.ElementTree as ET
 root = ET.parse(sys.argv[1]).getroot()
 suite = root if root.tag == "testsuite" else root.find("testsuite")
 cases = suite.findall("testcase")
-failed = [f"{c.get('classname')}::{c.get('name')}" for c in cases if c.find("failure") is not None or c.find("error") is not None]
+def reason(case):
+    found = case.find("failure") if case.find("failure") is not None else case.find("error")
+    return None if found is None else (found.get("message") or found.text or "").strip()[:400]
+failed = {f"{c.get('classname')}::{c.get('name')}": reason(c) for c in cases if reason(c) is not None}
 skipped = sum(c.find("skipped") is not None for c in cases)
 json.dump({"gpu": sys.argv[3], "settings": sys.argv[4], "tests": len(cases), "passed": len(cases) - len(failed) - skipped,
            "failed": len(failed), "skipped": skipped, "seconds": float(suite.get("time", 0)), "failures": failed},
@@ -240,6 +245,7 @@ case "${1:-}" in
     start)
         mkdir -p "$WORK"
         [ -f "$WORK/chain.pid" ] && { echo "already started: poll instead" >&2; exit 2; }
+        echo "$STEPS" > "$WORK/steps"
         install_wheels || exit 1
         take_asset_parts
         setsid nohup bash "$0" chain > "$WORK/chain.log" 2>&1 < /dev/null &
