@@ -75,7 +75,7 @@ def test_kivi_on_both_caches_is_close_to_f16(gemma3: Model, tokens: list[int], f
 
 def test_batching_does_not_change_logits(gemma3: Model, tokens: list[int]) -> None:
     kv = KvConfig.preset("kivi2", window=32, sinks=4)
-    np.testing.assert_array_equal(logits(gemma3, kv, tokens), logits(gemma3, kv, tokens, n_ubatch=37))
+    device.assert_same_logits(logits(gemma3, kv, tokens), logits(gemma3, kv, tokens, n_ubatch=37))
 
 
 def test_the_sliding_window_cache_takes_its_own_type(gemma3: Model) -> None:
@@ -125,7 +125,7 @@ def test_state_round_trip_continues_exactly(gemma3: Model, tokens: list[int]) ->
     with gemma3.context(config) as second:
         second.load_state(state)
         assert second.n_past == 250
-        np.testing.assert_array_equal(second.eval(tokens[250:300], all_logits=True), expected)
+        device.assert_same_logits(second.eval(tokens[250:300], all_logits=True), expected)
 
 
 @pytest.mark.parametrize("type_swa", [None, "f16"], ids=["kivi-swa", "f16-swa"])
@@ -143,7 +143,7 @@ def test_a_refused_state_leaves_neither_cache_half_restored(gemma3: Model, token
         with pytest.raises(LlamaError, match="cannot load the state"):
             ctx.load_state(state[:int(len(state) * part)])
         assert ctx.n_past == 0
-        np.testing.assert_array_equal(ctx.eval(tokens[:60], all_logits=True), fresh.eval(tokens[:60], all_logits=True))
+        device.assert_same_logits(ctx.eval(tokens[:60], all_logits=True), fresh.eval(tokens[:60], all_logits=True))
 
 
 def test_an_unknown_sliding_window_type_is_refused(gemma3: Model) -> None:
@@ -189,7 +189,7 @@ def test_a_refused_removal_leaves_both_caches_as_they_were(gemma3: Model, tokens
         with pytest.raises(LlamaError, match="cannot remove"):
             ctx.truncate(100)
         ctx.truncate(299)
-        np.testing.assert_array_equal(ctx.eval(tokens[299:340], all_logits=True),
+        device.assert_same_logits(ctx.eval(tokens[299:340], all_logits=True),
                                       twin.eval(tokens[299:340], all_logits=True))
 
 
@@ -207,7 +207,7 @@ def test_sequences_of_one_context_attend_as_alone(gemma3: Model, tokens: list[in
         got = ctx.eval_seqs({0: a, 1: b})
         assert ctx.memory().swa_n_cells == 2 * (512 if n_ubatch == 512 else 192)
     for seq, feed in ((0, a), (1, b)):
-        np.testing.assert_array_equal(got[seq], logits(gemma3, kv, feed, n_ubatch=n_ubatch)[-1])
+        device.assert_same_logits(got[seq], logits(gemma3, kv, feed, n_ubatch=n_ubatch)[-1])
 
 
 def test_llama_cpp_python_takes_kv_type_swa(gemma3_path: Path, gemma3: Model, tokens: list[int]) -> None:
@@ -221,7 +221,7 @@ def test_llama_cpp_python_takes_kv_type_swa(gemma3_path: Path, gemma3: Model, to
     try:
         llm.eval(tokens[:100])
         ours = logits(gemma3, KvConfig("kivi2", "kivi2", window=32, type_swa="f16"), tokens[:100])
-        np.testing.assert_array_equal(np.asarray(llm.scores[:100]), ours)
+        device.assert_same_logits(np.asarray(llm.scores[:100]), ours)
     finally:
         llm.close()
 
@@ -231,7 +231,7 @@ def test_per_layer_types_address_the_layers_of_both_caches(gemma3: Model, tokens
     --kv-type-swa, bit for bit and byte for byte."""
     by_layers = KvConfig("kivi2", "kivi2", window=32, layers="k:0-4=q8_0,5=kivi2;v:0-4=q8_0,5=kivi2")
     by_swa_type = KvConfig("kivi2", "kivi2", window=32, type_swa="q8_0")
-    np.testing.assert_array_equal(logits(gemma3, by_layers, tokens), logits(gemma3, by_swa_type, tokens))
+    device.assert_same_logits(logits(gemma3, by_layers, tokens), logits(gemma3, by_swa_type, tokens))
     memory = {}
     for name, kv in (("layers", by_layers), ("swa type", by_swa_type)):
         with gemma3.context(device.context_config(n_ctx=2048, n_threads=2, kv=kv, flash_attn="on")) as ctx:
@@ -252,7 +252,7 @@ def test_a_refused_copy_is_made_in_neither_cache(gemma3: Model, tokens: list[int
             ctx.seq_cp(0, 1, 50, -1)
         assert ctx.seq_len(1) == 0
         got = ctx.eval_seqs({1: tokens[200:260]})[1]
-    np.testing.assert_array_equal(got, logits(gemma3, kv, tokens[200:260])[-1])
+    device.assert_same_logits(got, logits(gemma3, kv, tokens[200:260])[-1])
 
 
 @pytest.mark.parametrize("type_swa", [None, "f16"], ids=["kivi-swa", "f16-swa"])
@@ -265,7 +265,7 @@ def test_a_sequence_state_round_trip_continues_exactly(gemma3: Model, tokens: li
         ctx.eval_seqs({0: tokens[:250]})
         state = ctx.save_seq_state(0)
         other.load_seq_state(state, 1)
-        np.testing.assert_array_equal(other.eval_seqs({1: tokens[250:280]})[1], ctx.eval_seqs({0: tokens[250:280]})[0])
+        device.assert_same_logits(other.eval_seqs({1: tokens[250:280]})[1], ctx.eval_seqs({0: tokens[250:280]})[0])
 
 
 def test_inspect_says_the_model_has_sliding_window_layers(gemma3_path: Path) -> None:
@@ -290,8 +290,8 @@ def test_cells_that_leave_the_window_are_dropped_exactly(gemma3: Model, tokens: 
             prefill = ctx.eval(tokens[:300], all_logits=True)
             decode = [ctx.eval([t]) for t in tokens[300:340]]
             got[swa_full] = (prefill, np.stack(decode), ctx.memory())
-    np.testing.assert_array_equal(got[False][0], got[True][0])
-    np.testing.assert_array_equal(got[False][1], got[True][1])
+    device.assert_same_logits(got[False][0], got[True][0])
+    device.assert_same_logits(got[False][1], got[True][1])
     assert (got[False][2].swa_n_cells, got[True][2].swa_n_cells) == (192 if rollback == 0 else 320, N_CTX)
 
 
@@ -307,7 +307,7 @@ def test_a_removal_after_drops_continues_exactly(gemma3: Model, tokens: list[int
         ctx.eval(tokens[:300])
         twin.eval(tokens[:kept])
         ctx.truncate(kept)
-        np.testing.assert_array_equal(ctx.eval(tokens[kept:300], all_logits=True),
+        device.assert_same_logits(ctx.eval(tokens[kept:300], all_logits=True),
                                       twin.eval(tokens[kept:300], all_logits=True))
         with pytest.raises(LlamaError, match="cannot remove"):
             ctx.truncate(200)
@@ -323,8 +323,8 @@ def test_a_state_saved_after_drops_continues_exactly(gemma3: Model, tokens: list
         second.load_state(first.save_state())
         third.load_seq_state(first.save_seq_state(0), 1)
         want = first.eval_seqs({0: tokens[300:330]})[0]
-        np.testing.assert_array_equal(second.eval_seqs({0: tokens[300:330]})[0], want)
-        np.testing.assert_array_equal(third.eval_seqs({1: tokens[300:330]})[1], want)
+        device.assert_same_logits(second.eval_seqs({0: tokens[300:330]})[0], want)
+        device.assert_same_logits(third.eval_seqs({1: tokens[300:330]})[1], want)
 
 
 def test_a_removal_reaching_past_the_dropped_cells_is_refused(gemma3: Model, tokens: list[int]) -> None:
@@ -339,7 +339,7 @@ def test_a_removal_reaching_past_the_dropped_cells_is_refused(gemma3: Model, tok
         with pytest.raises(LlamaError, match="left the window and were dropped"):
             ctx.truncate(100)
         assert ctx.n_past == 300
-        np.testing.assert_array_equal(ctx.eval(tokens[300:310], all_logits=True),
+        device.assert_same_logits(ctx.eval(tokens[300:310], all_logits=True),
                                       twin.eval(tokens[300:310], all_logits=True))
         ctx.truncate(0)
         assert ctx.n_past == 0
@@ -357,5 +357,5 @@ def test_prompt_selection_keeps_its_share_of_the_global_cache(gemma3: Model, tok
 
     plain, every, half = (prompt_then_continuation(select) for select in (None, (0.5, 0.5), (0.25, 0.25)))
     assert plain[0] == every[0] == 300 and half[0] == 150
-    np.testing.assert_array_equal(every[1], plain[1])
+    device.assert_same_logits(every[1], plain[1])
     assert not np.array_equal(half[1], plain[1])

@@ -17,6 +17,8 @@ from pykvq import ContextConfig, KvConfig, LlamaError, Model, Sampler, SamplerSe
 from pykvq.llama_tools import run_tool
 from pykvq.kv_types import Selection
 
+import device
+
 N_PROMPT = 600
 N_CONT = 40
 
@@ -54,8 +56,8 @@ def test_keeping_every_token_is_plain_kivi2(model: Model, tokens: list[int]) -> 
     plain = prompt_then_continuation(model, tokens, None)
     kept = prompt_then_continuation(model, tokens, (0.5, 0.5))
     assert kept[2] == plain[2] == N_PROMPT
-    np.testing.assert_array_equal(kept[0], plain[0])
-    np.testing.assert_array_equal(kept[1], plain[1])
+    device.assert_same_logits(kept[0], plain[0])
+    device.assert_same_logits(kept[1], plain[1])
 
 
 @pytest.mark.parametrize("select, sinks", [((0.25, 0.25), 0), ((0.125, 0.125), 4)])
@@ -64,7 +66,7 @@ def test_selection_keeps_its_share_and_continues(model: Model, tokens: list[int]
     last, cont, held = prompt_then_continuation(model, tokens, select, sinks=sinks)
     assert held == sinks + round(select[0] * N_PROMPT) + round(select[1] * N_PROMPT)
     # the prompt's own attention reads the whole prompt: its last logits are plain kivi2's
-    np.testing.assert_array_equal(last, plain[0])
+    device.assert_same_logits(last, plain[0])
     # the continuation reads only the kept tokens: different, and still the model's text
     assert not np.array_equal(cont, plain[1])
     targets = tokens[N_PROMPT + 1:]
@@ -85,11 +87,11 @@ def test_an_observation_window_scores_with_the_prompts_last_queries(model: Model
     # the kernels' sums over the last queries are judged in test_kvq_score.py; here the selection they feed: keeping
     # every token is still plain kivi2, and a short window picks other heavy hitters, keeping as many cells
     plain = prompt_then_continuation(model, tokens, None)
-    np.testing.assert_array_equal(prompt_then_continuation(model, tokens, (0.5, 0.5, 16))[1], plain[1])
+    device.assert_same_logits(prompt_then_continuation(model, tokens, (0.5, 0.5, 16))[1], plain[1])
     every = prompt_then_continuation(model, tokens, (0.25, 0.25, 0))
     last = prompt_then_continuation(model, tokens, (0.25, 0.25, 16))
     assert last[2] == every[2] == N_PROMPT // 2
-    np.testing.assert_array_equal(last[0], every[0])
+    device.assert_same_logits(last[0], every[0])
     assert not np.array_equal(last[1], every[1])
     # a window of every query differs from 0 by SnapKV's pooling alone
     assert not np.array_equal(prompt_then_continuation(model, tokens, (0.25, 0.25, N_PROMPT))[1], every[1])
@@ -103,7 +105,7 @@ def test_state_after_selection_continues_exactly(model: Model, tokens: list[int]
     with context(model, (0.25, 0.25)) as ctx:
         ctx.load_state(state)
         assert ctx.seq_cells(0) == 300 and ctx.seq_len(0) == N_PROMPT
-        np.testing.assert_array_equal(ctx.eval(tokens[N_PROMPT:], all_logits=True), expected)
+        device.assert_same_logits(ctx.eval(tokens[N_PROMPT:], all_logits=True), expected)
 
 
 def test_a_later_batch_of_the_same_sequence_is_not_selected(model: Model, tokens: list[int]) -> None:

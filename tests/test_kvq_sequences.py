@@ -25,9 +25,8 @@ KV_IDS = ["kivi2-w32-s4", "asymkv-w16"]
 Q8_FIRST = KvConfig("kivi2", "kivi2", window=32, layers="k:0=q8_0,1-=kivi2;v:0=q8_0,1-=kivi2")
 
 # The kivi kernels compute a query's row from its own sequence's data alone, in the same order whatever else
-# is in the batch, and the model's other ops are row-wise: a sequence decoded next to others gives the bits
-# it gives alone (measured: max |difference| 0.0 for all of the cases below).
-RTOL = 0.0
+# is in the batch, and the CPU's other ops are row-wise: there a sequence decoded next to others gives the bits
+# it gives alone (measured: max |difference| 0.0 for all of the cases below); device.assert_same_logits.
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +57,6 @@ def alone(model: Model, kv: KvConfig, tokens: list[int], steps: int = 0) -> list
     return out
 
 
-def assert_same(got: np.ndarray, want: np.ndarray) -> None:
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=0.0)
-
-
 @LAYOUTS
 @pytest.mark.parametrize("n_seq", [2, 3, 4])
 @pytest.mark.parametrize("kv", KVS, ids=KV_IDS)
@@ -81,7 +76,7 @@ def test_sequences_decoded_together_equal_each_alone(model: Model, texts: list[l
     for s in range(n_seq):
         want = alone(model, kv, texts[s][:prompts[s] + steps], steps)
         for g, w in zip(got[s], want, strict=True):
-            assert_same(g, w)
+            device.assert_same_logits(g, w)
 
 
 @LAYOUTS
@@ -94,7 +89,7 @@ def test_decoding_b_never_changes_a(model: Model, texts: list[list[int]], kv: Kv
             ctx.eval_seqs({1: b[i * 60:(i + 1) * 60]})  # B alone: prefill, seals its own tiles
             got.append(ctx.eval_seqs({0: [a[50 + i]]})[0])
     for g, w in zip(got, alone(model, kv, a[:53], 3), strict=True):
-        assert_same(g, w)
+        device.assert_same_logits(g, w)
 
 
 def removable_suffix(kv: KvConfig, n: int, r: int) -> bool:
@@ -121,9 +116,9 @@ def test_suffix_removal_of_one_sequence_equals_a_fresh_context(model: Model, tex
         with pytest.raises(LlamaError, match="cannot remove"):
             ctx.seq_rm(1, 50)  # deeper than the slack: refused, B untouched
         got_b = ctx.eval_seqs({1: b[95:97]})[1]
-    assert_same(got[0], alone(model, kv, a[:100 - removable] + new)[0])
-    assert_same(got[1], alone(model, kv, b[:95])[0])
-    assert_same(got_b, alone(model, kv, b[:97])[0])
+    device.assert_same_logits(got[0], alone(model, kv, a[:100 - removable] + new)[0])
+    device.assert_same_logits(got[1], alone(model, kv, b[:95])[0])
+    device.assert_same_logits(got_b, alone(model, kv, b[:97])[0])
 
 
 @LAYOUTS
@@ -139,7 +134,7 @@ def test_copied_sequences_diverge_as_fresh_runs(model: Model, texts: list[list[i
         assert [ctx.seq_len(s) for s in range(3)] == [77, 77, 77]
         got = ctx.eval_seqs({s: conts[s] for s in range(3)})
     for s in range(3):
-        assert_same(got[s], alone(model, kv, prompt + conts[s])[0])
+        device.assert_same_logits(got[s], alone(model, kv, prompt + conts[s])[0])
 
 
 @LAYOUTS
@@ -158,7 +153,7 @@ def test_a_copy_saved_before_the_next_decode_carries_its_data(model: Model, text
         ctx.seq_cp(0, 1)
         ctx.load_seq_state(copied, 1)
         got = ctx.eval_seqs({1: cont})[1]
-    assert_same(got, alone(model, kv, prompt + cont)[0])
+    device.assert_same_logits(got, alone(model, kv, prompt + cont)[0])
 
 
 @LAYOUTS
@@ -173,9 +168,9 @@ def test_a_cleared_sequence_reuses_its_stream(model: Model, texts: list[list[int
         got = ctx.eval_seqs({0: a[80:90], 1: c[:60]})
         ctx.seq_keep(1)  # keeps C (per-sequence streams: the other streams are untouched)
         got_c = ctx.eval_seqs({1: c[60:64]})[1]
-    assert_same(got[0], alone(model, kv, a[:90])[0])
-    assert_same(got[1], alone(model, kv, c[:60])[0])
-    assert_same(got_c, alone(model, kv, c[:64])[0])
+    device.assert_same_logits(got[0], alone(model, kv, a[:90])[0])
+    device.assert_same_logits(got[1], alone(model, kv, c[:60])[0])
+    device.assert_same_logits(got_c, alone(model, kv, c[:64])[0])
 
 
 @LAYOUTS
@@ -190,8 +185,8 @@ def test_one_sequence_state_round_trip(model: Model, texts: list[list[int]], kv:
         ctx.load_seq_state(state, 0)  # B's state into the other stream, next to another sequence
         assert (ctx.seq_len(0), ctx.seq_len(1)) == (111, 30)
         got = ctx.eval_seqs({0: b[111:120], 1: a[30:40]})
-    assert_same(got[0], alone(model, kv, b[:120])[0])
-    assert_same(got[1], alone(model, kv, a[:40])[0])
+    device.assert_same_logits(got[0], alone(model, kv, b[:120])[0])
+    device.assert_same_logits(got[1], alone(model, kv, a[:40])[0])
 
 
 @LAYOUTS
@@ -239,7 +234,7 @@ def test_random_edits_of_three_sequences_equal_fresh_runs(model: Model, texts: l
             assert [ctx.seq_len(s) for s in range(3)] == [len(h) for h in history]
     assert len(checks) >= 5
     for tokens, logits in checks:
-        assert_same(logits, alone(model, kv, tokens)[0])
+        device.assert_same_logits(logits, alone(model, kv, tokens)[0])
 
 
 @LAYOUTS
@@ -252,8 +247,8 @@ def test_whole_state_of_several_sequences_round_trips(model: Model, texts: list[
         ctx.load_state(state)
         assert (ctx.seq_len(0), ctx.seq_len(1)) == (60, 111)
         got = ctx.eval_seqs({0: a[60:70], 1: b[111:120]})
-    assert_same(got[0], alone(model, ASYMKV, a[:70])[0])
-    assert_same(got[1], alone(model, ASYMKV, b[:120])[0])
+    device.assert_same_logits(got[0], alone(model, ASYMKV, a[:70])[0])
+    device.assert_same_logits(got[1], alone(model, ASYMKV, b[:120])[0])
 
 
 def decode_token(ctx: Context, token: int, pos: int, seqs: list[int]) -> int:
@@ -292,8 +287,8 @@ def test_a_unified_cache_refuses_what_it_cannot_keep_apart(model: Model, texts: 
             ctx.seq_cp(0, 1, 10, -1)
         assert (ctx.seq_len(0), ctx.seq_len(1)) == (n_region - 8, 0)
         got = ctx.eval_seqs({0: a[n_region - 8:n_region - 2], 1: a[:30]})
-    assert_same(got[0], alone(model, KIVI2, a[:n_region - 2])[0])
-    assert_same(got[1], alone(model, KIVI2, a[:30])[0])
+    device.assert_same_logits(got[0], alone(model, KIVI2, a[:n_region - 2])[0])
+    device.assert_same_logits(got[1], alone(model, KIVI2, a[:30])[0])
 
 
 def test_an_evaluation_past_a_sequence_s_region_is_refused_before_any_batch(model: Model,
@@ -315,7 +310,7 @@ def test_an_evaluation_past_a_sequence_s_region_is_refused_before_any_batch(mode
         assert any("sequence 0 is full: a unified kivi cache gives each of its 2 sequences 128 cells" in p
                    for p in sink().take_problems())
         assert ctx.seq_len(0) == 128
-    assert_same(got, alone(model, KvConfig.preset("kivi1"), a[:100])[0])
+    device.assert_same_logits(got, alone(model, KvConfig.preset("kivi1"), a[:100])[0])
 
 
 def test_a_unified_cache_wider_than_its_regions_decodes_each_sequence_as_alone(model: Model,
@@ -327,7 +322,7 @@ def test_a_unified_cache_wider_than_its_regions_decodes_each_sequence_as_alone(m
         assert ctx.n_seq_cells == 64
         got = ctx.eval_seqs({s: texts[s][:40] for s in range(3)})
     for s in range(3):
-        assert_same(got[s], alone(model, KIVI2, texts[s][:40])[0])
+        device.assert_same_logits(got[s], alone(model, KIVI2, texts[s][:40])[0])
 
 
 def test_a_unified_cache_too_small_for_its_sequences_is_refused(model: Model) -> None:
@@ -344,7 +339,7 @@ def test_a_prefix_copy_in_a_unified_cache_equals_a_fresh_run(model: Model, texts
         ctx.seq_cp(0, 1, 0, keep)
         assert (ctx.seq_len(0), ctx.seq_len(1)) == (77, keep)
         got = ctx.eval_seqs({1: cont})[1]
-    assert_same(got, alone(model, KIVI2, prompt[:keep] + cont)[0])
+    device.assert_same_logits(got, alone(model, KIVI2, prompt[:keep] + cont)[0])
 
 
 @pytest.mark.parametrize("layout", [[], ["--kv-unified"]], ids=["streams", "unified"])

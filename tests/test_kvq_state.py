@@ -53,7 +53,7 @@ def test_state_round_trip_continues_as_if_never_saved(model: Model, tokens: list
         second.load_state(state)
         assert second.n_past == split
         resumed = second.eval(tokens[split:], all_logits=True)
-    np.testing.assert_array_equal(resumed, fresh_logits(model, kv, tokens, splits=(split,))[split:])
+    device.assert_same_logits(resumed, fresh_logits(model, kv, tokens, splits=(split,))[split:])
 
 
 @pytest.mark.parametrize("other", [KvConfig.preset("kivi2", window=32, sinks=4),
@@ -78,7 +78,7 @@ def test_a_window_or_sink_count_past_the_context_is_bounded_by_it(model: Model, 
     with context(model, whole) as ctx:
         want, whole_memory = ctx.eval(tokens[:300], all_logits=True), ctx.memory()
     assert memory.bytes == whole_memory.bytes
-    np.testing.assert_array_equal(got, want)
+    device.assert_same_logits(got, want)
 
 
 def save_session_file(ctx, path: Path, tokens: list[int]) -> bool:
@@ -119,7 +119,7 @@ def test_after_a_refused_load_the_positions_follow_the_cache(model: Model, token
         held = second.seq_len(0)
         assert second.n_past == held
         got = second.eval(tokens[held:held + 10], all_logits=True)
-    np.testing.assert_array_equal(got, fresh_logits(model, other, tokens[:held + 10], (held,) if held else ())[held:])
+    device.assert_same_logits(got, fresh_logits(model, other, tokens[:held + 10], (held,) if held else ())[held:])
 
 
 # where the first layer's saved K/V type ids sit: after the kivi block header ("KVQ3", n_layer, window, sinks,
@@ -156,7 +156,7 @@ def test_the_rotation_follows_the_layer_types_not_the_context_type(model: Model,
     with context(model, b) as second:
         second.load_state(state)
         got = second.eval(tokens[100:110], all_logits=True)
-    np.testing.assert_array_equal(got, want)
+    device.assert_same_logits(got, want)
 
 
 @pytest.mark.parametrize("bad_id", [999, -5, 4], ids=["past-the-end", "negative", "removed-type"])
@@ -186,7 +186,7 @@ def test_removing_a_suffix_equals_a_fresh_context(model: Model, tokens: list[int
         ctx.eval(tokens[:keep + removed])
         ctx.truncate(keep)
         continued = ctx.eval(tokens[keep:600], all_logits=True)
-    np.testing.assert_array_equal(continued, fresh_logits(model, kv, tokens[:600])[keep:])
+    device.assert_same_logits(continued, fresh_logits(model, kv, tokens[:600])[keep:])
 
 
 def test_a_removal_deeper_than_the_window_slack_is_refused(model: Model, tokens: list[int]) -> None:
@@ -195,7 +195,7 @@ def test_a_removal_deeper_than_the_window_slack_is_refused(model: Model, tokens:
         with pytest.raises(LlamaError, match=r"with window 128 only the last 1 or fewer tokens"):
             ctx.truncate(390)
         ctx.truncate(0)  # everything: always possible
-        np.testing.assert_array_equal(ctx.eval(tokens[:200], all_logits=True),
+        device.assert_same_logits(ctx.eval(tokens[:200], all_logits=True),
                                       fresh_logits(model, KvConfig.preset("kivi2", window=128), tokens[:200]))
 
 
@@ -208,7 +208,7 @@ def test_rollback_widens_what_can_be_removed(model: Model, tokens: list[int]) ->
             ctx.truncate(400 - 34)
         ctx.truncate(400 - 33)
         continued = ctx.eval(tokens[367:450], all_logits=True)
-    np.testing.assert_array_equal(continued, fresh_logits(model, kv, tokens[:450])[367:])
+    device.assert_same_logits(continued, fresh_logits(model, kv, tokens[:450])[367:])
 
 
 def test_rollback_costs_its_fp16_cells(model: Model) -> None:
@@ -236,7 +236,7 @@ def test_speculative_decoding_pattern_is_exact(model: Model, tokens: list[int], 
             step = int(rng.integers(1, 8))
             last = ctx.eval(tokens[accepted:accepted + step])
             accepted += step
-    np.testing.assert_array_equal(last, fresh_logits(model, kv, tokens[:accepted])[-1])
+    device.assert_same_logits(last, fresh_logits(model, kv, tokens[:accepted])[-1])
 
 
 def test_context_shift_is_off_for_kivi_caches(model: Model, smollm2: Path) -> None:
@@ -298,5 +298,5 @@ def test_a_state_saved_right_after_a_copy_holds_the_copied_sequence(model: Model
         ctx.eval_seqs({0: tokens[:100]})
         ctx.seq_cp(0, 1)
         loaded.load_state(ctx.save_state())
-        np.testing.assert_array_equal(loaded.eval_seqs({1: tokens[100:120]})[1],
+        device.assert_same_logits(loaded.eval_seqs({1: tokens[100:120]})[1],
                                       ctx.eval_seqs({1: tokens[100:120]})[1])
