@@ -139,6 +139,19 @@ def pre_rope_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def v_reorder_table(path: Path) -> str:
+    record = json.loads(path.read_text())
+    first = record["models"][0]
+    lines = [f"V channel order for per-token groups (K fp16, order from {first['calibration_text']}, window "
+             f"{first['window']}, sinks {first['sinks']}, PPL of the second half of {first['tokens']} tokens of "
+             f"{first['text']}, outside the kernels: bench/v_reorder.py):", "",
+             "| model | V | PPL | ΔPPL vs f16 |", "| --- | --- | ---: | ---: |"]
+    for m in record["models"]:
+        for r in m["rows"]:
+            lines.append(f"| {m['model']} | {r['setting']} | {r['ppl']:.2f} | {r['delta_pct']:+.1f}% |")
+    return "\n".join(lines)
+
+
 def skvq_clip_table(path: Path) -> str:
     record = json.loads(path.read_text())
     first = record["models"][0]
@@ -236,6 +249,7 @@ def render() -> str:
     parts += [passkey_table(p) for p in sorted(RESULTS.glob("passkey-*.json"))]
     parts += [pre_rope_table(p) for p in sorted(RESULTS.glob("pre-rope-k*.json"))]
     parts += [skvq_clip_table(p) for p in sorted(RESULTS.glob("skvq-clip*.json"))]
+    parts += [v_reorder_table(p) for p in sorted(RESULTS.glob("v-reorder*.json"))]
     parts += [minikv_table(p) for p in sorted(RESULTS.glob("minikv-*.json"))]
     parts += [kv_clip_table(p) for p in sorted(RESULTS.glob("kv-clip-*.json"))]
     parts += [recipe_table(p) for p in sorted(RESULTS.glob("recipe-*.json"))]

@@ -9,9 +9,10 @@ permutation into W_v and its inverse into W_o. Measured outside the kernels firs
 model (transformers loads the GGUF): each layer's V channel statistics from a calibration text (Macbeth), one
 permutation per layer and KV head that sorts the channels by a statistic (their RMS, or their mean) so that each
 group of 32 takes neighbours in that order; then PPL over the second half of a different text (Hamlet) with the
-cache's contract (convert/kv_calibration.kivi_attention), V quantized in natural or permuted order, K in fp16 so
-that V alone is judged. Writes bench/results/v-reorder.json and .png and prints a table with the share of V's
-loss that the better order removes.
+cache's contract (convert/kv_calibration.kivi_attention), V quantized in natural or permuted order, or centered
+(each channel's calibration mean out before quantization, back after), K in fp16 so that V alone is judged.
+Writes bench/results/v-reorder.json and .png and prints a table with the share of V's loss that the better order
+removes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from pykvq.convert.kv_calibration import fake_quantize, kivi_attention
 
 log = logging.getLogger("v_reorder")
 ATTENTION_NAME = "pykvq_v_reorder_study"
-ORDERS = ("natural", "rms", "mean")
+# "centered": natural order, each channel's calibration mean taken out before quantization and added back (exact
+# for the output: the probabilities sum to 1), the other way to stop channel offsets from widening a group
+ORDERS = ("natural", "rms", "mean", "centered")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,9 @@ class ChannelStats:
             s, s2 = s + self.sums[il][0], s2 + self.sums[il][1]
         self.sums[il] = (s, s2)
 
+    def means(self, n_tokens: int) -> dict:
+        return {il: s / n_tokens for il, (s, _) in self.sums.items()}
+
     def permutations(self, n_tokens: int, order: str) -> dict:
         """Per layer, [KV heads, dim] channel indices sorted by the statistic: group g takes entries 32g..32g+31."""
         import torch
@@ -103,6 +109,7 @@ class StudyAttention:
         self.stats: ChannelStats | None = None
         self.setting = Setting()
         self.perms: dict = {}
+        self.means: dict = {}
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if query.shape[0] != 1:
@@ -115,8 +122,12 @@ class StudyAttention:
         if self.stats is not None:
             self.stats.add(il, v.half().float())
         elif bits is not None:
-            perm = None if self.setting.order == "natural" else self.perms[self.setting.order][il]
-            v_quantized = quantize_in_order(v.half().float(), bits, perm)
+            if self.setting.order == "centered":
+                mean = self.means[il][:, None, :]
+                v_quantized = fake_quantize(v.half().float() - mean, bits, dim=2) + mean
+            else:
+                perm = None if self.setting.order == "natural" else self.perms[self.setting.order][il]
+                v_quantized = quantize_in_order(v.half().float(), bits, perm)
         out = kivi_attention(q, k, v, scaling, self.window, self.sinks, None, bits, v_quantized=v_quantized)
         return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
 
@@ -137,7 +148,8 @@ def study_model(name: str, calibration: Path, text: Path, n_tokens: int, bits: l
         study.stats = ChannelStats()
         with torch.inference_mode():
             model(torch.tensor([calibration_tokens]), use_cache=False)
-        study.perms = {order: study.stats.permutations(len(calibration_tokens), order) for order in ORDERS[1:]}
+        study.perms = {order: study.stats.permutations(len(calibration_tokens), order) for order in ("rms", "mean")}
+        study.means = study.stats.means(len(calibration_tokens))
         study.stats = None
         for setting in tqdm(settings, desc=name, unit="setting"):
             study.setting = setting
@@ -173,7 +185,7 @@ def plot(path: Path, record: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"natural": "tab:red", "rms": "tab:green", "mean": "tab:blue"}
+    colours = {"natural": "tab:red", "rms": "tab:green", "mean": "tab:blue", "centered": "tab:purple"}
     fig, axes = plt.subplots(1, len(record["models"]), figsize=(5.5 * len(record["models"]), 3.5), squeeze=False)
     for ax, m in zip(axes[0], record["models"], strict=True):
         quantized = [r for r in m["rows"] if r["bits"] is not None]
