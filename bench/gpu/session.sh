@@ -131,7 +131,9 @@ EOF
 }
 
 step_suite() { run_suite suite PYKVQ_TEST_NGL=99; }
-step_control() { run_suite control PYKVQ_TEST_NGL=0 PYKVQ_TEST_OP_OFFLOAD=off; }
+# upstream's tools take op offload from their command line only, and offload a large batch's matmuls to a GPU they
+# see even at -ngl 0: the control hides the GPU from every process, so that what runs is the build's CPU path
+step_control() { run_suite control PYKVQ_TEST_NGL=0 PYKVQ_TEST_OP_OFFLOAD=off CUDA_VISIBLE_DEVICES=; }
 
 # what a user does first: `pykvq run`, the Python API and llama-cpp-python's server, all at full offload
 step_smoke() {
