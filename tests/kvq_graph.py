@@ -65,6 +65,7 @@ _CDEF = """
         struct ggml_tensor * v_fp16, struct ggml_tensor * k_cur, struct ggml_tensor * v_cur,
         struct ggml_tensor * mask, struct ggml_tensor * k_idxs, int32_t window, int32_t n_sink, float scale,
         int32_t n_seq, bool mask_all_streams);
+    void ggml_kvq_attn_set_softcap(struct ggml_tensor * attn, float softcap);
     struct ggml_tensor * ggml_kvq_ring_put(struct ggml_context * ctx, struct ggml_tensor * fp16,
         struct ggml_tensor * cur, struct ggml_tensor * k_idxs, struct ggml_tensor * after, int32_t n_sink,
         int32_t n_seq, int64_t kv_size);

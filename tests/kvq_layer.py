@@ -24,6 +24,7 @@ class Case:
     head_dim_v: int | None = None  # None: head_dim
     clip_k: float = 1.0            # SKVQ's clip ratios of the quantized blocks
     clip_v: float = 1.0
+    softcap: float = 0.0           # attention logit soft-capping (Gemma 2); 0: none
 
     @property
     def dv(self) -> int:
@@ -41,7 +42,7 @@ def wide_attention(ctx: g.Context, case: Case, q, k_wide, v_wide, wide_mask, n_w
     return lib.ggml_flash_attn_ext(ctx.ctx, heads(ctx.tensor(q), case.head_dim, case.n_head, n),
                                    heads(k_wide, case.head_dim, case.n_head_kv, n_wide),
                                    heads(v_wide, case.dv, case.n_head_kv, n_wide),
-                                   wide_mask, 1.0 / np.sqrt(case.head_dim), 0.0, 0.0)
+                                   wide_mask, 1.0 / np.sqrt(case.head_dim), 0.0, case.softcap)
 
 
 def causal_mask(cells: np.ndarray, n_kv: int, n_swa: int = 0) -> np.ndarray:
@@ -102,6 +103,7 @@ def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches
             else:
                 attn = lib.ggml_kvq_attn(ctx.ctx, q_cur, sealed, v_store, k_fp16, v_fp16, k_cur, v_cur, mask, idxs,
                                          window, n_sink, scale, 1, False)
+                lib.ggml_kvq_attn_set_softcap(attn, case.softcap)
             # nodes run in the order they are expanded: the ring changes after everything read it
             nodes = [attn]
             if mass:

@@ -8,6 +8,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -162,11 +163,40 @@ def test_the_tools_take_kv_type_swa(gemma3_path: Path, hamlet: Path) -> None:
     assert llama_tools.parse_perplexity(whole).ppl != llama_tools.parse_perplexity(swa_f16).ppl
 
 
-@pytest.mark.parametrize(("shape", "option"), [("gemma2-small", "attention logit soft-capping"),
-                                               ("gpt-oss-small", "learned attention sinks")])
+def test_gemma2_s_soft_capping_is_applied(tmp_path: Path, tokens: list[int]) -> None:
+    """Gemma 2 soft-caps its attention logits (cap*tanh(score/cap)); the kivi kernels cap them as upstream's flash
+    attention does. With a cap low enough to bend this random model's scores, a kivi cache whose window covers the
+    context gives upstream f16's logits, and the cap is seen to matter."""
+    def gemma2(softcap: float) -> Model:
+        path = tmp_path / f"gemma2-cap{softcap:g}.gguf"
+        random_model.write(replace(random_model.SHAPES["gemma2-small"], attn_softcap=softcap), path)
+        return device.load_model(path)
+
+    with gemma2(1.0) as capped, gemma2(1000.0) as uncapped:
+        f16 = logits(capped, KvConfig(), tokens)
+        kivi = logits(capped, KvConfig.preset("kivi2", window=N_CTX), tokens)
+        upstream_noise = np.abs(logits(capped, KvConfig(), tokens, flash_attn="off") - f16).max()
+        assert np.abs(kivi - f16).max() < 2 * upstream_noise
+        assert np.abs(logits(uncapped, KvConfig(), tokens) - f16).max() > 20 * upstream_noise
+        # and in 2 bits it stays the model's: closer to its f16 than to the uncapped model's
+        kivi2 = logits(capped, KvConfig.preset("kivi2", window=32), tokens)
+        assert np.abs(kivi2 - f16).mean() < 0.5 * np.abs(logits(uncapped, KvConfig(), tokens) - f16).mean()
+
+
+def test_prompt_selection_with_soft_capping_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "gemma2-small.gguf"
+    random_model.write(random_model.SHAPES["gemma2-small"], path)
+    with device.load_model(path) as model:
+        config = device.context_config(n_ctx=256, n_threads=2, kv=KvConfig.preset("kivi2", select=(0.25, 0.25)),
+                                       flash_attn="on")
+        with pytest.raises(LlamaError, match=r"selection \(--kv-select\) scores .* without the model's attention"):
+            model.context(config)
+
+
+@pytest.mark.parametrize(("shape", "option"), [("gpt-oss-small", "learned attention sinks")])
 def test_what_the_kernels_do_not_compute_is_refused_not_ignored(shape: str, option: str, tmp_path: Path) -> None:
-    """Gemma 2 soft-caps its attention logits, gpt-oss adds learned sink logits: the fused kernels do neither, so
-    a kivi cache is refused at context creation; upstream's types run."""
+    """gpt-oss adds learned sink logits: the fused kernels do not, so a kivi cache is refused at context creation;
+    upstream's types run."""
     path = tmp_path / f"{shape}.gguf"
     random_model.write(random_model.SHAPES[shape], path)
     with device.load_model(path) as model:

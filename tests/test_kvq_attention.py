@@ -18,13 +18,14 @@ def reference(case: Case, q, k, v, n_swa: int = 0) -> np.ndarray:
     return oracle.kivi_attention(q, k, v, np.arange(k.shape[0]), window=case.window, n_sink=case.n_sink,
                                  k_bits=KIVI_BITS[case.k_type], v_bits=KIVI_BITS[case.v_type],
                                  scale=1.0 / np.sqrt(case.head_dim), n_swa=n_swa, clip_k=case.clip_k,
-                                 clip_v=case.clip_v)
+                                 clip_v=case.clip_v, softcap=case.softcap)
 
 
 def case_id(c: Case) -> str:
     bits = f"k{KIVI_BITS[c.k_type]}v{KIVI_BITS[c.v_type]}"
     clip = f"-clip{c.clip_k:g}/{c.clip_v:g}" if (c.clip_k, c.clip_v) != (1.0, 1.0) else ""
-    return f"d{c.head_dim}/{c.dv}-h{c.n_head}/{c.n_head_kv}-w{c.window}-s{c.n_sink}-{bits}{clip}"
+    softcap = f"-cap{c.softcap:g}" if c.softcap else ""
+    return f"d{c.head_dim}/{c.dv}-h{c.n_head}/{c.n_head_kv}-w{c.window}-s{c.n_sink}-{bits}{clip}{softcap}"
 
 
 CASES = [
@@ -40,6 +41,8 @@ CASES = [
     # both ends)
     Case(head_dim=64, n_head=6, n_head_kv=2, window=32, n_sink=2, clip_k=0.85, clip_v=0.7),
     Case(head_dim=64, n_head=4, n_head_kv=2, window=16, n_sink=0, k_type=GGML_TYPE_KIVI1, clip_k=0.6, clip_v=0.95),
+    # Gemma 2's logit soft-capping, low enough to bend these scores (std about 1)
+    Case(head_dim=128, n_head=8, n_head_kv=4, window=24, n_sink=2, softcap=1.5),
 ]
 
 
@@ -49,6 +52,13 @@ def test_attention_matches_reference(case: Case, kvq_backend: g.Backend | None) 
     q, k, v = random_qkv(case, n_cells, seed=case.head_dim + case.window)
     got = run_layer(case, q, k, v, [37, 1, 64, 20, 28], backend=kvq_backend)
     np.testing.assert_allclose(got, reference(case, q, k, v), rtol=2e-4, atol=2e-5)
+
+
+def test_soft_capping_bends_the_capped_case() -> None:
+    """The soft-capped case above would fail if a kernel ignored the cap: the uncapped attention is far from it."""
+    case = next(c for c in CASES if c.softcap)
+    q, k, v = random_qkv(case, 150, seed=case.head_dim + case.window)
+    assert np.abs(reference(case, q, k, v) - reference(replace(case, softcap=0.0), q, k, v)).max() > 0.05
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

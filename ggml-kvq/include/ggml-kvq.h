@@ -11,6 +11,7 @@
 
 #include "ggml.h"
 
+#include <math.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -111,6 +112,8 @@ enum ggml_kvq_op {
 
 // the op param (F32) that holds SEAL_K's and STORE_V's clip ratio
 #define GGML_KVQ_CLIP_PARAM 7
+// the op param (F32) that holds ATTN's logit soft-cap (0: none)
+#define GGML_KVQ_SOFTCAP_PARAM 8
 
 // the contract's arithmetic below is shared by the CPU and the CUDA kernels
 #ifdef __CUDACC__
@@ -219,6 +222,15 @@ GGML_API struct ggml_tensor * ggml_kvq_attn(
         float                 scale,
         int32_t               n_seq,
         bool                  mask_all_streams);
+
+// logit soft-capping (Gemma 2) for an ATTN node, as upstream's flash attention takes it: each score, once scaled,
+// becomes softcap*tanh(score/softcap) before the mask is added; 0 turns it off
+GGML_API void ggml_kvq_attn_set_softcap(struct ggml_tensor * attn, float softcap);
+
+// the score of one query and cell as the kernels take it into the softmax
+static inline GGML_KVQ_HOST_DEVICE float ggml_kvq_capped(float scaled, float softcap) {
+    return softcap != 0.0f ? softcap*tanhf(scaled/softcap) : scaled;
+}
 
 // store the batch's fp16 values (sinks and ring); `after` is only an ordering dependency (the attention
 // that must read the ring before it changes)

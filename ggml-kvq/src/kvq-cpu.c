@@ -128,6 +128,7 @@ typedef struct {
     kvq_source v;
     int32_t window;
     float   scale;
+    float   softcap;
     int     k_bits;
     int     v_bits;
 } kvq_attn_args;
@@ -304,7 +305,7 @@ static void kvq_attn_row(const kvq_attn_args * a, int64_t t, int64_t h, float * 
                 kvq_read_fp16(&a->k, j, hk, head_dim, kbuf);
                 ggml_vec_dot_f32((int) head_dim, &s, 0, q, 0, kbuf, 0, 1);
             }
-            s = s*a->scale + mv;
+            s = ggml_kvq_capped(s*a->scale, a->softcap) + mv;
 
             float w;
             kvq_softmax_add(&sm, s, acc, head_dim_v, &w);
@@ -353,6 +354,7 @@ static void kvq_attn(const struct ggml_compute_params * params, struct ggml_tens
             /*.v           =*/ kvq_make_source(dst->src[4], dst->src[6], dst->src[8], n_sink, n_seq, kv_size, seg),
             /*.window      =*/ ggml_get_op_params_i32(dst, 1),
             /*.scale       =*/ ggml_get_op_params_f32(dst, 3),
+            /*.softcap     =*/ ggml_get_op_params_f32(dst, GGML_KVQ_SOFTCAP_PARAM),
             /*.k_bits      =*/ ggml_kvq_bits(k_tiles->type),
             /*.v_bits      =*/ ggml_kvq_bits(v_rows->type),
         };

@@ -131,6 +131,12 @@ struct ggml_tensor * ggml_kvq_attn(
     return result;
 }
 
+void ggml_kvq_attn_set_softcap(struct ggml_tensor * attn, float softcap) {
+    GGML_ASSERT(attn->op == GGML_OP_KVQ && ggml_get_op_params_i32(attn, 0) == GGML_KVQ_OP_ATTN);
+    GGML_ASSERT(softcap >= 0.0f && isfinite(softcap));
+    ggml_set_op_params_f32(attn, GGML_KVQ_SOFTCAP_PARAM, softcap);
+}
+
 struct ggml_tensor * ggml_kvq_ring_put(
         struct ggml_context * ctx,
         struct ggml_tensor  * fp16,

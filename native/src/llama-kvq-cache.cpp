@@ -250,13 +250,16 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
 }
 
 // What the fused kernels do not compute is refused here, at context creation, rather than answered wrongly: they
-// take Q, K, V, the mask and the KQ scale, and nothing else of llama.cpp's attention.
+// take Q, K, V, the mask, the KQ scale and the logit soft-cap, and nothing else of llama.cpp's attention.
 static void kvq_check_attention(const llama_model & model, const llama_hparams & hparams, uint32_t il,
-        const std::string & types) {
+        const std::string & types, bool selects) {
+    if (hparams.attn_soft_cap && selects) {
+        throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + types + ": prompt selection "
+                                 "(--kv-select) scores the prompt's tokens without the model's attention logit "
+                                 "soft-capping (Gemma 2); turn selection off for this model");
+    }
     const char * missing = nullptr;
-    if (hparams.attn_soft_cap) {
-        missing = "attention logit soft-capping (Gemma 2)";
-    } else if (hparams.use_alibi) {
+    if (hparams.use_alibi) {
         missing = "ALiBi position biases";
     } else if (il < model.layers.size() && model.layers[il].attn_sinks != nullptr) {
         missing = "learned attention sinks (gpt-oss)";
@@ -286,7 +289,7 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
         throw std::runtime_error("KV cache " + kvq_types_text(type_k, type_v) + ": unsupported head size " + std::to_string(dk) + "/" + std::to_string(dv) + " in layer " +
                                  std::to_string(il) + " (kivi types need a multiple of 32, at most 512)");
     }
-    kvq_check_attention(model, hparams, il, kvq_types_text(type_k, type_v));
+    kvq_check_attention(model, hparams, il, kvq_types_text(type_k, type_v), kvq_selects_prompts());
     const uint32_t n_embd_k = hparams.n_embd_k_gqa(il);
     const uint32_t n_embd_v = hparams.n_embd_v_gqa(il);
     // the ring holds the window, and n_rollback more cells so that that many tokens can be removed exactly
@@ -1038,7 +1041,7 @@ static ggml_tensor * kvq_graph_shared(ggml_cgraph * gf, const char * name, F bui
 
 // upstream's flash attention over the wide cells of K and V (ggml_kvq_wide) and their mask
 static ggml_tensor * kvq_build_wide_attn(ggml_context * ctx, ggml_tensor * q_cur, ggml_tensor * k_wide, ggml_tensor * v_wide,
-        ggml_tensor * wide_mask, int64_t head_dim_v, int32_t n_seq, float kq_scale) {
+        ggml_tensor * wide_mask, int64_t head_dim_v, int32_t n_seq, float kq_scale, float softcap) {
     // q [head_dim, n_head, n_tokens] as [head_dim, n_tps, n_head, n_seq]
     const int64_t n_tps = q_cur->ne[2]/n_seq;
     ggml_tensor * q = ggml_view_4d(ctx, q_cur, q_cur->ne[0], q_cur->ne[1], n_tps, n_seq,
@@ -1046,7 +1049,7 @@ static ggml_tensor * kvq_build_wide_attn(ggml_context * ctx, ggml_tensor * q_cur
     q = ggml_permute(ctx, q, 0, 2, 1, 3);
 
     ggml_tensor * out = ggml_flash_attn_ext(ctx, q, kvq_wide_heads(ctx, k_wide, q_cur->ne[0]),
-                                            kvq_wide_heads(ctx, v_wide, head_dim_v), wide_mask, kq_scale, 0.0f, 0.0f);
+                                            kvq_wide_heads(ctx, v_wide, head_dim_v), wide_mask, kq_scale, 0.0f, softcap);
     ggml_prec_set_acc(out, GGML_PREC_F32);
     // [head_dim_v, n_head, n_tps, n_seq] -> [head_dim_v, n_head, n_tokens]
     return ggml_reshape_3d(ctx, out, out->ne[0], out->ne[1], q_cur->ne[2]);
@@ -1099,13 +1102,16 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
         });
     }
 
+    // as upstream's graph gives flash attention its soft-cap
+    const float softcap = hparams.attn_soft_cap ? hparams.f_attn_logit_softcapping : 0.0f;
     ggml_tensor * out;
     if (wide) {
         ggml_tensor * v_wide = ggml_kvq_wide(ctx, v_stored, layer.v_fp16, v_cur, k_idxs, window, n_sink, n_seq, kv_size, n_kv);
-        out = kvq_build_wide_attn(ctx, q_cur, k_wide, v_wide, wide_mask, v_cur->ne[0], n_seq, kq_scale);
+        out = kvq_build_wide_attn(ctx, q_cur, k_wide, v_wide, wide_mask, v_cur->ne[0], n_seq, kq_scale, softcap);
     } else {
         out = ggml_kvq_attn(ctx, q_cur, k_sealed, v_stored, layer.k_fp16, layer.v_fp16, k_cur, v_cur,
                             kq_mask, k_idxs, window, n_sink, kq_scale, n_seq, regions);
+        ggml_kvq_attn_set_softcap(out, softcap);
     }
     ggml_build_forward_expand(gf, out);
 

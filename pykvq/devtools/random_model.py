@@ -46,6 +46,7 @@ class Shape:
     n_expert_used: int = 0
     swa_pattern: int = 0  # every swa_pattern-th layer global; 0: the family's own
     n_head_kv_layers: tuple[int, ...] = ()  # KV heads per layer where they differ (deci)
+    attn_softcap: float = 50.0  # gemma2's attention logit soft-cap (Gemma 2's own value)
 
     def n_head_kv_of(self, il: int) -> int:
         return self.n_head_kv_layers[il] if self.n_head_kv_layers else self.n_head_kv
@@ -118,7 +119,7 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
     if shape.swa_pattern:
         writer.add_uint32(gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=shape.arch), shape.swa_pattern)
     if shape.arch == "gemma2":
-        writer.add_attn_logit_softcapping(50.0)
+        writer.add_attn_logit_softcapping(shape.attn_softcap)
     if shape.n_expert:
         writer.add_expert_count(shape.n_expert)
         writer.add_expert_used_count(shape.n_expert_used)

@@ -250,6 +250,7 @@ struct kvq_attn_params {
     int    n_splits;
     int    tiles_per_split;
     float  scale;
+    float  softcap;
     bool   mask_f16;
 };
 
@@ -537,7 +538,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
 
 #pragma unroll
         for (int g = 0; g < ncols; ++g) {
-            const float s       = attended ? score[g]*p.scale + mv : -INFINITY;
+            const float s       = attended ? ggml_kvq_capped(score[g]*p.scale, p.softcap) + mv : -INFINITY;
             const float new_max = fmaxf(run_max[g], warp_reduce_max(s));
             const float rescale = expf(run_max[g] - new_max);
             const float w       = expf(s - new_max);
@@ -753,6 +754,7 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     p.v_bits      = ggml_kvq_bits(v_rows->type);
     p.window      = ggml_get_op_params_i32(dst, 1);
     p.scale       = ggml_get_op_params_f32(dst, 3);
+    p.softcap     = ggml_get_op_params_f32(dst, GGML_KVQ_SOFTCAP_PARAM);
     p.mask_f16    = mask->type == GGML_TYPE_F16;
 
     const int ncols = kvq_attn_ncols(p.n_gqa, p.k.head_dim, p.v.head_dim);
