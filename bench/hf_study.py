@@ -3,6 +3,8 @@ measure a quantization outside the kernels before it is built into them (pre_rop
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -43,3 +45,22 @@ def perplexity(model, tokens: list[int]) -> float:
     first = len(tokens) // 2
     nll = torch.nn.functional.cross_entropy(logits[first - 1:-1], torch.tensor(tokens[first:]))
     return math.exp(float(nll))
+
+
+def study_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every study takes: the models, the tokens judged, the fp16 window."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS, reverse=True))
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens of the judged text (default 1024)")
+    parser.add_argument("--window", type=int, help="the fp16 window (default: the library's)")
+    return parser
+
+
+def record_study(results: Path, name: str, record: dict, plot: Callable[[Path, dict], None],
+                 table: Callable[[dict], str]) -> None:
+    """results/NAME.json and .png, and the table printed."""
+    results.mkdir(exist_ok=True)
+    out = results / name
+    out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    plot(out.with_suffix(".png"), record)
+    print(table(record))

@@ -15,14 +15,12 @@ bench/results/skvq-clip.json and .png and prints a table with the share of kivi2
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from decode_speed import RESULTS
-from hf_study import MODELS, perplexity, studied_model
+from hf_study import MODELS, perplexity, record_study, studied_model, study_arguments
 from readme_tables import skvq_clip_table
 
 from pykvq import assets
@@ -276,12 +274,9 @@ def plot(path: Path, record: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS, reverse=True))
-    parser.add_argument("--tokens", type=int, default=1024, help="tokens of the judged text (default 1024)")
+    parser = study_arguments(__doc__)
     parser.add_argument("--calibration-tokens", type=int, default=1024,
                         help="tokens of the calibration text (default 1024)")
-    parser.add_argument("--window", type=int, help="the fp16 window (default: the library's)")
     parser.add_argument("--sinks", type=int, help="fp16 sinks (default: the library's)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -292,11 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     sinks = defaults.n_sink if args.sinks is None else args.sinks
     record = {"models": [study_model(name, calibration_text, text, args.tokens, args.calibration_tokens, window,
                                      sinks) for name in args.models]}
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "skvq-clip"
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    plot(out.with_suffix(".png"), record)
-    print(skvq_clip_table(out.with_suffix(".json")))
+    record_study(RESULTS, "skvq-clip", record, plot, lambda _: skvq_clip_table(RESULTS / "skvq-clip.json"))
 
 
 if __name__ == "__main__":

