@@ -64,3 +64,24 @@ def record_study(results: Path, name: str, record: dict, plot: Callable[[Path, d
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     plot(out.with_suffix(".png"), record)
     print(table(record))
+
+
+def measure_settings(model, study, settings: list, tokens: list[int], desc: str) -> list[tuple[object, float, float]]:
+    """(setting, PPL, ΔPPL % against the first setting's) for each setting the study's attention takes in turn."""
+    from tqdm import tqdm
+
+    measured: list[tuple[object, float, float]] = []
+    for setting in tqdm(settings, desc=desc, unit="setting"):
+        study.setting = setting
+        ppl = perplexity(model, tokens)
+        measured.append((setting, ppl, 100 * (ppl / measured[0][1] - 1) if measured else 0.0))
+    return measured
+
+
+def ppl_table(record: dict) -> list[str]:
+    """The markdown rows of every model's settings, PPL and ΔPPL."""
+    lines = ["| model | setting | PPL | ΔPPL vs f16 |", "| --- | --- | ---: | ---: |"]
+    for m in record["models"]:
+        for r in m["rows"]:
+            lines.append(f"| {m['model']} | {r['setting']} | {r['ppl']:.3f} | {r['delta_pct']:+.2f}% |")
+    return lines

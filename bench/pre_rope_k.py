@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from decode_speed import RESULTS
-from hf_study import MODELS, perplexity, record_study, studied_model, study_arguments
+from hf_study import MODELS, measure_settings, ppl_table, record_study, studied_model, study_arguments
 
 from pykvq import assets
 from pykvq.api.llama import Model
@@ -85,20 +85,14 @@ class StudyAttention:
 
 
 def study_model(name: str, text: Path, n_tokens: int, bits: list[int], window: int, sinks: int) -> dict:
-    from tqdm import tqdm
-
     gguf = MODELS[name]()
     with Model(gguf) as llama:
         tokens = llama.tokenize(text.read_text(encoding="utf-8"))[:n_tokens]
     study = StudyAttention(window, sinks)
     settings = [Setting()] + [Setting(b, pre) for b in bits for pre in (False, True)]
-    rows: list[Row] = []
     with studied_model(gguf, ATTENTION_NAME, study, study.rope) as model:
-        for setting in tqdm(settings, desc=name, unit="setting"):
-            study.setting = setting
-            ppl = perplexity(model, tokens)
-            base = rows[0].ppl if rows else ppl
-            rows.append(Row(setting.label, setting.bits, setting.pre_rope, ppl, 100 * (ppl / base - 1)))
+        rows = [Row(setting.label, setting.bits, setting.pre_rope, ppl, delta)
+                for setting, ppl, delta in measure_settings(model, study, settings, tokens, name)]
     closed = {}
     for b in bits:
         post, pre = (next(r for r in rows if r.bits == b and r.pre_rope == p) for p in (False, True))
@@ -108,10 +102,7 @@ def study_model(name: str, text: Path, n_tokens: int, bits: list[int], window: i
 
 
 def format_table(record: dict) -> str:
-    lines = ["| model | setting | PPL | ΔPPL vs f16 |", "| --- | --- | ---: | ---: |"]
-    for m in record["models"]:
-        for r in m["rows"]:
-            lines.append(f"| {m['model']} | {r['setting']} | {r['ppl']:.3f} | {r['delta_pct']:+.2f}% |")
+    lines = ppl_table(record)
     for m in record["models"]:
         for b, share in m["share_of_loss_removed"].items():
             lines.append(f"\n{m['model']}, kivi{b}: pre-RoPE tiles remove {100 * share:.0f}% of post-RoPE's loss")

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from decode_speed import RESULTS
-from hf_study import MODELS, perplexity, record_study, studied_model, study_arguments
+from hf_study import MODELS, measure_settings, ppl_table, record_study, studied_model, study_arguments
 
 from pykvq import assets
 from pykvq.api.llama import Model
@@ -133,7 +133,6 @@ class StudyAttention:
 def study_model(name: str, calibration: Path, text: Path, n_tokens: int, bits: list[int], window: int,
                 sinks: int) -> dict:
     import torch
-    from tqdm import tqdm
 
     gguf = MODELS[name]()
     with Model(gguf) as llama:
@@ -141,7 +140,6 @@ def study_model(name: str, calibration: Path, text: Path, n_tokens: int, bits: l
         tokens = llama.tokenize(text.read_text(encoding="utf-8"))[:n_tokens]
     study = StudyAttention(window, sinks)
     settings = [Setting()] + [Setting(b, order) for b in bits for order in ORDERS]
-    rows: list[Row] = []
     with studied_model(gguf, ATTENTION_NAME, study) as model:
         study.stats = ChannelStats()
         with torch.inference_mode():
@@ -149,11 +147,8 @@ def study_model(name: str, calibration: Path, text: Path, n_tokens: int, bits: l
         study.perms = {order: study.stats.permutations(len(calibration_tokens), order) for order in ("rms", "mean")}
         study.means = study.stats.means(len(calibration_tokens))
         study.stats = None
-        for setting in tqdm(settings, desc=name, unit="setting"):
-            study.setting = setting
-            ppl = perplexity(model, tokens)
-            base = rows[0].ppl if rows else ppl
-            rows.append(Row(setting.label, setting.bits, setting.order, ppl, 100 * (ppl / base - 1)))
+        rows = [Row(setting.label, setting.bits, setting.order, ppl, delta)
+                for setting, ppl, delta in measure_settings(model, study, settings, tokens, name)]
     removed = {}
     for b in bits:
         natural = next(r for r in rows if r.bits == b and r.order == "natural")
@@ -166,10 +161,7 @@ def study_model(name: str, calibration: Path, text: Path, n_tokens: int, bits: l
 
 
 def format_table(record: dict) -> str:
-    lines = ["| model | setting | PPL | ΔPPL vs f16 |", "| --- | --- | ---: | ---: |"]
-    for m in record["models"]:
-        for r in m["rows"]:
-            lines.append(f"| {m['model']} | {r['setting']} | {r['ppl']:.3f} | {r['delta_pct']:+.2f}% |")
+    lines = ppl_table(record)
     for m in record["models"]:
         for b, best in m["share_of_loss_removed"].items():
             lines.append(f"\n{m['model']}, kivi{b} V: the {best['order']} order removes "
