@@ -25,6 +25,7 @@ class Case:
     clip_k: float = 1.0            # SKVQ's clip ratios of the quantized blocks
     clip_v: float = 1.0
     softcap: float = 0.0           # attention logit soft-capping (Gemma 2); 0: none
+    sinks: tuple[float, ...] = ()  # learned sink logits per query head (gpt-oss); (): none
 
     @property
     def dv(self) -> int:
@@ -39,10 +40,17 @@ def wide_attention(ctx: g.Context, case: Case, q, k_wide, v_wide, wide_mask, n_w
     def heads(t, d: int, n_head: int, n_rows: int):
         return lib.ggml_permute(ctx.ctx, lib.ggml_reshape_4d(ctx.ctx, t, d, n_head, n_rows, 1), 0, 2, 1, 3)
 
-    return lib.ggml_flash_attn_ext(ctx.ctx, heads(ctx.tensor(q), case.head_dim, case.n_head, n),
-                                   heads(k_wide, case.head_dim, case.n_head_kv, n_wide),
-                                   heads(v_wide, case.dv, case.n_head_kv, n_wide),
-                                   wide_mask, 1.0 / np.sqrt(case.head_dim), 0.0, case.softcap)
+    out = lib.ggml_flash_attn_ext(ctx.ctx, heads(ctx.tensor(q), case.head_dim, case.n_head, n),
+                                  heads(k_wide, case.head_dim, case.n_head_kv, n_wide),
+                                  heads(v_wide, case.dv, case.n_head_kv, n_wide),
+                                  wide_mask, 1.0 / np.sqrt(case.head_dim), 0.0, case.softcap)
+    lib.ggml_flash_attn_ext_add_sinks(out, sinks_tensor(ctx, case))
+    return out
+
+
+def sinks_tensor(ctx: g.Context, case: Case):
+    """The case's sink logits as an F32 tensor, or NULL."""
+    return ctx.tensor(np.array(case.sinks, dtype=np.float32)) if case.sinks else g.libs().ffi.NULL
 
 
 def causal_mask(cells: np.ndarray, n_kv: int, n_swa: int = 0) -> np.ndarray:
@@ -104,6 +112,7 @@ def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches
                 attn = lib.ggml_kvq_attn(ctx.ctx, q_cur, sealed, v_store, k_fp16, v_fp16, k_cur, v_cur, mask, idxs,
                                          window, n_sink, scale, 1, False)
                 lib.ggml_kvq_attn_set_softcap(attn, case.softcap)
+                lib.ggml_kvq_attn_set_sinks(attn, sinks_tensor(ctx, case))
             # nodes run in the order they are expanded: the ring changes after everything read it
             nodes = [attn]
             if mass:

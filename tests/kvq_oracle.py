@@ -105,27 +105,32 @@ def _contract_reads(k: np.ndarray, v: np.ndarray | None, query_cells: np.ndarray
         yield n, j, keys, vals
 
 
-def _probabilities(keys: np.ndarray, q: np.ndarray, scale: float, softcap: float = 0.0) -> np.ndarray:
+def _probabilities(keys: np.ndarray, q: np.ndarray, scale: float, softcap: float = 0.0,
+                   sink: float | None = None) -> np.ndarray:
+    """The keys' softmax probabilities; a sink logit takes its share of the denominator (its value is zero)."""
     s = keys @ fp16_round(q).astype(np.float64) * scale
     if softcap:
         s = softcap * np.tanh(s / softcap)
-    p = np.exp(s - s.max())
-    return p / p.sum()
+    m = s.max() if sink is None else max(s.max(), sink)
+    p = np.exp(s - m)
+    return p / (p.sum() + (0.0 if sink is None else np.exp(sink - m)))
 
 
 def kivi_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_cells: np.ndarray, *, window: int,
                    n_sink: int, k_bits: int, v_bits: int, scale: float, n_swa: int = 0, clip_k: float = 1.0,
-                   clip_v: float = 1.0, softcap: float = 0.0) -> np.ndarray:
+                   clip_v: float = 1.0, softcap: float = 0.0, sinks: tuple[float, ...] = ()) -> np.ndarray:
     """DESIGN.md §5 in plain numpy (float64 softmax): q [n_q, n_head, d], k/v [n_cells, n_head_kv, d];
     the query at cell i attends cells 0..i, or with a sliding window (n_swa > 0, llama.cpp's standard SWA) the
     last n_swa of them. Q is taken in fp16, as upstream's flash attention does. clip_k / clip_v: the quantized
-    blocks' clip ratios. softcap: Gemma 2's attention logit soft-capping of the scaled scores."""
+    blocks' clip ratios. softcap: Gemma 2's attention logit soft-capping of the scaled scores; sinks: gpt-oss's
+    learned sink logit of each query head."""
     group = q.shape[1] // k.shape[1]
     out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
     for n, _, keys, vals in _contract_reads(k, v, query_cells, window=window, n_sink=n_sink, k_bits=k_bits,
                                             v_bits=v_bits, n_swa=n_swa, clip_k=clip_k, clip_v=clip_v):
         for h in range(q.shape[1]):
-            out[n, h] = _probabilities(keys[:, h // group], q[n, h], scale, softcap) @ vals[:, h // group]
+            sink = sinks[h] if sinks else None
+            out[n, h] = _probabilities(keys[:, h // group], q[n, h], scale, softcap, sink) @ vals[:, h // group]
     return out
 
 

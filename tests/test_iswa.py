@@ -163,48 +163,49 @@ def test_the_tools_take_kv_type_swa(gemma3_path: Path, hamlet: Path) -> None:
     assert llama_tools.parse_perplexity(whole).ppl != llama_tools.parse_perplexity(swa_f16).ppl
 
 
-def test_gemma2_s_soft_capping_is_applied(tmp_path: Path, tokens: list[int]) -> None:
-    """Gemma 2 soft-caps its attention logits (cap*tanh(score/cap)); the kivi kernels cap them as upstream's flash
-    attention does. With a cap low enough to bend this random model's scores, a kivi cache whose window covers the
-    context gives upstream f16's logits, and the cap is seen to matter."""
-    def gemma2(softcap: float) -> Model:
-        path = tmp_path / f"gemma2-cap{softcap:g}.gguf"
-        random_model.write(replace(random_model.SHAPES["gemma2-small"], attn_softcap=softcap), path)
+# the attention options a family adds to the softmax, each at a value that bends this random model's attention
+# and at one that leaves it alone: Gemma 2's logit soft-cap, gpt-oss's learned sink logit in every head (with every
+# expert used: a router choosing 2 of 4 turns rounding into other experts, and upstream's own two attention paths
+# apart)
+OPTIONS = pytest.mark.parametrize(("shape", "option", "bending", "idle", "extra"),
+                                  [("gemma2-small", "attn_softcap", 1.0, 1000.0, {}),
+                                   ("gpt-oss-small", "attn_sink", 20.0, -30.0, {"n_expert_used": 4})],
+                                  ids=["soft-cap", "learned-sinks"])
+
+
+@OPTIONS
+def test_the_family_s_attention_option_is_applied(shape: str, option: str, bending: float, idle: float, extra: dict,
+                                                  tmp_path: Path, tokens: list[int]) -> None:
+    """The kivi kernels soft-cap (cap*tanh(score/cap)) and add the sink logit as upstream's flash attention does:
+    a kivi cache whose window covers the context gives upstream f16's logits, and the option is seen to matter."""
+    def model(value: float) -> Model:
+        path = tmp_path / f"{shape}-{value:g}.gguf"
+        random_model.write(replace(random_model.SHAPES[shape], **{option: value}, **extra), path)
         return device.load_model(path)
 
-    with gemma2(1.0) as capped, gemma2(1000.0) as uncapped:
-        f16 = logits(capped, KvConfig(), tokens)
-        kivi = logits(capped, KvConfig.preset("kivi2", window=N_CTX), tokens)
-        upstream_noise = np.abs(logits(capped, KvConfig(), tokens, flash_attn="off") - f16).max()
-        assert np.abs(kivi - f16).max() < 2 * upstream_noise
-        assert np.abs(logits(uncapped, KvConfig(), tokens) - f16).max() > 20 * upstream_noise
-        # and in 2 bits it stays the model's: closer to its f16 than to the uncapped model's
-        kivi2 = logits(capped, KvConfig.preset("kivi2", window=32), tokens)
-        assert np.abs(kivi2 - f16).mean() < 0.5 * np.abs(logits(uncapped, KvConfig(), tokens) - f16).mean()
+    with model(bending) as bent, model(idle) as plain:
+        f16 = logits(bent, KvConfig(), tokens)
+        kivi = logits(bent, KvConfig.preset("kivi2", window=N_CTX), tokens)
+        # how far upstream's own two attention paths over the same f16 cache are apart (on average: a few logits
+        # of gpt-oss's random model move far)
+        noise = np.abs(logits(bent, KvConfig(), tokens, flash_attn="off") - f16).mean()
+        effect = np.abs(logits(plain, KvConfig(), tokens) - f16).mean()
+        assert effect > 2.5 * noise
+        # the option applied: as close to f16 as upstream's other path, where ignoring it would be `effect` away
+        assert np.abs(kivi - f16).mean() < 1.5 * noise
 
 
-def test_prompt_selection_with_soft_capping_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "gemma2-small.gguf"
-    random_model.write(random_model.SHAPES["gemma2-small"], path)
-    with device.load_model(path) as model:
-        config = device.context_config(n_ctx=256, n_threads=2, kv=KvConfig.preset("kivi2", select=(0.25, 0.25)),
-                                       flash_attn="on")
-        with pytest.raises(LlamaError, match=r"selection \(--kv-select\) scores .* without the model's attention"):
-            model.context(config)
-
-
-@pytest.mark.parametrize(("shape", "option"), [("gpt-oss-small", "learned attention sinks")])
-def test_what_the_kernels_do_not_compute_is_refused_not_ignored(shape: str, option: str, tmp_path: Path) -> None:
-    """gpt-oss adds learned sink logits: the fused kernels do not, so a kivi cache is refused at context creation;
-    upstream's types run."""
+@OPTIONS
+def test_prompt_selection_with_the_option_is_refused(shape: str, option: str, bending: float, idle: float, extra: dict,
+                                                     tmp_path: Path) -> None:
+    """MiniKV's scores are not soft-capped and take no sink: selection is refused rather than scored wrongly."""
     path = tmp_path / f"{shape}.gguf"
     random_model.write(random_model.SHAPES[shape], path)
     with device.load_model(path) as model:
-        config = device.context_config(n_ctx=256, n_threads=2, kv=KvConfig.preset("kivi2"), flash_attn="on")
-        with pytest.raises(LlamaError, match=f"the model uses {option} .*, which kivi types do not support yet"):
+        config = device.context_config(n_ctx=256, n_threads=2, kv=KvConfig.preset("kivi2", select=(0.25, 0.25)),
+                                       flash_attn="on")
+        with pytest.raises(LlamaError, match=r"selection \(--kv-select\) scores .* without the model's"):
             model.context(config)
-        with model.context(device.context_config(n_ctx=256, n_threads=2, kv=KvConfig.preset("q8_0"))) as ctx:
-            assert np.isfinite(ctx.eval([5, 6, 7])).all()
 
 
 @pytest.mark.parametrize("type_swa", [None, "f16"], ids=["kivi-swa", "f16-swa"])

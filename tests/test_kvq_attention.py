@@ -18,14 +18,15 @@ def reference(case: Case, q, k, v, n_swa: int = 0) -> np.ndarray:
     return oracle.kivi_attention(q, k, v, np.arange(k.shape[0]), window=case.window, n_sink=case.n_sink,
                                  k_bits=KIVI_BITS[case.k_type], v_bits=KIVI_BITS[case.v_type],
                                  scale=1.0 / np.sqrt(case.head_dim), n_swa=n_swa, clip_k=case.clip_k,
-                                 clip_v=case.clip_v, softcap=case.softcap)
+                                 clip_v=case.clip_v, softcap=case.softcap, sinks=case.sinks)
 
 
 def case_id(c: Case) -> str:
     bits = f"k{KIVI_BITS[c.k_type]}v{KIVI_BITS[c.v_type]}"
     clip = f"-clip{c.clip_k:g}/{c.clip_v:g}" if (c.clip_k, c.clip_v) != (1.0, 1.0) else ""
     softcap = f"-cap{c.softcap:g}" if c.softcap else ""
-    return f"d{c.head_dim}/{c.dv}-h{c.n_head}/{c.n_head_kv}-w{c.window}-s{c.n_sink}-{bits}{clip}{softcap}"
+    sinks = "-learned-sinks" if c.sinks else ""
+    return f"d{c.head_dim}/{c.dv}-h{c.n_head}/{c.n_head_kv}-w{c.window}-s{c.n_sink}-{bits}{clip}{softcap}{sinks}"
 
 
 CASES = [
@@ -43,6 +44,8 @@ CASES = [
     Case(head_dim=64, n_head=4, n_head_kv=2, window=16, n_sink=0, k_type=GGML_TYPE_KIVI1, clip_k=0.6, clip_v=0.95),
     # Gemma 2's logit soft-capping, low enough to bend these scores (std about 1)
     Case(head_dim=128, n_head=8, n_head_kv=4, window=24, n_sink=2, softcap=1.5),
+    # gpt-oss's learned sink logits, one per query head, large enough to take a visible share
+    Case(head_dim=64, n_head=4, n_head_kv=2, window=16, n_sink=0, sinks=(4.0, -2.0, 5.5, 3.0)),
 ]
 
 
@@ -54,11 +57,14 @@ def test_attention_matches_reference(case: Case, kvq_backend: g.Backend | None) 
     np.testing.assert_allclose(got, reference(case, q, k, v), rtol=2e-4, atol=2e-5)
 
 
-def test_soft_capping_bends_the_capped_case() -> None:
-    """The soft-capped case above would fail if a kernel ignored the cap: the uncapped attention is far from it."""
-    case = next(c for c in CASES if c.softcap)
+@pytest.mark.parametrize("option", ["softcap", "sinks"])
+def test_the_attention_options_change_their_cases(option: str) -> None:
+    """The soft-capped and the sink cases above would fail if a kernel ignored the option: without it the
+    attention is far from theirs."""
+    case = next(c for c in CASES if getattr(c, option))
     q, k, v = random_qkv(case, 150, seed=case.head_dim + case.window)
-    assert np.abs(reference(case, q, k, v) - reference(replace(case, softcap=0.0), q, k, v)).max() > 0.05
+    without = replace(case, **{option: type(getattr(case, option))()})
+    assert np.abs(reference(case, q, k, v) - reference(without, q, k, v)).max() > 0.05
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

@@ -300,3 +300,13 @@ def test_a_state_saved_right_after_a_copy_holds_the_copied_sequence(model: Model
         loaded.load_state(ctx.save_state())
         device.assert_same_logits(loaded.eval_seqs({1: tokens[100:120]})[1],
                                       ctx.eval_seqs({1: tokens[100:120]})[1])
+
+
+def test_truncate_after_a_removed_range_follows_the_cache(model: Model) -> None:
+    """A removal of an earlier range leaves a hole: truncating past it then leaves less than asked, and n_past says
+    what the cache holds (it said the kept count, found by tests/test_config_space.py)."""
+    with model.context(device.context_config(n_ctx=64, n_threads=2, kv=KvConfig())) as ctx:
+        ctx.eval([5, 6, 7])
+        ctx.seq_rm(0, 0, 1)
+        ctx.truncate(1)
+        assert ctx.n_past == ctx.seq_len(0) == 0

@@ -227,6 +227,10 @@ GGML_API struct ggml_tensor * ggml_kvq_attn(
 // becomes softcap*tanh(score/softcap) before the mask is added; 0 turns it off
 GGML_API void ggml_kvq_attn_set_softcap(struct ggml_tensor * attn, float softcap);
 
+// learned attention sinks (gpt-oss) for an ATTN node, as upstream's flash attention takes them: sinks F32
+// [n_head], one more logit in each head's softmax, whose value is zero; NULL: none
+GGML_API void ggml_kvq_attn_set_sinks(struct ggml_tensor * attn, struct ggml_tensor * sinks);
+
 // the score of one query and cell as the kernels take it into the softmax
 static inline GGML_KVQ_HOST_DEVICE float ggml_kvq_capped(float scaled, float softcap) {
     return softcap != 0.0f ? softcap*tanhf(scaled/softcap) : scaled;

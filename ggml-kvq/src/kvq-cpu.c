@@ -129,6 +129,7 @@ typedef struct {
     int32_t window;
     float   scale;
     float   softcap;
+    const float * sinks;               // [n_head] learned sink logits, or NULL
     int     k_bits;
     int     v_bits;
 } kvq_attn_args;
@@ -320,6 +321,11 @@ static void kvq_attn_row(const kvq_attn_args * a, int64_t t, int64_t h, float * 
             }
         }
     }
+    if (a->sinks != NULL) {
+        // one more logit in the softmax, whose value is zero
+        float w;
+        kvq_softmax_add(&sm, a->sinks[h], acc, head_dim_v, &w);
+    }
     const float inv = sm.sum > 0.0f ? 1.0f/sm.sum : 0.0f;
     for (int64_t c = 0; c < head_dim_v; ++c) {
         out[c] = acc[c]*inv;
@@ -355,6 +361,7 @@ static void kvq_attn(const struct ggml_compute_params * params, struct ggml_tens
             /*.window      =*/ ggml_get_op_params_i32(dst, 1),
             /*.scale       =*/ ggml_get_op_params_f32(dst, 3),
             /*.softcap     =*/ ggml_get_op_params_f32(dst, GGML_KVQ_SOFTCAP_PARAM),
+            /*.sinks       =*/ dst->src[9] != NULL ? (const float *) dst->src[9]->data : NULL,
             /*.k_bits      =*/ ggml_kvq_bits(k_tiles->type),
             /*.v_bits      =*/ ggml_kvq_bits(v_rows->type),
         };

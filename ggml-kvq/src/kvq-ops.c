@@ -137,6 +137,13 @@ void ggml_kvq_attn_set_softcap(struct ggml_tensor * attn, float softcap) {
     ggml_set_op_params_f32(attn, GGML_KVQ_SOFTCAP_PARAM, softcap);
 }
 
+void ggml_kvq_attn_set_sinks(struct ggml_tensor * attn, struct ggml_tensor * sinks) {
+    GGML_ASSERT(attn->op == GGML_OP_KVQ && ggml_get_op_params_i32(attn, 0) == GGML_KVQ_OP_ATTN);
+    GGML_ASSERT(sinks == NULL || (sinks->type == GGML_TYPE_F32 && ggml_is_contiguous(sinks) &&
+                                  ggml_nelements(sinks) == attn->src[0]->ne[1]));
+    attn->src[9] = sinks;
+}
+
 struct ggml_tensor * ggml_kvq_ring_put(
         struct ggml_context * ctx,
         struct ggml_tensor  * fp16,

@@ -250,19 +250,21 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
 }
 
 // What the fused kernels do not compute is refused here, at context creation, rather than answered wrongly: they
-// take Q, K, V, the mask, the KQ scale and the logit soft-cap, and nothing else of llama.cpp's attention.
+// take Q, K, V, the mask, the KQ scale, the logit soft-cap and learned sinks, and nothing else of llama.cpp's
+// attention.
 static void kvq_check_attention(const llama_model & model, const llama_hparams & hparams, uint32_t il,
         const std::string & types, bool selects) {
-    if (hparams.attn_soft_cap && selects) {
+    const bool learned_sinks = il < model.layers.size() && model.layers[il].attn_sinks != nullptr;
+    if ((hparams.attn_soft_cap || learned_sinks) && selects) {
         throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + types + ": prompt selection "
-                                 "(--kv-select) scores the prompt's tokens without the model's attention logit "
-                                 "soft-capping (Gemma 2); turn selection off for this model");
+                                 "(--kv-select) scores the prompt's tokens without the model's " +
+                                 (learned_sinks ? "learned attention sinks (gpt-oss)" :
+                                                  "attention logit soft-capping (Gemma 2)") +
+                                 "; turn selection off for this model");
     }
     const char * missing = nullptr;
     if (hparams.use_alibi) {
         missing = "ALiBi position biases";
-    } else if (il < model.layers.size() && model.layers[il].attn_sinks != nullptr) {
-        missing = "learned attention sinks (gpt-oss)";
     } else if (!hparams.causal_attn) {
         missing = "non-causal attention";
     }
@@ -1041,7 +1043,7 @@ static ggml_tensor * kvq_graph_shared(ggml_cgraph * gf, const char * name, F bui
 
 // upstream's flash attention over the wide cells of K and V (ggml_kvq_wide) and their mask
 static ggml_tensor * kvq_build_wide_attn(ggml_context * ctx, ggml_tensor * q_cur, ggml_tensor * k_wide, ggml_tensor * v_wide,
-        ggml_tensor * wide_mask, int64_t head_dim_v, int32_t n_seq, float kq_scale, float softcap) {
+        ggml_tensor * wide_mask, int64_t head_dim_v, int32_t n_seq, float kq_scale, float softcap, ggml_tensor * sinks) {
     // q [head_dim, n_head, n_tokens] as [head_dim, n_tps, n_head, n_seq]
     const int64_t n_tps = q_cur->ne[2]/n_seq;
     ggml_tensor * q = ggml_view_4d(ctx, q_cur, q_cur->ne[0], q_cur->ne[1], n_tps, n_seq,
@@ -1051,13 +1053,14 @@ static ggml_tensor * kvq_build_wide_attn(ggml_context * ctx, ggml_tensor * q_cur
     ggml_tensor * out = ggml_flash_attn_ext(ctx, q, kvq_wide_heads(ctx, k_wide, q_cur->ne[0]),
                                             kvq_wide_heads(ctx, v_wide, head_dim_v), wide_mask, kq_scale, 0.0f, softcap);
     ggml_prec_set_acc(out, GGML_PREC_F32);
+    ggml_flash_attn_ext_add_sinks(out, sinks);
     // [head_dim_v, n_head, n_tps, n_seq] -> [head_dim_v, n_head, n_tokens]
     return ggml_reshape_3d(ctx, out, out->ne[0], out->ne[1], q_cur->ne[2]);
 }
 
 ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * q_cur, ggml_tensor * k_cur,
-        ggml_tensor * v_cur, ggml_tensor * kq_mask, ggml_tensor * k_idxs, ggml_tensor * v_idxs, const llama_ubatch & ubatch,
-        const llama_kvq_select & select, float kq_scale, int32_t il) const {
+        ggml_tensor * v_cur, ggml_tensor * kq_mask, ggml_tensor * k_idxs, ggml_tensor * v_idxs, ggml_tensor * sinks,
+        const llama_ubatch & ubatch, const llama_kvq_select & select, float kq_scale, int32_t il) const {
     const kv_layer & layer = layers[map_layer_ids.at(il)];
     const int32_t window = kvq_params.window;
     const int32_t n_sink = kvq_params.n_sink;
@@ -1107,11 +1110,12 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     ggml_tensor * out;
     if (wide) {
         ggml_tensor * v_wide = ggml_kvq_wide(ctx, v_stored, layer.v_fp16, v_cur, k_idxs, window, n_sink, n_seq, kv_size, n_kv);
-        out = kvq_build_wide_attn(ctx, q_cur, k_wide, v_wide, wide_mask, v_cur->ne[0], n_seq, kq_scale, softcap);
+        out = kvq_build_wide_attn(ctx, q_cur, k_wide, v_wide, wide_mask, v_cur->ne[0], n_seq, kq_scale, softcap, sinks);
     } else {
         out = ggml_kvq_attn(ctx, q_cur, k_sealed, v_stored, layer.k_fp16, layer.v_fp16, k_cur, v_cur,
                             kq_mask, k_idxs, window, n_sink, kq_scale, n_seq, regions);
         ggml_kvq_attn_set_softcap(out, softcap);
+        ggml_kvq_attn_set_sinks(out, sinks);
     }
     ggml_build_forward_expand(gf, out);
 

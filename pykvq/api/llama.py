@@ -506,7 +506,8 @@ class Context(_Handle):
         llama = self._lib.llama
         if not _call(llama.llama_memory_seq_rm, llama.llama_get_memory(self._ptr), 0, n_tokens, -1):
             raise _fail(f"cannot remove tokens {n_tokens}.. of {self.n_past}")
-        self.n_past = n_tokens
+        # the cache decides: after a removal that left a hole (seq_rm of an earlier range) less may remain
+        self._sync_n_past()
 
     # several sequences
 

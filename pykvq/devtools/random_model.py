@@ -47,6 +47,7 @@ class Shape:
     swa_pattern: int = 0  # every swa_pattern-th layer global; 0: the family's own
     n_head_kv_layers: tuple[int, ...] = ()  # KV heads per layer where they differ (deci)
     attn_softcap: float = 50.0  # gemma2's attention logit soft-cap (Gemma 2's own value)
+    attn_sink: float | None = None  # gpt-oss's learned sink logit in every head; None: small random ones
 
     def n_head_kv_of(self, il: int) -> int:
         return self.n_head_kv_layers[il] if self.n_head_kv_layers else self.n_head_kv
@@ -176,7 +177,10 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         if shape.arch == "gpt-oss":
             norm(f"blk.{il}.post_attention_norm.weight")
             small(f"blk.{il}.attn_output.bias", shape.n_embd)
-            small(f"blk.{il}.attn_sinks.weight", shape.n_head)
+            if shape.attn_sink is None:
+                small(f"blk.{il}.attn_sinks.weight", shape.n_head)
+            else:
+                writer.add_tensor(f"blk.{il}.attn_sinks.weight", np.full(shape.n_head, shape.attn_sink, np.float32))
         if shape.is_gemma:
             norm(f"blk.{il}.post_attention_norm.weight")
             norm(f"blk.{il}.post_ffw_norm.weight")

@@ -251,6 +251,7 @@ struct kvq_attn_params {
     int    tiles_per_split;
     float  scale;
     float  softcap;
+    const float * sinks;    // [n_head] learned sink logits, or nullptr
     bool   mask_f16;
 };
 
@@ -445,6 +446,16 @@ static __device__ __forceinline__ float kvq_normalize(const kvq_partial & r) {
     return r.sum > 0.0f ? r.acc/r.sum : 0.0f;
 }
 
+// the output of head h: with a learned sink, one more logit in its softmax, whose value is zero
+static __device__ __forceinline__ float kvq_head_output(kvq_partial r, const float * sinks, int h) {
+    if (sinks != nullptr) {
+        const float m = fmaxf(r.max, sinks[h]);
+        const float f = expf(r.max - m);
+        r = { m, r.sum*f + expf(sinks[h] - m), r.acc*f };
+    }
+    return kvq_normalize(r);
+}
+
 // ncols: query heads per block; nvq: 4-channel V quads per lane (head_dim_v <= 128*nvq)
 template <int ncols, int nvq>
 static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(const kvq_attn_params p) {
@@ -604,7 +615,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
         const int c = idx % Dv;
         const kvq_partial r = kvq_fold(w_s + 2*g, WARP_SIZE*ncols, slice_s + g*Dv + c, slice, KVQ_NWARPS);
         if (p.n_splits == 1) {
-            ((float *) (p.dst + t*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_normalize(r);
+            ((float *) (p.dst + t*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, h0 + g);
         } else {
             const int64_t ps = ((int64_t) t*p.n_head + h0 + g)*p.n_splits + split;
             p.part[ps*Dv + c] = r.acc;
@@ -622,7 +633,7 @@ static __global__ void kvq_attn_combine_kernel(const kvq_attn_params p) {
     const int     c   = threadIdx.x;
     const int     Dv  = p.v.head_dim;
     const kvq_partial r = kvq_fold(p.part_ms + 2*row*p.n_splits, 2, p.part + row*p.n_splits*Dv + c, Dv, p.n_splits);
-    ((float *) (p.dst + row/p.n_head*p.dst_nb2 + row%p.n_head*p.dst_nb1))[c] = kvq_normalize(r);
+    ((float *) (p.dst + row/p.n_head*p.dst_nb2 + row%p.n_head*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, row%p.n_head);
 }
 
 //
@@ -755,6 +766,7 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     p.window      = ggml_get_op_params_i32(dst, 1);
     p.scale       = ggml_get_op_params_f32(dst, 3);
     p.softcap     = ggml_get_op_params_f32(dst, GGML_KVQ_SOFTCAP_PARAM);
+    p.sinks       = dst->src[9] != nullptr ? (const float *) dst->src[9]->data : nullptr;
     p.mask_f16    = mask->type == GGML_TYPE_F16;
 
     const int ncols = kvq_attn_ncols(p.n_gqa, p.k.head_dim, p.v.head_dim);
