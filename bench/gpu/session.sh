@@ -25,7 +25,7 @@ STEPS=${PYKVQ_GPU_STEPS:-"build diagnose smoke suite control bench"}
 # the suite's tests spread over this many pytest-xdist workers, each with its share of the cores (tests/conftest.py)
 WORKERS=${PYKVQ_GPU_WORKERS:-8}
 # later commands (poll, status) report the steps the chain was started with
-[ -z "${PYKVQ_GPU_STEPS:-}" ] && [ -f /tmp/pykvq-gpu/steps ] && STEPS=$(cat /tmp/pykvq-gpu/steps)
+[ -z "${PYKVQ_GPU_STEPS:-}" ] && [ -f "$WORK/steps" ] && STEPS=$(cat "$WORK/steps")
 OUT=${OUT:-$WORK/out}
 export PYKVQ_CACHE_DIR=$WORK/cache
 export PYTHONPATH=$SITE
