@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -37,6 +38,20 @@ def pytest_configure(config: pytest.Config) -> None:
     share = max(1, len(cpus) // int(workers))
     first = int(worker.removeprefix("gw")) * share % len(cpus)
     os.sched_setaffinity(0, cpus[first:first + share])
+
+
+# PYKVQ_TEST_REPORT=FILE: each failure appended to FILE as a JSON line the moment it is known (the GPU run reads
+# them from a suite cut short by its lease, where pytest's own summary and junit file come only at the end)
+FAILURE_REPORT = os.environ.get("PYKVQ_TEST_REPORT")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # under pytest-xdist the controller sees every worker's reports (and a crashed worker's): it alone writes
+    if FAILURE_REPORT is None or not report.failed or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    entry = {"test": report.nodeid, "when": report.when, "message": str(report.longrepr)[-4000:]}
+    with open(FAILURE_REPORT, "a", encoding="utf-8") as out:
+        out.write(json.dumps(entry) + "\n")
 
 
 @pytest.fixture(scope="session")
@@ -98,6 +113,15 @@ def rpc_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.fixture
+def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For a test that judges the CPU's kernels, or an RPC device of CPU kernels against them: the processes it
+    starts see no GPU (a CUDA build would otherwise put layers there, and offload a large batch's matmuls to it
+    even at -ngl 0); models it loads itself go through device.load_model(..., on_cpu=True)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("LLAMA_ARG_N_GPU_LAYERS", "0")
 
 
 @pytest.fixture(params=["cpu", "rpc", "gpu"])

@@ -63,17 +63,19 @@ def calibrated(tiny_hf: Path, tmp_path_factory) -> tuple[Path, subprocess.Comple
     # f16: llama.cpp rounds activations to f16 for f16 weights and K/V (4.5e-3 measured)
     ("f16", 1e-2),
 ])
+@pytest.mark.usefixtures("cpu_only")  # judges the converter: the CPU's f32 arithmetic against transformers'
 def test_logits_match_transformers(tiny_hf: Path, tmp_path: Path, outtype: str, tolerance: float) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
     out = tmp_path / f"tiny-{outtype}.gguf"
     assert pykvq("convert", str(tiny_hf), "-o", str(out), "--outtype", outtype, cwd=tmp_path).returncode == 0
-    with device.load_model(out) as model:
+    with device.load_model(out, on_cpu=True) as model:
         tokens = model.tokenize("To be, or not to be, that is the question: whether 'tis nobler in the mind")
         assert len(tokens) > 10
         kv = KvConfig(outtype, outtype, layers="none")
-        with model.context(device.context_config(n_ctx=128, n_batch=128, n_threads=2, flash_attn="off", kv=kv)) as ctx:
+        with model.context(device.context_config(on_cpu=True, n_ctx=128, n_batch=128, n_threads=2, flash_attn="off",
+                                                 kv=kv)) as ctx:
             ours = ctx.eval(tokens, all_logits=True)
     hf = LlamaForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -240,6 +242,7 @@ def test_bad_calibration_arguments(tiny_hf: Path, tmp_path: Path, hamlet: Path, 
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("cpu_only")  # judges the converter and its calibration, on the CPU
 def test_smollm2_from_transformers_converts_and_generates(smollm2: Path, tmp_path: Path, hamlet: Path) -> None:
     hf = hf_models.from_gguf(smollm2, tmp_path / "smollm2-hf")
     out = tmp_path / "smollm2-f16.gguf"
@@ -252,9 +255,9 @@ def test_smollm2_from_transformers_converts_and_generates(smollm2: Path, tmp_pat
     # the converted f16 model predicts what the Q4_1 original predicts
     predictions = []
     for path in (smollm2, out):
-        with device.load_model(path) as model:
+        with device.load_model(path, on_cpu=True) as model:
             tokens = model.tokenize(text)[:300]
-            config = device.context_config(n_ctx=512, n_batch=512, n_threads=2, kv=KvConfig(layers="none"))
+            config = device.context_config(on_cpu=True, n_ctx=512, n_batch=512, n_threads=2, kv=KvConfig(layers="none"))
             with model.context(config) as ctx:
                 predictions.append(ctx.eval(tokens, all_logits=True).argmax(1))
     assert np.mean(predictions[0] == predictions[1]) > 0.85

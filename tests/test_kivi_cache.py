@@ -50,6 +50,9 @@ def test_quantization_costs_in_bit_order(smollm2: Path, hamlet: Path, f16_ppl) -
     assert ppl["kivi4"] < f16_ppl.ppl * 1.05
 
 
+# a CPU property: a GPU's matmuls round by batch shape (upstream's f16 too), which
+# test_cuda.py::test_batching_changes_gpu_logits_as_f16s_rounding_does bounds instead
+@pytest.mark.skipif(device.ON_GPU, reason="batch-invariant on the CPU only; on a GPU see test_cuda.py")
 @pytest.mark.parametrize("kv_type", ["kivi4", "kivi2", "kivi1"])
 def test_batching_does_not_change_logits(kv_type: str, smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     """llama-perplexity's --kl-divergence-base saves the log-softmax of every scored token's logits: one

@@ -1,13 +1,16 @@
 """MiniKV's prompt selection (KvConfig.select, --kv-select): a prompt decoded into an empty sequence keeps its sinks,
 its heaviest hitters per KV head (by the attention mass the kernels measure) and its recent tokens, resealed into
-the sequence's first cells. Judged on the CPU backend (and behind the RPC backend against it), against plain kivi2
-runs with the same kernels and batch shapes."""
+the sequence's first cells. Judged against plain kivi2 runs with the same batch shapes on the suite's device (exact
+on the CPU; on a GPU within the quantization's own bar, device.assert_same_logits), and behind the RPC backend
+against the CPU."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +31,8 @@ def tokens(model: Model, hamlet: Path) -> list[int]:
     return model.tokenize(hamlet.read_text()[20000:40000])[:N_PROMPT + N_CONT]
 
 
-def context(model: Model, select: Selection | None, n_ubatch: int = 1024, **kv) -> object:
-    config = KvConfig("kivi2", "kivi2", select=select, **kv)
+def context(model: Model, select: Selection | None, n_ubatch: int = 1024, kv_type: str = "kivi2", **kv) -> object:
+    config = KvConfig(kv_type, kv_type, select=select, **kv)
     return model.context(ContextConfig(n_ctx=1024, n_batch=1024, n_ubatch=n_ubatch, n_threads=2, flash_attn="on",
                                        kv=config))
 
@@ -44,29 +47,35 @@ def prompt_then_continuation(model: Model, tokens: list[int], select, **kv) -> t
         return last, ctx.eval(tokens[N_PROMPT:], all_logits=True), held
 
 
+@pytest.fixture(scope="module")
+def f16(model: Model, tokens: list[int]) -> Callable[[], tuple[np.ndarray, np.ndarray, int]]:
+    """The f16 twin of prompt_then_continuation, computed once and only when asked (on a GPU: its bar)."""
+    return functools.cache(lambda: prompt_then_continuation(model, tokens, None, kv_type="f16"))
+
+
 def nll(logits: np.ndarray, targets: list[int]) -> float:
     x = logits - logits.max(axis=1, keepdims=True)
     logp = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
     return float(-logp[np.arange(len(targets)), targets].mean())
 
 
-def test_keeping_every_token_is_plain_kivi2(model: Model, tokens: list[int]) -> None:
+def test_keeping_every_token_is_plain_kivi2(model: Model, tokens: list[int], f16) -> None:
     # the heavy hitters are every candidate, sorted back into prompt order: the reseal must rebuild the very
     # tiles, V rows and ring of a plain prompt, so the continuation reads the same cache bit for bit
     plain = prompt_then_continuation(model, tokens, None)
     kept = prompt_then_continuation(model, tokens, (0.5, 0.5))
     assert kept[2] == plain[2] == N_PROMPT
-    device.assert_same_logits(kept[0], plain[0])
-    device.assert_same_logits(kept[1], plain[1])
+    device.assert_same_logits(kept[0], plain[0], lambda: f16()[0])
+    device.assert_same_logits(kept[1], plain[1], lambda: f16()[1])
 
 
 @pytest.mark.parametrize("select, sinks", [((0.25, 0.25), 0), ((0.125, 0.125), 4)])
-def test_selection_keeps_its_share_and_continues(model: Model, tokens: list[int], select, sinks: int) -> None:
+def test_selection_keeps_its_share_and_continues(model: Model, tokens: list[int], select, sinks: int, f16) -> None:
     plain = prompt_then_continuation(model, tokens, None, sinks=sinks)
     last, cont, held = prompt_then_continuation(model, tokens, select, sinks=sinks)
     assert held == sinks + round(select[0] * N_PROMPT) + round(select[1] * N_PROMPT)
     # the prompt's own attention reads the whole prompt: its last logits are plain kivi2's
-    device.assert_same_logits(last, plain[0])
+    device.assert_same_logits(last, plain[0], lambda: f16()[0])
     # the continuation reads only the kept tokens: different, and still the model's text
     assert not np.array_equal(cont, plain[1])
     targets = tokens[N_PROMPT + 1:]
@@ -83,15 +92,15 @@ def test_heavy_hitters_beat_the_recent_window_alone(model: Model, tokens: list[i
     assert nll(by_mass[1][:-1], targets) < nll(recent[1][:-1], targets)
 
 
-def test_an_observation_window_scores_with_the_prompts_last_queries(model: Model, tokens: list[int]) -> None:
+def test_an_observation_window_scores_with_the_prompts_last_queries(model: Model, tokens: list[int], f16) -> None:
     # the kernels' sums over the last queries are judged in test_kvq_score.py; here the selection they feed: keeping
     # every token is still plain kivi2, and a short window picks other heavy hitters, keeping as many cells
     plain = prompt_then_continuation(model, tokens, None)
-    device.assert_same_logits(prompt_then_continuation(model, tokens, (0.5, 0.5, 16))[1], plain[1])
+    device.assert_same_logits(prompt_then_continuation(model, tokens, (0.5, 0.5, 16))[1], plain[1], lambda: f16()[1])
     every = prompt_then_continuation(model, tokens, (0.25, 0.25, 0))
     last = prompt_then_continuation(model, tokens, (0.25, 0.25, 16))
     assert last[2] == every[2] == N_PROMPT // 2
-    device.assert_same_logits(last[0], every[0])
+    device.assert_same_logits(last[0], every[0], lambda: f16()[0])
     assert not np.array_equal(last[1], every[1])
     # a window of every query differs from 0 by SnapKV's pooling alone
     assert not np.array_equal(prompt_then_continuation(model, tokens, (0.25, 0.25, N_PROMPT))[1], every[1])
@@ -176,6 +185,7 @@ def test_pykvq_run_reports_what_selection_holds(smollm2: Path, tmp_path: Path, h
     assert "without selection" in line and "MiB" in line
 
 
+@pytest.mark.usefixtures("cpu_only")
 def test_pykvq_run_on_an_rpc_device_selects_as_the_cpu(rpc_server: str, smollm2: Path, tmp_path: Path,
                                                          hamlet: Path) -> None:
     prompt = tmp_path / "prompt.txt"

@@ -130,6 +130,11 @@ def _fake_llama_cpp(root: Path, version: str, lib: str) -> Path:
     return root
 
 
+def _python_path_first(folder: Path) -> str:
+    """PYTHONPATH with ``folder`` ahead of what it already holds (where pykvq's own dependencies may be)."""
+    return os.pathsep.join([str(folder), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def _load_in_subprocess(code: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
     # cwd: not the checkout, whose pykvq folder (no built libraries) would shadow the installed package
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -152,11 +157,11 @@ def test_load_refuses_the_wrong_library(case: str, message: str, tmp_path: Path)
     if case == "other-lib-path":
         env["LLAMA_CPP_LIB_PATH"] = str(tmp_path)
     elif case == "imported-first":
-        env["PYTHONPATH"] = str(_fake_llama_cpp(tmp_path, "0.3.36", "/opt/other/libllama.so"))
+        env["PYTHONPATH"] = _python_path_first(_fake_llama_cpp(tmp_path, "0.3.36", "/opt/other/libllama.so"))
         code = "import llama_cpp\n" + LOAD
     elif case == "wrong-version":
         from pykvq import paths
-        env["PYTHONPATH"] = str(_fake_llama_cpp(tmp_path, "0.2.90", str(paths.library("llama"))))
+        env["PYTHONPATH"] = _python_path_first(_fake_llama_cpp(tmp_path, "0.2.90", str(paths.library("llama"))))
     else:
         code = "import sys\nsys.modules['llama_cpp'] = None\n" + LOAD
     proc = _load_in_subprocess(code, env, tmp_path)

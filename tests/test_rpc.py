@@ -14,6 +14,9 @@ import pytest
 
 from pykvq.devtools import random_model
 
+# the reference is the host's CPU, and the RPC server serves CPU kernels: no GPU in either run
+pytestmark = pytest.mark.usefixtures("cpu_only")
+
 SCENARIO = Path(__file__).resolve().parent / "rpc_scenario.py"
 LAYERS = {"kivi2": "", "f16-layer0": "k:0=f16,1-=kivi2;v:0=f16,1-=kivi2"}
 

@@ -22,7 +22,7 @@ def pykvq_run(*args: str, stdin: str | None = None) -> subprocess.CompletedProce
 
 def test_run_streams_text_and_reports_speed_and_memory(smollm2: Path) -> None:
     proc = pykvq_run("-m", str(smollm2), "--kv-type", "kivi2", "-p", "The capital of France is", "-n", "16",
-                     "--temp", "0", "-c", "512")
+                     "--temp", "0", "-c", "512", "--ignore-eos")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("The capital of France is Paris")
     assert "prompt 5 tokens" in proc.stderr and "generated 16 tokens" in proc.stderr
@@ -49,9 +49,23 @@ def test_chat_mode_uses_the_chat_template_and_keeps_the_conversation(smollm2: Pa
 
 
 def test_long_generation_with_n_minus_one_stops_at_a_full_context(smollm2: Path) -> None:
-    proc = pykvq_run("-m", str(smollm2), "-p", "Hello", "-n", "-1", "-c", "256", "--temp", "0", "--top-k", "1")
+    # --ignore-eos: where greedy decoding meets an end of generation depends on the backend's rounding
+    proc = pykvq_run("-m", str(smollm2), "-p", "Hello", "-n", "-1", "-c", "256", "--temp", "0", "--ignore-eos")
     assert proc.returncode == 0, proc.stderr
     assert "context full after 256 tokens" in proc.stderr
+
+
+CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_ignore_eos_generates_past_the_end_of_the_answer(smollm2: Path, ignore_eos: bool) -> None:
+    proc = pykvq_run("-m", str(smollm2), "-p", CHAT_PROMPT, "-n", "48", "-c", "512", "--temp", "0",
+                     *(["--ignore-eos"] if ignore_eos else []))
+    assert proc.returncode == 0, proc.stderr
+    generated = int(re.search(r"generated (\d+) tokens", proc.stderr).group(1))
+    assert "Paris" in proc.stdout
+    assert generated == 48 if ignore_eos else generated < 48
 
 
 def _truncated(smollm2: Path, tmp: Path) -> Path:
@@ -100,7 +114,7 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tm
         "prompt-too-long": [*model, "-p", LONG_PROMPT, "-c", "256"],
         "no-prompt": [*model],
         "kivi-without-fa": [*model, "--kv-type", "kivi2", "-fa", "off", "-p", "hi"],
-        "context-overflow": [*model, "-p", "Hello", "-n", "300", "-c", "256", "--temp", "0", "--top-k", "1"],
+        "context-overflow": [*model, "-p", "Hello", "-n", "300", "-c", "256", "--temp", "0", "--ignore-eos"],
         "bad-window": [*model, "--kv-type", "kivi2", "--kv-window", "-4", "-p", "hi"],
         "bad-rollback": [*model, "--kv-type", "kivi2", "--kv-rollback", "5000", "-p", "hi"],
         "window-past-int32": [*model, "--kv-type", "kivi2", "--kv-window", "99999999999", "-p", "hi"],

@@ -23,7 +23,7 @@ download() {
 }
 download cffi pycparser "gguf>=0.10" fastapi "uvicorn>=0.22" "sse-starlette>=1.6" "starlette-context>=0.3.6" \
     "pydantic-settings>=2" pydantic pydantic-core starlette diskcache annotated-types typing-inspection \
-    python-dotenv opentelemetry-api
+    python-dotenv opentelemetry-api importlib-metadata zipp
 # llama-cpp-python's Python package without its own llama.cpp (pykvq points it at pykvq's)
 CMAKE_ARGS="-DLLAMA_BUILD=OFF" python3 -m pip wheel --no-deps -w .whl "llama-cpp-python[server]==0.3.36"
 

@@ -7,10 +7,10 @@
 #   bash bench/gpu/session.sh poll [SECONDS]    take any carried asset part, poll (default 540 s)
 #   bash bench/gpu/session.sh status            one line per step
 #
-# The chain: build (CUDA, sm_90) -> diagnose (the linker record) -> suite (every test, model and KV cache on the
-# GPU: PYKVQ_TEST_NGL=99) -> control (layers on the CPU, op offload off: must pass as the CPU build does) ->
-# smoke (`pykvq run`, the Python API, the llama-cpp-python server) -> bench (decode, prefill, largest context);
-# PYKVQ_GPU_STEPS picks and orders them.
+# The chain: build (CUDA, sm_90) -> diagnose (the linker record) -> smoke (`pykvq run`, the Python API, the
+# llama-cpp-python server) -> recheck (the tests that failed on the last GPU run, bench/gpu/recheck.txt) -> suite
+# (every test, model and KV cache on the GPU: PYKVQ_TEST_NGL=99) -> control (layers on the CPU, op offload off:
+# must pass as the CPU build does) -> bench (decode, prefill, largest context); PYKVQ_GPU_STEPS picks and orders them.
 # The suite waits for the model assets, which travel in parts (.gpu-carry/partN, one per command).
 # Each step leaves <step>.log and <step>.json under /tmp/pykvq-gpu; every poll copies them to $OUT.
 set -uo pipefail
@@ -20,8 +20,8 @@ REPO=$(cd "$(dirname "$0")/../.." && pwd)
 WORK=/tmp/pykvq-gpu
 SRC=$WORK/src
 SITE=$WORK/site
-# a short lease runs fewer: PYKVQ_GPU_STEPS="build diagnose smoke suite" bash bench/gpu/session.sh start
-STEPS=${PYKVQ_GPU_STEPS:-"build diagnose smoke suite control bench"}
+# a short lease runs fewer: PYKVQ_GPU_STEPS="build smoke recheck suite" bash bench/gpu/session.sh start
+STEPS=${PYKVQ_GPU_STEPS:-"build diagnose smoke recheck suite control bench"}
 # the suite's tests spread over this many pytest-xdist workers, each with its share of the cores (tests/conftest.py)
 WORKERS=${PYKVQ_GPU_WORKERS:-8}
 # later commands (poll, status) report the steps the chain was started with
@@ -105,12 +105,16 @@ EOF
 
 # pytest's summary as JSON: the GPU, passed, failed, skipped and each failing test with its message
 run_suite() {
-    local name=$1
-    shift
+    local name=$1 targets=$2
+    shift 2
     cd "$SRC"
     wait_for_assets
-    # -v names each test as it ends, so a poll's log tail holds the results even of a suite cut short
-    env "$@" pytest -p no:cacheprovider -v -rfE -n "$WORKERS" --timeout 600 --junitxml="$WORK/$name.xml" tests
+    local tests=(tests)
+    [ -n "$targets" ] && mapfile -t tests < "$targets"
+    # -v names each test as it ends, and PYKVQ_TEST_REPORT (tests/conftest.py) writes each failure with its message
+    # as it happens: a suite cut short by the lease still tells what failed and why
+    env "$@" PYKVQ_TEST_REPORT="$WORK/$name-failures.jsonl" \
+        pytest -p no:cacheprovider -v -rfE -n "$WORKERS" --timeout 600 --junitxml="$WORK/$name.xml" "${tests[@]}"
     local rc=$?
     python3 - "$WORK/$name.xml" "$WORK/$name.json" "$(gpu_name)" "$*" <<'EOF'
 import json, sys
@@ -120,7 +124,7 @@ suite = root if root.tag == "testsuite" else root.find("testsuite")
 cases = suite.findall("testcase")
 def reason(case):
     found = case.find("failure") if case.find("failure") is not None else case.find("error")
-    return None if found is None else (found.get("message") or found.text or "").strip()[:400]
+    return None if found is None else (found.get("message") or found.text or "").strip()[:1500]
 failed = {f"{c.get('classname')}::{c.get('name')}": reason(c) for c in cases if reason(c) is not None}
 skipped = sum(c.find("skipped") is not None for c in cases)
 json.dump({"gpu": sys.argv[3], "settings": sys.argv[4], "tests": len(cases), "passed": len(cases) - len(failed) - skipped,
@@ -130,10 +134,12 @@ EOF
     return $rc
 }
 
-step_suite() { run_suite suite PYKVQ_TEST_NGL=99; }
+step_suite() { run_suite suite "" PYKVQ_TEST_NGL=99; }
+# the tests that failed on the last GPU run (bench/gpu/recheck.txt), first: minutes instead of the whole suite
+step_recheck() { run_suite recheck "$SRC/bench/gpu/recheck.txt" PYKVQ_TEST_NGL=99; }
 # upstream's tools take op offload from their command line only, and offload a large batch's matmuls to a GPU they
 # see even at -ngl 0: the control hides the GPU from every process, so that what runs is the build's CPU path
-step_control() { run_suite control PYKVQ_TEST_NGL=0 PYKVQ_TEST_OP_OFFLOAD=off CUDA_VISIBLE_DEVICES=; }
+step_control() { run_suite control "" PYKVQ_TEST_NGL=0 PYKVQ_TEST_OP_OFFLOAD=off CUDA_VISIBLE_DEVICES=; }
 
 # what a user does first: `pykvq run`, the Python API and llama-cpp-python's server, all at full offload
 step_smoke() {
@@ -157,10 +163,12 @@ EOF
         --flash_attn true --port 8765 > "$WORK/smoke-server.log" 2>&1 &
     local server=$!
     local answer
-    answer=$(python3 - <<'EOF'
-import json, time, urllib.request
+    answer=$(python3 - "$server" <<'EOF'
+import json, os, sys, time, urllib.request
 body = json.dumps({"prompt": "The capital of France is", "max_tokens": 24, "temperature": 0}).encode()
 for _ in range(120):
+    if not os.path.exists(f"/proc/{sys.argv[1]}"):
+        break  # the server stopped: its log says why
     try:
         request = urllib.request.Request("http://127.0.0.1:8765/v1/completions", body,
                                          {"Content-Type": "application/json"})
@@ -214,7 +222,7 @@ chain() {
 
 collect() {
     mkdir -p "$OUT"
-    for f in "$WORK"/*.json "$WORK"/chain.log; do
+    for f in "$WORK"/*.json "$WORK"/*.jsonl "$WORK"/chain.log; do
         [ -e "$f" ] && cp "$f" "$OUT/"
     done
     # the last step's log, for a step that failed or runs on

@@ -313,6 +313,16 @@ class Model(_Handle):
     def is_eog(self, token: int) -> bool:
         return bool(self._lib.llama.llama_vocab_is_eog(self._vocab, token))
 
+    def eog_tokens(self) -> list[int]:
+        """The vocabulary's end-of-generation tokens (EOS, EOT, ...)."""
+        return [token for token in range(self.n_vocab) if self.is_eog(token)]
+
+    def sampler(self, settings: SamplerSettings = SamplerSettings()) -> Sampler:
+        """A Sampler for this model's vocabulary (which --ignore-eos needs)."""
+        if not settings.ignore_eos:
+            return Sampler(settings)
+        return Sampler(settings, self.eog_tokens(), self.n_vocab)
+
     @property
     def chat_template(self) -> str | None:
         tmpl = self._lib.llama.llama_model_chat_template(self._ptr, self._lib.ffi.NULL)
@@ -346,7 +356,7 @@ class Model(_Handle):
                  kv: KvConfig = KvConfig(), n_ctx: int = 4096) -> Iterator[str]:
         """Stream the text generated after ``prompt`` in a fresh context."""
         with self.context(ContextConfig(n_ctx=n_ctx, kv=kv)) as ctx:
-            yield from ctx.generate_text(self.tokenize(prompt), n_predict, Sampler(sampling))
+            yield from ctx.generate_text(self.tokenize(prompt), n_predict, self.sampler(sampling))
 
 
 class Context(_Handle):

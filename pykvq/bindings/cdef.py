@@ -151,6 +151,9 @@ LLAMA_CDEF = """
     struct llama_sampler * llama_sampler_init_top_p(float p, size_t min_keep);
     struct llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep);
     struct llama_sampler * llama_sampler_init_temp(float t);
+    typedef struct llama_logit_bias { llama_token token; float bias; } llama_logit_bias;
+    struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
+                                                         const llama_logit_bias * logit_bias);
     llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
     void    llama_sampler_free(struct llama_sampler * smpl);
 

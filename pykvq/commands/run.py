@@ -91,6 +91,8 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40, 0 = off)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95, 1.0 = off)")
     p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling (default 0.05, 0.0 = off)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="never end at the model's end-of-generation tokens: generate -n tokens or up to a full context")
     p.add_argument("-s", "--seed", type=int, default=LLAMA_DEFAULT_SEED, help="RNG seed (default: random)")
     p.add_argument("-cnv", "--conversation", action="store_true",
                    help="chat with the model through its chat template (reads turns from stdin)")
@@ -211,7 +213,8 @@ def check_layers(kv: KvConfig, model: Model) -> None:
 
 
 def _generate(model: Model, ctx: Context, args: argparse.Namespace, kv: KvConfig) -> None:
-    sampler = Sampler(SamplerSettings(args.temp, args.top_k, args.top_p, args.min_p, args.seed))
+    sampler = model.sampler(SamplerSettings(args.temp, args.top_k, args.top_p, args.min_p, args.seed,
+                                            args.ignore_eos))
     if args.conversation:
         _chat(model, ctx, sampler, args)
     else:
