@@ -205,7 +205,7 @@ static __global__ void kvq_set_rows_kernel(
 // ATTN (kvq_attn_row in kvq-cpu.c)
 //
 // One block serves ncols query heads of one KV head (GQA: each K/V tile is read once for all of them)
-// for one query token, over one split of the context: grid (n_splits, n_head_kv*n_groups, n_tokens),
+// for one query token, over one split of the context: grid (n_splits, n_head_kv*n_groups, tokens of the launch),
 // KVQ_NWARPS warps. A warp takes a 32-cell tile at a time (the tiles of a split go round the warps):
 //   1. scores, lane u <- cell u: quantized K straight from the tile's codes (kvq_tile_scores), fp16 K
 //      (window, sinks, the query's own tile, the batch) by a per-lane dot product;
@@ -213,9 +213,11 @@ static __global__ void kvq_set_rows_kernel(
 //   3. V: the warp walks the tile's cells, each lane decoding four channels at a time from the
 //      quantized row or the fp16 one.
 // The warps' states are merged in shared memory; with n_splits > 1 each split writes its (max, sum,
-// unnormalised output) and kvq_attn_combine_kernel merges them. Prefill runs the same kernel, one query
-// per block; a batched path would take a block of queries, dequantize each K/V tile into shared memory
-// as fp16 and use tensor cores (mma.cuh).
+// unnormalised output) and the block that finishes last for its (token, heads) merges them all.
+// A split is KVQ_TILES_PER_SPLIT tiles at fixed cells, whatever the batch, the context's length or the GPU:
+// a query's output then depends on its own cells only (splits past them merge in as exact zeros), so the same
+// tokens decoded in other batches, or after a state load, attend bit for bit alike. Prefill runs the same
+// kernel, one query per block.
 //
 
 struct kvq_attn_params {
@@ -227,6 +229,7 @@ struct kvq_attn_params {
     char          * dst;
     float         * part;     // split-K: [token*n_head + head][split][head_dim_v] unnormalised outputs
     float         * part_ms;  // split-K: [token*n_head + head][split] (max, sum)
+    int           * arrived;  // split-K: [token][n_head_kv*n_groups] splits done, zero at the launch
     kvq_source      k;
     kvq_source      v;
     size_t q_nb1;
@@ -248,7 +251,7 @@ struct kvq_attn_params {
     int    v_bits;
     int    window;
     int    n_splits;
-    int    tiles_per_split;
+    int    t0;               // the launch's first token (launches take the batch in chunks)
     float  scale;
     float  softcap;
     const float * sinks;    // [n_head] learned sink logits, or nullptr
@@ -425,19 +428,30 @@ struct kvq_partial {
     float acc;  // unnormalised output
 };
 
+// loads of the warps' states in shared memory, and of other blocks' partials in global memory past L1, which
+// may hold lines of them read before they were written
+struct kvq_load_shared {
+    __device__ float operator()(const float * x) const { return *x; }
+};
+struct kvq_load_global {
+    __device__ float operator()(const float * x) const { return __ldcg(x); }
+};
+
 // merges the states of n disjoint parts: max at ms[k*ms_stride], sum right after it, acc at acc[k*acc_stride]
-static __device__ kvq_partial kvq_fold(const float * ms, const int ms_stride, const float * acc, const int acc_stride, const int n) {
+template <typename load_t>
+static __device__ kvq_partial kvq_fold(const float * ms, const int ms_stride, const float * acc, const int acc_stride,
+                                       const int n, const load_t load) {
     kvq_partial r = { -INFINITY, 0.0f, 0.0f };
     for (int k = 0; k < n; ++k) {
-        r.max = fmaxf(r.max, ms[k*ms_stride]);
+        r.max = fmaxf(r.max, load(ms + k*ms_stride));
     }
     if (r.max == -INFINITY) {
         return r; // nothing attended
     }
     for (int k = 0; k < n; ++k) {
-        const float f = expf(ms[k*ms_stride] - r.max);
-        r.sum += f*ms[k*ms_stride + 1];
-        r.acc += f*acc[k*acc_stride];
+        const float f = expf(load(ms + k*ms_stride) - r.max);
+        r.sum += f*load(ms + k*ms_stride + 1);
+        r.acc += f*load(acc + k*acc_stride);
     }
     return r;
 }
@@ -456,6 +470,32 @@ static __device__ __forceinline__ float kvq_head_output(kvq_partial r, const flo
     return kvq_normalize(r);
 }
 
+// Split-K: the block that finishes last among the splits of its (token, query heads) merges their partials, in
+// split order, into the output: no second launch. Every thread's partials are made visible before the block counts
+// itself in (the threadFenceReduction pattern); the whole block must call it.
+static __device__ void kvq_merge_if_last(const kvq_attn_params & p, const int t, const int h0, const int nh) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(p.arrived + blockIdx.z*gridDim.y + blockIdx.y, 1) == p.n_splits - 1;
+    }
+    __syncthreads();
+    if (!last) {
+        return;
+    }
+    __threadfence();
+    const int Dv = p.v.head_dim;
+    for (int idx = threadIdx.x; idx < nh*Dv; idx += blockDim.x) {
+        const int     g   = idx / Dv;
+        const int     c   = idx % Dv;
+        const int64_t row = (int64_t) blockIdx.z*p.n_head + h0 + g;
+        const kvq_partial r = kvq_fold(p.part_ms + 2*row*p.n_splits, 2, p.part + row*p.n_splits*Dv + c, Dv, p.n_splits,
+                                       kvq_load_global());
+        ((float *) (p.dst + t*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, h0 + g);
+    }
+}
+
 // ncols: query heads per block; nvq: 4-channel V quads per lane (head_dim_v <= 128*nvq)
 template <int ncols, int nvq>
 static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(const kvq_attn_params p) {
@@ -468,7 +508,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
     const int hk     = blockIdx.y / p.n_groups;
     const int h0     = hk*p.n_gqa + blockIdx.y % p.n_groups*ncols;  // the block's first query head
     const int nh     = min(ncols, (hk + 1)*p.n_gqa - h0);           // its real heads; the rest pads to ncols
-    const int t      = blockIdx.z;
+    const int t      = p.t0 + blockIdx.z;
     const int D      = p.k.head_dim;
     const int Dv     = p.v.head_dim;
     const int n_quad = Dv/4;
@@ -527,8 +567,8 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
     }
 
     const int n_tiles  = (p.n_kv + QK_KIVI - 1)/QK_KIVI;
-    const int tile_end = min(n_tiles, (split + 1)*p.tiles_per_split);
-    for (int tile = split*p.tiles_per_split + warp; tile < tile_end; tile += KVQ_NWARPS) {
+    const int tile_end = min(n_tiles, (split + 1)*KVQ_TILES_PER_SPLIT);
+    for (int tile = split*KVQ_TILES_PER_SPLIT + warp; tile < tile_end; tile += KVQ_NWARPS) {
         const int64_t  j0             = (int64_t) tile*QK_KIVI;
         const int64_t  j              = j0 + lane;
         const float    mv             = j < end ? kvq_mask_value(p, t, col0 + j) : -INFINITY;
@@ -613,11 +653,11 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
     for (int idx = threadIdx.x; idx < nh*Dv; idx += blockDim.x) {
         const int g = idx / Dv;
         const int c = idx % Dv;
-        const kvq_partial r = kvq_fold(w_s + 2*g, WARP_SIZE*ncols, slice_s + g*Dv + c, slice, KVQ_NWARPS);
+        const kvq_partial r = kvq_fold(w_s + 2*g, WARP_SIZE*ncols, slice_s + g*Dv + c, slice, KVQ_NWARPS, kvq_load_shared());
         if (p.n_splits == 1) {
             ((float *) (p.dst + t*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, h0 + g);
         } else {
-            const int64_t ps = ((int64_t) t*p.n_head + h0 + g)*p.n_splits + split;
+            const int64_t ps = ((int64_t) blockIdx.z*p.n_head + h0 + g)*p.n_splits + split;
             p.part[ps*Dv + c] = r.acc;
             if (c == 0) {
                 p.part_ms[2*ps + 0] = r.max;
@@ -625,15 +665,9 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
             }
         }
     }
-}
-
-// split-K: merges the splits of one (token, head) row; grid n_tokens*n_head, head_dim_v threads
-static __global__ void kvq_attn_combine_kernel(const kvq_attn_params p) {
-    const int64_t row = blockIdx.x;
-    const int     c   = threadIdx.x;
-    const int     Dv  = p.v.head_dim;
-    const kvq_partial r = kvq_fold(p.part_ms + 2*row*p.n_splits, 2, p.part + row*p.n_splits*Dv + c, Dv, p.n_splits);
-    ((float *) (p.dst + row/p.n_head*p.dst_nb2 + row%p.n_head*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, row%p.n_head);
+    if (p.n_splits > 1) {
+        kvq_merge_if_last(p, t, h0, nh);
+    }
 }
 
 //
@@ -774,36 +808,36 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     p.n_groups = (p.n_gqa + ncols - 1)/ncols;
     GGML_ASSERT(n_head_kv*p.n_groups <= KVQ_MAX_GRID_YZ);
 
-    // Few queries over a long context (decode): split the context until the GPU has KVQ_BLOCKS_PER_SM
-    // blocks per SM, as long as every warp of a split keeps a tile.
-    const int     n_tiles  = (p.n_kv + QK_KIVI - 1)/QK_KIVI;
-    const int64_t n_blocks = (int64_t) n_tokens*n_head_kv*p.n_groups;
-    const int64_t wanted   = (int64_t) KVQ_BLOCKS_PER_SM*ggml_cuda_info().devices[ctx.device].nsm;
-    int n_splits = 1;
-    if (n_blocks < wanted) {
-        n_splits = (int) std::min<int64_t>((wanted + n_blocks - 1)/n_blocks, std::max(1, n_tiles/KVQ_NWARPS));
-    }
-    p.tiles_per_split = (n_tiles + n_splits - 1)/n_splits;
-    p.n_splits        = (n_tiles + p.tiles_per_split - 1)/p.tiles_per_split;
+    // splits at fixed cells (see ATTN above); the partials of a long context over a large batch would not fit,
+    // so launches take the batch in chunks of tokens
+    const int     n_tiles   = (p.n_kv + QK_KIVI - 1)/QK_KIVI;
+    p.n_splits = (n_tiles + KVQ_TILES_PER_SPLIT - 1)/KVQ_TILES_PER_SPLIT;
+    const int64_t per_token = (int64_t) n_head*p.n_splits*(p.v.head_dim + 2);
+    const int     chunk     = p.n_splits == 1 ? n_tokens : (int) std::clamp<int64_t>(KVQ_MAX_PARTIALS/per_token, 1, n_tokens);
+    const int     n_rows    = n_head_kv*p.n_groups;
 
     ggml_cuda_pool_alloc<float> part(ctx.pool());
+    ggml_cuda_pool_alloc<int>   arrived(ctx.pool());
     if (p.n_splits > 1) {
-        const int64_t n_part = (int64_t) n_tokens*n_head*p.n_splits;
-        part.alloc(n_part*(p.v.head_dim + 2));
+        part.alloc(chunk*per_token);
+        arrived.alloc((int64_t) chunk*n_rows);
         p.part    = part.get();
-        p.part_ms = p.part + n_part*p.v.head_dim;
+        p.part_ms = p.part + (int64_t) chunk*n_head*p.n_splits*p.v.head_dim;
+        p.arrived = arrived.get();
     }
 
     cudaStream_t stream = ctx.stream();
-    const dim3 grid(p.n_splits, n_head_kv*p.n_groups, n_tokens);
-    switch (nvq) {
-        case 1:  kvq_attn_launch_cols<1>(p, ncols, grid, stream); break;
-        case 2:  kvq_attn_launch_cols<2>(p, ncols, grid, stream); break;
-        default: kvq_attn_launch_cols<4>(p, ncols, grid, stream); break;
-    }
-    CUDA_CHECK(cudaGetLastError());
-    if (p.n_splits > 1) {
-        kvq_attn_combine_kernel<<<n_tokens*n_head, p.v.head_dim, 0, stream>>>(p);
+    for (p.t0 = 0; p.t0 < n_tokens; p.t0 += chunk) {
+        const int n = std::min(chunk, n_tokens - p.t0);
+        if (p.n_splits > 1) {
+            CUDA_CHECK(cudaMemsetAsync(p.arrived, 0, sizeof(int)*n*n_rows, stream));
+        }
+        const dim3 grid(p.n_splits, n_rows, n);
+        switch (nvq) {
+            case 1:  kvq_attn_launch_cols<1>(p, ncols, grid, stream); break;
+            case 2:  kvq_attn_launch_cols<2>(p, ncols, grid, stream); break;
+            default: kvq_attn_launch_cols<4>(p, ncols, grid, stream); break;
+        }
         CUDA_CHECK(cudaGetLastError());
     }
 }
