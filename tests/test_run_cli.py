@@ -33,6 +33,13 @@ def test_run_streams_text_and_reports_speed_and_memory(smollm2: Path) -> None:
     assert f"f16 KV would use {cells * 11.25 / 512:.2f} MiB" in proc.stderr  # 11.25 MiB for 512 cells
 
 
+def test_a_one_token_prompt_is_reported_as_the_prompt(smollm2: Path) -> None:
+    """llama.cpp's own counters call a one-token batch a generated token: -n 8 reported 9."""
+    proc = pykvq_run("-m", str(smollm2), "-p", "Hello", "-n", "8", "--temp", "0", "--ignore-eos", "-c", "256")
+    assert proc.returncode == 0, proc.stderr
+    assert "prompt 1 tokens" in proc.stderr and "generated 8 tokens" in proc.stderr
+
+
 def test_run_without_model_uses_the_embedded_default() -> None:
     proc = pykvq_run("-p", "Hello", "-n", "4", "--temp", "0", "--no-display-prompt", "-c", "256")
     assert proc.returncode == 0, proc.stderr

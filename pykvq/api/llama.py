@@ -169,7 +169,7 @@ class KvMemory:
 
 @dataclass(frozen=True)
 class Timings:
-    """llama.cpp's performance counters of a context."""
+    """Tokens evaluated as prompt and as generation, and llama.cpp's compute time of each."""
 
     prompt_ms: float
     n_prompt: int
@@ -187,6 +187,10 @@ class Timings:
     @property
     def decode_tokens_per_s(self) -> float:
         return self._rate(self.n_decode, self.decode_ms)
+
+    def __add__(self, other: Timings) -> Timings:
+        return Timings(self.prompt_ms + other.prompt_ms, self.n_prompt + other.n_prompt,
+                       self.decode_ms + other.decode_ms, self.n_decode + other.n_decode)
 
 
 @dataclass(frozen=True)
@@ -369,6 +373,7 @@ class Context(_Handle):
         self._lib = model._lib
         self.n_past = 0
         self.context_full = False  # generation stopped because the context filled up
+        self.generation = Timings(0.0, 0, 0.0, 0)  # what generate_tokens evaluated
         self._ptr = self._create(config)
         # one batch for the context's life: generation decodes token by token
         self._batch = self._lib.llama.llama_batch_init(self._lib.llama.llama_n_batch(self._ptr), 0, 1)
@@ -480,7 +485,9 @@ class Context(_Handle):
         """Evaluate ``prompt``, then yield up to ``n_predict`` sampled tokens (-1: until end of generation or
         a full context, which sets ``context_full``). Raises LlamaError when the prompt itself does not fit."""
         self.check_fits(prompt)
+        start = self._compute_ms()
         self.eval(prompt)
+        self.generation += Timings(self._compute_ms() - start, len(prompt), 0.0, 0)
         produced = 0
         while n_predict < 0 or produced < n_predict:
             token = sampler.sample(self._ptr)
@@ -490,9 +497,17 @@ class Context(_Handle):
                 self.context_full = True
                 return
             # evaluated before it is handed out, so that the cache always holds everything yielded
+            start = self._compute_ms()
             self.eval([token])
+            self.generation += Timings(0.0, 0, self._compute_ms() - start, 1)
             produced += 1
             yield token
+
+    def _compute_ms(self) -> float:
+        """llama.cpp's compute time so far; its own counters call a one-token prompt a generated token, so
+        generate_tokens keeps its own split (``generation``)."""
+        perf = self._lib.llama.llama_perf_context(self._ptr)
+        return perf.t_p_eval_ms + perf.t_eval_ms
 
     def generate_text(self, prompt: Sequence[int], n_predict: int, sampler: Sampler) -> Iterator[str]:
         """Like generate_tokens, as text pieces; a character split across tokens comes out whole."""

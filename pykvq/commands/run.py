@@ -225,7 +225,7 @@ def _generate(model: Model, ctx: Context, args: argparse.Namespace, kv: KvConfig
             sys.stdout.write(prompt)
         _stream(ctx.generate_text(tokens, args.n_predict, sampler), sys.stdout)
         sys.stdout.write("\n")
-    _report(ctx.timings(), ctx.memory(), kv)
+    _report(ctx.generation, ctx.memory(), kv)
     if kv.select is not None:
         _report_selection(ctx, kv)
     if ctx.context_full:
