@@ -113,6 +113,8 @@ def resolve_model(text: str, workdir: Path) -> tuple[Path, str]:
         return assets.default_model(), assets.SMOLLM2_135M_INSTRUCT.member
     if text == "qwen2.5-coder-1.5b":
         return assets.qwen_model(), assets.QWEN25_CODER_15B_INSTRUCT.name
+    if text == "gemma3-270m":
+        return assets.gemma3_model(), assets.GEMMA3_270M.name
     if text.startswith("random:"):
         shape = text.split(":", 1)[1]
         path = workdir / f"{shape}-random.gguf"

@@ -241,6 +241,7 @@ def recipe_record_table(record: dict) -> str:
 
 def render() -> str:
     parts = [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-c*.json"), key=lambda p: len(p.name))]
+    parts += [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-gemma3-c*.json"))]
     parts += [asymkv_table(p) for p in sorted(RESULTS.glob("asymkv-c*.json"))]
     parts += [decode_table(p) for p in sorted(RESULTS.glob("decode-speed-*.json"))]
     parts += [batched_table(p) for p in sorted(RESULTS.glob("batched-speed-*.json"))]

