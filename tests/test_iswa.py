@@ -106,13 +106,19 @@ def test_the_sliding_window_cache_takes_its_own_type(gemma3: Model) -> None:
     assert kivi_full.swa_bytes == pytest.approx(kivi_full.bytes * 5 / 6, rel=0.01)
 
 
-def test_run_reports_each_cache(gemma3_path: Path) -> None:
+@pytest.mark.parametrize(("args", "label", "cells", "bpe"), [
+    (["--kv-type", "kivi2", "--kv-type-swa", "f16"], "f16", "768", "16.00"),
+    # per-layer types apply to the layers of both caches (a model's kvq.kv_layers too): the label said "f16"
+    (["--kv-layers", "k:*=kivi2;v:*=kivi1"], "per-layer types", "[0-9]+", "[0-9.]+"),
+], ids=["swa-f16", "per-layer"])
+def test_run_reports_each_cache(gemma3_path: Path, args: list[str], label: str, cells: str, bpe: str) -> None:
     proc = subprocess.run([sys.executable, "-P", "-m", "pykvq", "run", "-m", str(gemma3_path), "-p", "a b c d",
-                           "-n", "4", "--temp", "0", "-t", "2", "-c", "1024", "--kv-type", "kivi2", "--kv-type-swa",
-                           "f16", *device.TOOL_ARGS], capture_output=True, text=True, timeout=300)
+                           "-n", "4", "--temp", "0", "-t", "2", "-c", "1024", *args, *device.TOOL_ARGS],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    reported = re.search(r"of which the sliding-window layers' cache \(f16\): [0-9.]+ MiB for 768 cells, 16.00 bits "
-                         r"per element; the global layers' [0-9.]+ MiB, [0-9.]+ bits per element", proc.stderr)
+    reported = re.search(rf"of which the sliding-window layers' cache \({label}\): [0-9.]+ MiB for {cells} cells, "
+                         rf"{bpe} bits per element; the global layers' [0-9.]+ MiB, [0-9.]+ bits per element",
+                         proc.stderr)
     assert reported, proc.stderr[-2000:]
 
 

@@ -299,7 +299,11 @@ def _report(timings: Timings, memory: KvMemory, kv: KvConfig) -> None:
           f"{memory.n_cells} cells, {memory.bits_per_element:.2f} bits per element; f16 KV would use "
           f"{memory.f16_bytes / MIB:.2f} MiB ({memory.ratio_to_f16:.2f}x)", file=sys.stderr)
     if memory.swa_n_cells:
-        swa_type = kv.type_swa or (kv.type_k if kv.type_k == kv.type_v else f"{kv.type_k}/{kv.type_v}")
+        # per-layer types (--kv-layers, a model's kvq.kv_layers) address the layers of both caches
+        if kv.layers not in (None, "none"):
+            swa_type = "per-layer types"
+        else:
+            swa_type = kv.type_swa or (kv.type_k if kv.type_k == kv.type_v else f"{kv.type_k}/{kv.type_v}")
         global_mib = (memory.bytes - memory.swa_bytes) / MIB
         print(f"pykvq: of which the sliding-window layers' cache ({swa_type}): {memory.swa_bytes / MIB:.2f} MiB for "
               f"{memory.swa_n_cells} cells, {memory.swa_bits_per_element:.2f} bits per element; the global layers' "
