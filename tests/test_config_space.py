@@ -225,6 +225,8 @@ def in_sync(ctx, held: Held, what: str) -> None:
 
 
 def assert_same(a: dict[int, np.ndarray], b: dict[int, np.ndarray], what: str, atol: float = 0.0) -> None:
+    # on a GPU a twin's other batches round its matmuls differently (device.assert_same_logits): upstream's noise bar
+    atol = max(atol, UPSTREAM_LAYOUT_NOISE) if device.ON_GPU else atol
     assert a.keys() == b.keys(), what
     for s in a:
         np.testing.assert_allclose(a[s], b[s], rtol=0.0, atol=atol, err_msg=f"{what}: sequence {s}")
@@ -243,10 +245,8 @@ def load_tolerance(*configs: ContextConfig) -> float:
     kivi attention does not depend on where the cells lie: exact. Upstream's CPU flash attention splits the
     cells into chunks by n_kv, and a loaded state packs the cells that the twin's edits left apart (n_kv
     changes), so it rounds differently: 0.17 seen; on the Llama space's model its own FA on vs off differs by
-    0.19 (f16) to 0.25 (f32), logits' std 9. On a GPU the kivi kernel splits the context by n_kv too (and the
-    matmuls by batch shape): the same bar. Wrong or missing tokens move the logits by far more."""
-    noisy = device.ON_GPU or any(holds_upstream_types(c) for c in configs)
-    return UPSTREAM_LAYOUT_NOISE if noisy else 0.0
+    0.19 (f16) to 0.25 (f32), logits' std 9. Wrong or missing tokens move the logits by far more."""
+    return UPSTREAM_LAYOUT_NOISE if any(holds_upstream_types(c) for c in configs) else 0.0
 
 
 @dataclass
