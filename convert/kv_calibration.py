@@ -63,13 +63,19 @@ class Calibration:
                 for part in PARTS for il in range(self.n_layer)]
 
 
-def fake_quantize(x, bits: int, dim: int, clip=None, about_midpoint: bool = False):
+def fp16_scales(low, step):
+    """How a kivi block stores its zero (the group's low end) and step: fp16 each, rounded to nearest."""
+    return low.half().float(), step.clamp(max=65504.0).half().float()
+
+
+def fake_quantize(x, bits: int, dim: int, clip=None, about_midpoint: bool = False, scales=fp16_scales):
     """``x`` with each group of 32 consecutive values along ``dim`` replaced by its kivi dequantization.
 
     clip (SKVQ's clipped dynamic quantization): a ratio in (0, 1], or a tensor of them broadcast against the
     groups [..., n_groups, 1], that narrows each group's range before the step is taken; values outside get the
     end codes. SKVQ scales the group's min and max (eq. 2); about_midpoint narrows the range about its middle
-    instead, which also clips a group whose values all share a sign."""
+    instead, which also clips a group whose values all share a sign. scales(low, step) -> (low, step): the stored
+    zero and step (fp16_scales: the cache's format); the codes are taken against what is stored."""
     import torch
 
     moved = x.movedim(dim, -1)
@@ -88,8 +94,7 @@ def fake_quantize(x, bits: int, dim: int, clip=None, about_midpoint: bool = Fals
         else:
             lo, hi = lo * clip, hi * clip
     qmax = (1 << bits) - 1
-    step = ((hi - lo) / qmax).clamp(max=65504.0).half().float()
-    low = lo.half().float()
+    low, step = scales(lo, (hi - lo) / qmax)
     codes = torch.where(step > 0, ((groups - low) / torch.where(step > 0, step, 1.0)).round().clamp(0, qmax), 0.0)
     out = (low + step * codes).reshape(*moved.shape)[..., :n]
     return out.movedim(-1, dim).to(x.dtype)
