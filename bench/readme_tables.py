@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -139,17 +140,34 @@ def pre_rope_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def settings_table(record: dict, caption: str, columns: list[str], cells: Callable[[dict], list[str]]) -> str:
+    """A study's caption, then a row per model and setting: the model, the setting's text column and cells(row)."""
+    lines = [caption, "", "| model | " + " | ".join(columns) + " |",
+             "| --- | --- | " + " | ".join("---:" for _ in columns[1:]) + " |"]
+    for m in record["models"]:
+        for r in m["rows"]:
+            lines.append(f"| {m['model']} | " + " | ".join(cells(r)) + " |")
+    return "\n".join(lines)
+
+
 def v_reorder_table(path: Path) -> str:
     record = json.loads(path.read_text())
     first = record["models"][0]
-    lines = [f"V channel order for per-token groups (K fp16, order from {first['calibration_text']}, window "
-             f"{first['window']}, sinks {first['sinks']}, PPL of the second half of {first['tokens']} tokens of "
-             f"{first['text']}, outside the kernels: bench/v_reorder.py):", "",
-             "| model | V | PPL | ΔPPL vs f16 |", "| --- | --- | ---: | ---: |"]
-    for m in record["models"]:
-        for r in m["rows"]:
-            lines.append(f"| {m['model']} | {r['setting']} | {r['ppl']:.2f} | {r['delta_pct']:+.1f}% |")
-    return "\n".join(lines)
+    caption = (f"V channel order for per-token groups (K fp16, order from {first['calibration_text']}, window "
+               f"{first['window']}, sinks {first['sinks']}, PPL of the second half of {first['tokens']} tokens of "
+               f"{first['text']}, outside the kernels: bench/v_reorder.py):")
+    return settings_table(record, caption, ["V", "PPL", "ΔPPL vs f16"],
+                          lambda r: [r["setting"], f"{r['ppl']:.2f}", f"{r['delta_pct']:+.1f}%"])
+
+
+def scale_format_table(path: Path) -> str:
+    record = json.loads(path.read_text())
+    first = record["models"][0]
+    caption = (f"kivi2's step and zero in FP8 e4m3 (window {first['window']}, sinks {first['sinks']}, PPL of the "
+               f"second half of {first['tokens']} tokens of {first['text']}, outside the kernels: "
+               "bench/scale_format.py):")
+    return settings_table(record, caption, ["K, V", "bits per element", "PPL", "ΔPPL vs f16"],
+                          lambda r: [r["setting"], f"{r['bpe']:.2f}", f"{r['ppl']:.3f}", f"{r['delta_pct']:+.2f}%"])
 
 
 def skvq_clip_table(path: Path) -> str:
@@ -251,6 +269,7 @@ def render() -> str:
     parts += [pre_rope_table(p) for p in sorted(RESULTS.glob("pre-rope-k*.json"))]
     parts += [skvq_clip_table(p) for p in sorted(RESULTS.glob("skvq-clip*.json"))]
     parts += [v_reorder_table(p) for p in sorted(RESULTS.glob("v-reorder*.json"))]
+    parts += [scale_format_table(p) for p in sorted(RESULTS.glob("scale-format*.json"))]
     parts += [minikv_table(p) for p in sorted(RESULTS.glob("minikv-*.json"))]
     parts += [kv_clip_table(p) for p in sorted(RESULTS.glob("kv-clip-*.json"))]
     parts += [recipe_table(p) for p in sorted(RESULTS.glob("recipe-*.json"))]
