@@ -31,19 +31,17 @@ MODELS = {"smollm2": ("", assets.default_model), "gemma3": ("gemma3-", assets.ge
 def variant_rows(settings: perplexity.Settings, swa_types: list[str], sinks: list[int], kv_types_text: str,
                  runs: list[perplexity.Run]) -> list[perplexity.Run]:
     """Rows of every (sink count, sliding-window type) combination but the plain one, against the f16 run."""
-    base = next((r for r in runs if r.kv_type == "f16" and r.ppl is not None), None)
+    base = perplexity.f16_run(runs)
     rows = []
     for n_sink in [settings.n_sink, *sinks]:
         for swa_type in [None, *swa_types]:
             if n_sink == settings.n_sink and swa_type is None:
                 continue
             variant = replace(settings, n_sink=n_sink, type_swa=swa_type)
-            for run in perplexity.compare(variant, kv_types.parse_list(kv_types_text)):
+            for run in perplexity.compare(variant, kv_types.parse_list(kv_types_text), base):
                 parts = [run.kv_type, *([f"sinks {n_sink}"] if n_sink != settings.n_sink else []),
                          *([f"SWA {swa_type}"] if swa_type else [])]
                 run.kv_type = ", ".join(parts)
-                if base is not None and run.ppl is not None:
-                    run.delta_pct = 100.0 * (run.ppl - base.ppl) / base.ppl
                 rows.append(run)
     return rows
 

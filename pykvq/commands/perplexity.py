@@ -105,8 +105,14 @@ def model_layers(model: Path) -> int:
         return m.n_layer
 
 
-def compare(settings: Settings, specs: list[KvSpec | Run]) -> list[Run]:
-    """Runs every spec in turn; a ``Run`` among them is a row decided before (a spec that did not parse)."""
+def f16_run(runs: list[Run]) -> Run | None:
+    """The f16 row that the others' ΔPPL is measured against, if it ran."""
+    return next((r for r in runs if r.kv_type == "f16" and r.ppl is not None), None)
+
+
+def compare(settings: Settings, specs: list[KvSpec | Run], base: Run | None = None) -> list[Run]:
+    """Runs every spec in turn; a ``Run`` among them is a row decided before (a spec that did not parse). ΔPPL is
+    against ``base``, else the f16 run among these."""
     runs = []
     with tqdm(total=settings.chunks * len(specs), unit="chunk", desc="perplexity") as progress:
         for spec in specs:
@@ -116,7 +122,7 @@ def compare(settings: Settings, specs: list[KvSpec | Run]) -> list[Run]:
                 continue
             progress.set_postfix_str(spec.label)
             runs.append(run_or_failure(settings, spec, progress))
-    base = next((r for r in runs if r.kv_type == "f16" and r.ppl is not None), None)
+    base = base or f16_run(runs)
     for r in runs:
         if base is not None and r.ppl is not None:
             r.delta_pct = 100.0 * (r.ppl - base.ppl) / base.ppl
