@@ -110,8 +110,7 @@ static llama_kvq_layer_clips kvq_plan_clips(const llama_model & model, uint32_t 
 }
 
 llama_kvq_swa_plan llama_kvq_plan_swa_cache(const llama_model & model, const llama_hparams & hparams, ggml_type type_k,
-        ggml_type type_v, const llama_memory_i::layer_filter_cb & filter_swa,
-        const llama_memory_i::layer_reuse_cb & reuse) {
+        ggml_type type_v, const llama_memory_i::layer_filter_cb & filter_swa) {
     llama_kvq_swa_plan plan = { type_k, type_v, false };
     llama_kvq_get_swa_types(&plan.type_k, &plan.type_v);
     if (plan.type_k == GGML_TYPE_COUNT) {
@@ -120,23 +119,10 @@ llama_kvq_swa_plan llama_kvq_plan_swa_cache(const llama_model & model, const lla
     if (plan.type_v == GGML_TYPE_COUNT) {
         plan.type_v = type_v;
     }
-    const kvq_layer_plan base = kvq_plan_layers(model, hparams.n_layer_all, type_k, type_v);
-    const kvq_layer_plan swa  = kvq_plan_layers(model, hparams.n_layer_all, plan.type_k, plan.type_v);
+    const kvq_layer_plan swa = kvq_plan_layers(model, hparams.n_layer_all, plan.type_k, plan.type_v);
     for (uint32_t il = 0; il < hparams.n_layer_all; ++il) {
         if (filter_swa(il) && kvq_either_kivi(swa.types.k[il], swa.types.v[il])) {
             plan.kivi = true;
-        }
-        const int32_t il_src = reuse ? reuse(il) : -1;
-        if (il_src < 0) {
-            continue;
-        }
-        const kvq_layer_plan & src = hparams.is_swa(il_src) ? swa : base;
-        if (kvq_either_kivi(src.types.k[il_src], src.types.v[il_src])) {
-            throw std::runtime_error("KV cache layer " + std::to_string(il) + " reads the cache of layer " +
-                                     std::to_string(il_src) + " (shared KV layers), which is " +
-                                     kvq_types_text(src.types.k[il_src], src.types.v[il_src]) +
-                                     ": kivi types do not support shared layers yet; give layer " +
-                                     std::to_string(il_src) + " another type with --kv-layers");
         }
     }
     return plan;
@@ -1058,12 +1044,83 @@ static ggml_tensor * kvq_build_wide_attn(ggml_context * ctx, ggml_tensor * q_cur
     return ggml_reshape_3d(ctx, out, out->ne[0], out->ne[1], q_cur->ne[2]);
 }
 
+// What a kivi layer's step builds that the layers reading its cache read too (shared KV layers: Gemma 3n/4): the
+// batch, the stored cache, the wide cells, and what the ring takes, published in the graph under the owning layer's
+// number and found there by the readers, which upstream's graph builds after the owner
+struct kvq_step {
+    ggml_tensor * k_cur    = nullptr;
+    ggml_tensor * v_cur    = nullptr;
+    ggml_tensor * k_sealed = nullptr;
+    ggml_tensor * v_stored = nullptr;
+    ggml_tensor * k_wide   = nullptr;
+    ggml_tensor * v_wide   = nullptr;
+    ggml_tensor * k_ring   = nullptr;
+    ggml_tensor * v_ring   = nullptr;
+
+    template <typename F>
+    void each(F f) {
+        f(k_cur, "k_cur");
+        f(v_cur, "v_cur");
+        f(k_sealed, "k_sealed");
+        f(v_stored, "v_stored");
+        f(k_wide, "k_wide");
+        f(v_wide, "v_wide");
+        f(k_ring, "k_ring");
+        f(v_ring, "v_ring");
+    }
+};
+
+static void kvq_step_name(char * name, const char * what, int32_t il) {
+    snprintf(name, GGML_MAX_NAME, "kvq_%s_l%d", what, il);
+}
+
+// views rather than the tensors themselves: upstream's own names (Kcur-3 ...) stay what eval callbacks look for; a
+// view op (ggml_view_tensor's has no source), so that the graph allocator keeps the data until the readers are done
+static void kvq_publish_step(ggml_context * ctx, ggml_cgraph * gf, kvq_step & step, int32_t il) {
+    step.each([&](ggml_tensor *& t, const char * what) {
+        if (t != nullptr) {
+            t = ggml_view_4d(ctx, t, t->ne[0], t->ne[1], t->ne[2], t->ne[3], t->nb[1], t->nb[2], t->nb[3], 0);
+            char name[GGML_MAX_NAME];
+            kvq_step_name(name, what, il);
+            ggml_set_name(t, name);
+            ggml_build_forward_expand(gf, t);
+        }
+    });
+}
+
+static kvq_step kvq_published_step(ggml_cgraph * gf, int32_t il) {
+    kvq_step step;
+    step.each([&](ggml_tensor *& t, const char * what) {
+        char name[GGML_MAX_NAME];
+        kvq_step_name(name, what, il);
+        t = ggml_graph_get_tensor(gf, name);
+    });
+    GGML_ASSERT(step.k_sealed != nullptr && "a layer reading a kivi layer's cache is built after that layer");
+    return step;
+}
+
+// the last layer that reads cache layer ikv (its owner when no other does)
+static int32_t kvq_last_reader(const std::unordered_map<int32_t, int32_t> & map_layer_ids, int32_t ikv, int32_t il_own) {
+    int32_t last = il_own;
+    for (const auto & [il, id] : map_layer_ids) {
+        if (id == ikv) {
+            last = std::max(last, il);
+        }
+    }
+    return last;
+}
+
 ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * q_cur, ggml_tensor * k_cur,
         ggml_tensor * v_cur, ggml_tensor * kq_mask, ggml_tensor * k_idxs, ggml_tensor * v_idxs, ggml_tensor * sinks,
         const llama_ubatch & ubatch, const llama_kvq_select & select, float kq_scale, int32_t il) const {
-    const kv_layer & layer = layers[map_layer_ids.at(il)];
+    const int32_t ikv = map_layer_ids.at(il);
+    const kv_layer & layer = layers[ikv];
     const int32_t window = kvq_params.window;
     const int32_t n_sink = kvq_params.n_sink;
+    // a layer without K and V of its own reads an earlier layer's cache as that layer left it in this step
+    const int32_t il_last = kvq_last_reader(map_layer_ids, ikv, (int32_t) layer.il);
+    const bool    owns    = k_cur != nullptr;
+    GGML_ASSERT(owns == (il == (int32_t) layer.il));
 
     // init_batch splits a kivi cache's batches per sequence: ubatch.n_seqs sequences, equally many tokens each
     GGML_ASSERT(ubatch.equal_seqs());
@@ -1081,22 +1138,14 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     }
 
     // V rows of every part, indexed by the global cells of k_idxs/v_idxs
-    ggml_tensor * v_rows   = ggml_reshape_2d(ctx, layer.v, layer.v->ne[0], layer.v->ne[1]*layer.v->ne[2]);
-    GGML_ASSERT(ggml_row_size(v_cur->type, v_cur->ne[0]) == v_cur->nb[1]);
-    const float clip_k = kvq_clips.k[il];
-    const float clip_v = kvq_clips.v[il];
-    ggml_tensor * v_stored = ggml_kvq_store_v(ctx, v_rows, ggml_view_2d(ctx, v_cur, v_rows->ne[0], v_cur->ne[2], v_cur->nb[2], 0),
-                                              v_idxs, clip_v);
-    ggml_tensor * k_sealed = ggml_kvq_seal_k(ctx, layer.k, layer.k_fp16, k_cur, k_idxs, n_sink, n_seq, clip_k);
-    ggml_build_forward_expand(gf, k_sealed);
-    ggml_build_forward_expand(gf, v_stored);
-
-    const bool    wide = k_cur->ne[2]/n_seq >= kvq_wide_min_tokens(ggml_backend_buffer_is_host(layer.k->buffer));
+    ggml_tensor * v_rows = ggml_reshape_2d(ctx, layer.v, layer.v->ne[0], layer.v->ne[1]*layer.v->ne[2]);
+    const float clip_k = kvq_clips.k[layer.il];
+    const float clip_v = kvq_clips.v[layer.il];
+    const int64_t n_tokens = q_cur->ne[2];
+    const bool    wide = n_tokens/n_seq >= kvq_wide_min_tokens(ggml_backend_buffer_is_host(layer.k->buffer));
     const int64_t n_kv = std::min<int64_t>(kv_size, kq_mask->ne[0]);
-    ggml_tensor * k_wide    = nullptr;
     ggml_tensor * wide_mask = nullptr;
     if (wide || selects) {
-        k_wide    = ggml_kvq_wide(ctx, k_sealed, layer.k_fp16, k_cur, k_idxs, window, n_sink, n_seq, kv_size, n_kv);
         // per mask: the two caches of an iSWA model mask differently
         char name[GGML_MAX_NAME];
         snprintf(name, sizeof(name), "kvq_wide_mask_%p", (void *) kq_mask);
@@ -1105,43 +1154,76 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
         });
     }
 
+    kvq_step step;
+    if (owns) {
+        GGML_ASSERT(ggml_row_size(v_cur->type, v_cur->ne[0]) == v_cur->nb[1]);
+        step.k_cur    = k_cur;
+        step.v_cur    = v_cur;
+        step.v_stored = ggml_kvq_store_v(ctx, v_rows, ggml_view_2d(ctx, v_cur, v_rows->ne[0], v_cur->ne[2], v_cur->nb[2], 0),
+                                         v_idxs, clip_v);
+        step.k_sealed = ggml_kvq_seal_k(ctx, layer.k, layer.k_fp16, k_cur, k_idxs, n_sink, n_seq, clip_k);
+        ggml_build_forward_expand(gf, step.k_sealed);
+        ggml_build_forward_expand(gf, step.v_stored);
+        if (wide || selects) {
+            step.k_wide = ggml_kvq_wide(ctx, step.k_sealed, layer.k_fp16, k_cur, k_idxs, window, n_sink, n_seq, kv_size, n_kv);
+        }
+        if (wide) {
+            step.v_wide = ggml_kvq_wide(ctx, step.v_stored, layer.v_fp16, v_cur, k_idxs, window, n_sink, n_seq, kv_size, n_kv);
+        }
+        // what the ring holds: the batch, or the kept tokens of a selecting one
+        step.k_ring = k_cur;
+        step.v_ring = v_cur;
+    } else {
+        step = kvq_published_step(gf, layer.il);
+    }
+
     // as upstream's graph gives flash attention its soft-cap
     const float softcap = hparams.attn_soft_cap ? hparams.f_attn_logit_softcapping : 0.0f;
     ggml_tensor * out;
     if (wide) {
-        ggml_tensor * v_wide = ggml_kvq_wide(ctx, v_stored, layer.v_fp16, v_cur, k_idxs, window, n_sink, n_seq, kv_size, n_kv);
-        out = kvq_build_wide_attn(ctx, q_cur, k_wide, v_wide, wide_mask, v_cur->ne[0], n_seq, kq_scale, softcap, sinks);
+        out = kvq_build_wide_attn(ctx, q_cur, step.k_wide, step.v_wide, wide_mask, step.v_cur->ne[0], n_seq, kq_scale,
+                                  softcap, sinks);
     } else {
-        out = ggml_kvq_attn(ctx, q_cur, k_sealed, v_stored, layer.k_fp16, layer.v_fp16, k_cur, v_cur,
+        out = ggml_kvq_attn(ctx, q_cur, step.k_sealed, step.v_stored, layer.k_fp16, layer.v_fp16, step.k_cur, step.v_cur,
                             kq_mask, k_idxs, window, n_sink, kq_scale, n_seq, regions);
         ggml_kvq_attn_set_softcap(out, softcap);
         ggml_kvq_attn_set_sinks(out, sinks);
     }
     ggml_build_forward_expand(gf, out);
 
-    // what the ring holds: the batch, or the kept tokens of a selecting one
-    ggml_tensor * k_ring    = k_cur;
-    ggml_tensor * v_ring    = v_cur;
-    ggml_tensor * ring_idxs = k_idxs;
-    if (selects) {
-        // MiniKV: the kept tokens, sealed again into the first cells over kept tokens only, after the prompt's
-        // attention has read the cells as the whole prompt left them
-        ggml_tensor * mass = llama_kvq_prompt_mass(ctx, q_cur, k_wide, wide_mask, k_idxs, window, n_sink, n_kv, kv_size,
+    if (owns && selects) {
+        // MiniKV: the kept tokens, chosen by the owner's queries
+        ggml_tensor * mass = llama_kvq_prompt_mass(ctx, q_cur, step.k_wide, wide_mask, k_idxs, window, n_sink, n_kv, kv_size,
                                                    layer.k->ne[2], select, kq_scale);
         ggml_tensor * kept = llama_kvq_kept_tokens(ctx, mass, select);
+        step.k_ring = llama_kvq_gather_kept(ctx, k_cur, kept);
+        step.v_ring = llama_kvq_gather_kept(ctx, v_cur, kept);
+    }
+    if (owns && il_last != il) {
+        kvq_publish_step(ctx, gf, step, il);
+    }
+    if (il != il_last) {
+        return ggml_reshape_2d(ctx, out, out->ne[0]*out->ne[1], out->ne[2]);
+    }
+
+    // the last layer reading the cache changes it: every reader attends the cells as this step left them
+    ggml_tensor * ring_idxs = k_idxs;
+    if (selects) {
+        // the kept tokens, sealed again into the first cells over kept tokens only, after the prompt's attention has
+        // read the cells as the whole prompt left them
         const int64_t n_keep = select.n_keep();
-        k_ring    = llama_kvq_gather_kept(ctx, k_cur, kept);
-        v_ring    = llama_kvq_gather_kept(ctx, v_cur, kept);
         ring_idxs = ggml_view_1d(ctx, k_idxs, n_keep, 0);
         ggml_tensor * keep_v_idxs = ggml_view_1d(ctx, v_idxs, n_keep, 0);
-        ggml_build_forward_expand(gf, ggml_kvq_seal_k(ctx, k_sealed, layer.k_fp16, k_ring, ring_idxs, n_sink, 1, clip_k));
-        ggml_build_forward_expand(gf, ggml_kvq_store_v(ctx, v_stored, ggml_reshape_2d(ctx, v_ring, v_rows->ne[0], n_keep),
+        ggml_build_forward_expand(gf, ggml_kvq_seal_k(ctx, step.k_sealed, layer.k_fp16, step.k_ring, ring_idxs, n_sink, 1,
+                                                      clip_k));
+        ggml_build_forward_expand(gf, ggml_kvq_store_v(ctx, step.v_stored,
+                                                       ggml_reshape_2d(ctx, step.v_ring, v_rows->ne[0], n_keep),
                                                        keep_v_idxs, clip_v));
     }
 
     // the ring changes only after the attention has read it
-    ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.k_fp16, k_ring, ring_idxs, out, n_sink, n_seq, kv_size));
-    ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.v_fp16, v_ring, ring_idxs, out, n_sink, n_seq, kv_size));
+    ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.k_fp16, step.k_ring, ring_idxs, out, n_sink, n_seq, kv_size));
+    ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.v_fp16, step.v_ring, ring_idxs, out, n_sink, n_seq, kv_size));
 
     return ggml_reshape_2d(ctx, out, out->ne[0]*out->ne[1], out->ne[2]);
 }

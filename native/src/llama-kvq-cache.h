@@ -12,8 +12,7 @@ struct llama_hparams;
 struct llama_model;
 
 // The sliding-window half of an iSWA cache (Gemma 2/3, gpt-oss, Cohere 2): its types (llama_kvq_set_swa_types,
-// else the context's), and whether a layer of it is kivi. Throws std::runtime_error when a layer reads another
-// layer's kivi cache (shared KV layers).
+// else the context's), and whether a layer of it is kivi.
 struct llama_kvq_swa_plan {
     ggml_type type_k;
     ggml_type type_v;
@@ -21,8 +20,7 @@ struct llama_kvq_swa_plan {
 };
 
 llama_kvq_swa_plan llama_kvq_plan_swa_cache(const llama_model & model, const llama_hparams & hparams, ggml_type type_k,
-        ggml_type type_v, const llama_memory_i::layer_filter_cb & filter_swa,
-        const llama_memory_i::layer_reuse_cb & reuse);
+        ggml_type type_v, const llama_memory_i::layer_filter_cb & filter_swa);
 
 // Cells per sequence of a kivi sliding-window cache: a kivi layer keeps a sequence's k-th token in its part's k-th
 // cell, so cells that leave the window are not reused in place; whole rings of them leave the front of the part

@@ -22,7 +22,9 @@ FP16_BYTES = 2
 
 @dataclass(frozen=True)
 class KvShape:
-    """What one token costs in each layer's KV cache: K and V elements per layer."""
+    """What one token costs in each layer's KV cache: K and V elements per layer (head sizes per layer: Gemma 4's
+    sliding-window layers have their own), and how many layers from the first keep KV of their own (the rest of
+    a Gemma 3n/4 read an earlier layer's)."""
 
     architecture: str
     name: str
@@ -30,16 +32,17 @@ class KvShape:
     n_ctx_train: int
     n_head: list[int]
     n_head_kv: list[int]
-    head_dim_k: int
-    head_dim_v: int
+    head_dim_k: list[int]
+    head_dim_v: list[int]
+    n_layer_kv: int
 
     @property
     def n_embd_k(self) -> list[int]:
-        return [h * self.head_dim_k for h in self.n_head_kv]
+        return [h * d for h, d in zip(self.n_head_kv, self.head_dim_k, strict=True)]
 
     @property
     def n_embd_v(self) -> list[int]:
-        return [h * self.head_dim_v for h in self.n_head_kv]
+        return [h * d for h, d in zip(self.n_head_kv, self.head_dim_v, strict=True)]
 
 
 MAX_LAYERS = 1 << 16
@@ -75,15 +78,38 @@ def read_shape(fields: dict[str, object]) -> KvShape:
         n_head = _per_layer(get("attention.head_count"), n_layer, "attention.head_count")
         n_head_kv = _per_layer(get("attention.head_count_kv", n_head), n_layer, "attention.head_count_kv")
         head = n_embd // max(n_head[0], 1)
+        swa = _sliding_window_layers(get("attention.sliding_window_pattern", 0), n_layer)
+
+        def head_dims(part: str) -> list[int]:
+            full = int(get(f"attention.{part}_length", head))  # type: ignore[arg-type]
+            own = int(get(f"attention.{part}_length_swa", full))  # type: ignore[arg-type]
+            return [own if s else full for s in swa]
+
+        n_shared = int(get("attention.shared_kv_layers", 0))  # type: ignore[arg-type]
         shape = KvShape(arch, str(fields.get("general.name", "")), n_layer, int(get("context_length", 0)),  # type: ignore[arg-type]
-                        n_head, n_head_kv, int(get("attention.key_length", head)),  # type: ignore[arg-type]
-                        int(get("attention.value_length", head)))  # type: ignore[arg-type]
+                        n_head, n_head_kv, head_dims("key"), head_dims("value"), n_layer - n_shared)
     except (TypeError, ValueError, OverflowError) as exc:
         raise gguf_metadata.GgufError(f"{arch} model with unusable hyperparameters: {exc}") from exc
-    if min(n_head_kv) < 0 or shape.head_dim_k < 0 or shape.head_dim_v < 0:
-        raise gguf_metadata.GgufError(f"{arch} model with impossible sizes: {shape.n_layer} layers, KV heads "
-                                      f"{sorted(set(n_head_kv))}, head size {shape.head_dim_k}/{shape.head_dim_v}")
+    if min(n_head_kv) < 0 or min(shape.head_dim_k + shape.head_dim_v) < 0 or not 0 < shape.n_layer_kv <= n_layer:
+        raise gguf_metadata.GgufError(f"{arch} model with impossible sizes: {shape.n_layer} layers ({shape.n_layer_kv} "
+                                      f"with KV of their own), KV heads {sorted(set(n_head_kv))}, head size "
+                                      f"{_sizes(shape.head_dim_k)}/{_sizes(shape.head_dim_v)}")
     return shape
+
+
+def _sliding_window_layers(pattern: object, n_layer: int) -> list[bool]:
+    """Which layers are sliding-window, as llama.cpp reads attention.sliding_window_pattern: a flag per layer, or
+    every n-th layer global (0: none, or the family's own rule, which only matters here where the head sizes
+    differ, and the families whose do write the flags)."""
+    flags = np.atleast_1d(np.asarray(pattern)).tolist()
+    if len(flags) == n_layer and n_layer > 1:
+        return [bool(f) for f in flags]
+    n = int(flags[0]) if len(flags) == 1 else 0
+    return [n > 0 and il % n < n - 1 for il in range(n_layer)]
+
+
+def _sizes(values: list[int]) -> str:
+    return "/".join(map(str, sorted(set(values))))
 
 
 @dataclass(frozen=True)
@@ -99,7 +125,7 @@ def kv_cost(shape: KvShape, label: str, types_k: list[str], types_v: list[str], 
     per_token = 0.0
     fixed = 0
     bpe = {t.name: t.bits_per_element for t in native.kv_cache_types()}
-    for il in range(shape.n_layer):
+    for il in range(shape.n_layer_kv):
         for name, n_embd in ((types_k[il], shape.n_embd_k[il]), (types_v[il], shape.n_embd_v[il])):
             per_token += n_embd * bpe[name] / 8
             if name in kv_types.KIVI_BITS:
@@ -171,7 +197,9 @@ def format_text(info: dict, n_ctx: int, select: dict | None = None) -> str:
         f"model         {info['model']}" + (f" ({s['name']})" if s["name"] else ""),
         f"architecture  {s['architecture']}, {s['n_layer']} layers, trained context {s['n_ctx_train']}",
         f"attention     {'/'.join(map(str, sorted(set(s['n_head']))))} query heads, "
-        f"{'/'.join(map(str, kv_heads))} KV heads, head size K {s['head_dim_k']} V {s['head_dim_v']}",
+        f"{'/'.join(map(str, kv_heads))} KV heads, head size K {_sizes(s['head_dim_k'])} V {_sizes(s['head_dim_v'])}"
+        + (f", layers {s['n_layer_kv']}-{s['n_layer'] - 1} read earlier layers' KV (shared KV layers)"
+           if s["n_layer_kv"] < s["n_layer"] else ""),
         "kvq metadata" + ("  none" if not info["kvq"] else ":"),
         *[f"  {k} = {_short(v)}" for k, v in sorted(info["kvq"].items())],
         f"KV memory     per token, and for {n_ctx} tokens (kivi: window {info['kivi_window']} and sinks "

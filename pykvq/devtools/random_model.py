@@ -1,5 +1,5 @@
-"""Random-weight GGUF files of a given shape and family (Llama, Gemma 2/3 and gpt-oss with their
-sliding-window layers), for speed and memory benchmarks and for tests of the KV cache on each family's graph.
+"""Random-weight GGUF files of a given shape and family (Llama, Gemma 2/3/4 and gpt-oss with their
+sliding-window layers, Gemma 4's layers that read an earlier layer's KV cache), for speed and memory benchmarks and for tests of the KV cache on each family's graph.
 
 The weights are random Q4_0 (or Q4_1) blocks (small scales, so activations stay finite), the tokenizer a placeholder
 SentencePiece vocabulary of the right size: the model computes exactly what a real model of that shape
@@ -38,7 +38,10 @@ class Shape:
     rope_freq_base: float
     # "llama"; "deci": llama with per-layer head counts; "gemma3": every 6th layer global, the others
     # sliding-window (n_swa), Q/K norms; "gemma2": every other layer sliding-window, attention logit soft-capping;
-    # "gpt-oss": every other layer sliding-window, learned attention sinks, n_expert experts of n_ff
+    # "gpt-oss": every other layer sliding-window, learned attention sinks, n_expert experts of n_ff; "gemma4":
+    # every swa_pattern-th layer global with head size head_dim, the others sliding-window with head_dim_swa, Q/K
+    # norms, a KQ scale of 1, and the last n_kv_shared layers reading the KV cache of the last layer of their kind
+    # before them
     arch: str = "llama"
     head_dim: int | None = None  # None: n_embd / n_head
     n_swa: int = 0
@@ -48,6 +51,8 @@ class Shape:
     n_head_kv_layers: tuple[int, ...] = ()  # KV heads per layer where they differ (deci)
     attn_softcap: float = 50.0  # gemma2's attention logit soft-cap (Gemma 2's own value)
     attn_sink: float | None = None  # gpt-oss's learned sink logit in every head; None: small random ones
+    head_dim_swa: int | None = None  # gemma4's sliding-window layers' head size; None: head_dim
+    n_kv_shared: int = 0  # gemma4: the last layers that keep no KV of their own
 
     def n_head_kv_of(self, il: int) -> int:
         return self.n_head_kv_layers[il] if self.n_head_kv_layers else self.n_head_kv
@@ -58,7 +63,17 @@ class Shape:
 
     @property
     def is_gemma(self) -> bool:
-        return self.arch in ("gemma2", "gemma3")
+        return self.arch in ("gemma2", "gemma3", "gemma4")
+
+    def is_swa(self, il: int) -> bool:
+        """gemma4's layer kinds (the other families' are the model loader's own rule)."""
+        return (il + 1) % self.swa_pattern != 0
+
+    def head_dim_of(self, il: int) -> int:
+        return (self.head_dim_swa or self.n_embd_head) if self.arch == "gemma4" and self.is_swa(il) else self.n_embd_head
+
+    def has_kv(self, il: int) -> bool:
+        return il < self.n_layer - self.n_kv_shared
 
 
 SHAPES = {
@@ -73,6 +88,10 @@ SHAPES = {
     "gemma3-small": Shape(6, 512, 1024, 4, 2, 2048, 32768, 1000000.0, arch="gemma3", head_dim=256, n_swa=96),
     "gemma3-1b": Shape(26, 1152, 6912, 4, 1, 262144, 32768, 1000000.0, arch="gemma3", head_dim=256, n_swa=512),
     "gemma2-small": Shape(2, 512, 1024, 4, 2, 2048, 8192, 10000.0, arch="gemma2", head_dim=128, n_swa=64),
+    # Gemma 4's shape at small size (E2B's kinds): 3 sliding-window layers (head size 64) to 1 global (128), the
+    # last 4 layers reading layer 2's (sliding-window) or layer 3's (global) cache
+    "gemma4-small": Shape(8, 256, 512, 4, 2, 2048, 32768, 1000000.0, arch="gemma4", head_dim=128, head_dim_swa=64,
+                          n_swa=64, swa_pattern=4, n_kv_shared=4),
     "gpt-oss-small": Shape(2, 256, 128, 4, 2, 2048, 8192, 150000.0, arch="gpt-oss", head_dim=64, n_swa=64,
                            n_expert=4, n_expert_used=2),
 }
@@ -99,7 +118,6 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
     gguf = gguf_py.gguf()
     rng = np.random.default_rng(seed)
     head_dim = shape.n_embd_head
-    n_embd_q = head_dim * shape.n_head
     writer = gguf.GGUFWriter(path, arch=shape.arch)
     writer.add_name(f"random {path.stem}")
     writer.add_context_length(shape.n_ctx_train)
@@ -117,7 +135,16 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
     writer.add_rope_freq_base(shape.rope_freq_base)
     if shape.n_swa:
         writer.add_sliding_window(shape.n_swa)
-    if shape.swa_pattern:
+    if shape.arch == "gemma4":
+        writer.add_array(gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=shape.arch),
+                         [shape.is_swa(il) for il in range(shape.n_layer)])
+        head_dim_swa = shape.head_dim_swa or head_dim
+        writer.add_uint32(f"{shape.arch}.attention.key_length_swa", head_dim_swa)
+        writer.add_uint32(f"{shape.arch}.attention.value_length_swa", head_dim_swa)
+        writer.add_uint32(f"{shape.arch}.rope.dimension_count_swa", head_dim_swa)
+        writer.add_uint32(f"{shape.arch}.attention.shared_kv_layers", shape.n_kv_shared)
+        writer.add_uint32(f"{shape.arch}.embedding_length_per_layer_input", 0)
+    elif shape.swa_pattern:
         writer.add_uint32(gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=shape.arch), shape.swa_pattern)
     if shape.arch == "gemma2":
         writer.add_attn_logit_softcapping(shape.attn_softcap)
@@ -160,12 +187,17 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
             small(f"blk.{il}.ffn_{part}_exps.bias", shape.n_expert, rows)
 
     matrix("token_embd.weight", shape.n_vocab, shape.n_embd)
+    if shape.arch == "gemma4":
+        norm("rope_freqs.weight", head_dim // 2)
     for il in range(shape.n_layer):
+        dim = shape.head_dim_of(il)
+        n_embd_q = dim * shape.n_head
         norm(f"blk.{il}.attn_norm.weight")
         matrix(f"blk.{il}.attn_q.weight", n_embd_q, shape.n_embd)
-        n_embd_kv = head_dim * shape.n_head_kv_of(il)
-        matrix(f"blk.{il}.attn_k.weight", n_embd_kv, shape.n_embd)
-        matrix(f"blk.{il}.attn_v.weight", n_embd_kv, shape.n_embd)
+        n_embd_kv = dim * shape.n_head_kv_of(il)
+        if shape.has_kv(il):
+            matrix(f"blk.{il}.attn_k.weight", n_embd_kv, shape.n_embd)
+            matrix(f"blk.{il}.attn_v.weight", n_embd_kv, shape.n_embd)
         matrix(f"blk.{il}.attn_output.weight", shape.n_embd, n_embd_q)
         if shape.n_expert:
             experts(il)
@@ -184,9 +216,10 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         if shape.is_gemma:
             norm(f"blk.{il}.post_attention_norm.weight")
             norm(f"blk.{il}.post_ffw_norm.weight")
-        if shape.arch == "gemma3":
-            norm(f"blk.{il}.attn_q_norm.weight", head_dim)
-            norm(f"blk.{il}.attn_k_norm.weight", head_dim)
+        if shape.arch in ("gemma3", "gemma4"):
+            norm(f"blk.{il}.attn_q_norm.weight", dim)
+            if shape.has_kv(il):
+                norm(f"blk.{il}.attn_k_norm.weight", dim)
     norm("output_norm.weight")
     if not shape.is_gemma:  # Gemma ties its output to the token embedding
         matrix("output.weight", shape.n_vocab, shape.n_embd)
