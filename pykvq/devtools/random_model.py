@@ -1,5 +1,6 @@
 """Random-weight GGUF files of a given shape and family (Llama, Gemma 2/3/4 and gpt-oss with their
-sliding-window layers, Gemma 4's layers that read an earlier layer's KV cache), for speed and memory benchmarks and for tests of the KV cache on each family's graph.
+sliding-window layers, Gemma 4's layers that read an earlier layer's KV cache), for speed and memory benchmarks
+and for tests of the KV cache on each family's graph.
 
 The weights are random Q4_0 (or Q4_1) blocks (small scales, so activations stay finite), the tokenizer a placeholder
 SentencePiece vocabulary of the right size: the model computes exactly what a real model of that shape
@@ -70,7 +71,9 @@ class Shape:
         return (il + 1) % self.swa_pattern != 0
 
     def head_dim_of(self, il: int) -> int:
-        return (self.head_dim_swa or self.n_embd_head) if self.arch == "gemma4" and self.is_swa(il) else self.n_embd_head
+        if self.arch == "gemma4" and self.is_swa(il):
+            return self.head_dim_swa or self.n_embd_head
+        return self.n_embd_head
 
     def has_kv(self, il: int) -> bool:
         return il < self.n_layer - self.n_kv_shared
