@@ -60,6 +60,7 @@ READ_VERSIONS = (1, 2)
 KEY_VERSION = "kvq.version"
 KEY_LAYERS = "kvq.kv_layers"
 KEY_CLIP = "kvq.kv_clip"
+KEY_SELECT = "kvq.select"  # MiniKV's prompt selection, "HH,RW[,N]" as --kv-select takes it
 KEY_WINDOW = "kvq.window"
 KEY_SINKS = "kvq.sinks"
 KEY_BUDGET = "kvq.kv_budget"
@@ -162,8 +163,9 @@ def _kind(value: object) -> str:
 
 
 def validate_settings(kvq: dict[str, object], n_layer: int) -> None:
-    """GgufError when the kvq.* settings a KV cache takes (per-layer types and clip ratios, window, sinks), or the
-    whole numbers recorded with them, are of the wrong kind or do not fit a model of ``n_layer`` layers."""
+    """GgufError when the kvq.* settings a KV cache takes (per-layer types and clip ratios, window, sinks, prompt
+    selection), or the whole numbers recorded with them, are of the wrong kind or do not fit a model of ``n_layer``
+    layers."""
     from pykvq import kv_types
 
     layers = kvq.get(KEY_LAYERS)
@@ -189,6 +191,14 @@ def validate_settings(kvq: dict[str, object], n_layer: int) -> None:
             native.resolve_clip(clip, n_layer)
         except ValueError as exc:
             raise GgufError(f"the model's {KEY_CLIP} does not fit its {n_layer} layers: {exc}") from exc
+    select = kvq.get(KEY_SELECT)
+    if select is not None:
+        if not isinstance(select, str):
+            raise GgufError(f"{KEY_SELECT} must be a string, not {type(select).__name__}")
+        try:
+            kv_types.parse_select(select)
+        except kv_types.KvTypeError as exc:
+            raise GgufError(f"the model's {KEY_SELECT} is not a prompt selection: {exc}") from exc
     for key, largest in WHOLE_NUMBERS.items():
         value = kvq.get(key)
         if value is not None and not (_is_whole(value) and 0 <= value <= largest):  # type: ignore[operator]

@@ -71,11 +71,20 @@ def parse_list(text: str) -> list[KvSpec]:
 # MiniKV's prompt selection: (heavy-hitter share, recent share) of a prompt, and optionally the number of the
 # prompt's last tokens whose attention picks the heavy hitters (0: all of them)
 Selection = tuple[float, float] | tuple[float, float, int]
+SELECT_OFF: Selection = (0.0, 0.0)  # none, whatever the model's kvq.select says
+
+
+def selects(select: Selection | None) -> bool:
+    """Whether a selection keeps part of a prompt (None: none given, off: none wanted)."""
+    return select is not None and select[0] + select[1] > 0
 
 
 def parse_select(text: str) -> Selection:
     """``HH,RW[,N]`` of --kv-select: the heavy-hitter and recent shares of a prompt, each in (0, 1], at most 1
-    together, and the observation window N (a count of tokens, 0: the whole prompt)."""
+    together, and the observation window N (a count of tokens, 0: the whole prompt); ``off``: none (over a model's
+    kvq.select)."""
+    if text == "off":
+        return SELECT_OFF
     parts = text.split(",")
     try:
         if len(parts) not in (2, 3):
@@ -99,7 +108,7 @@ def parse_select(text: str) -> Selection:
 
 def selection_spec(select: Selection) -> str:
     """``HH,RW[,N]``, as --kv-select spells it."""
-    return ",".join(f"{x:g}" for x in select)
+    return ",".join(f"{x:g}" for x in select) if selects(select) else "off"
 
 
 def selection_label(select: Selection) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pykvq import ContextConfig, Model
+from pykvq import ContextConfig, KvConfig, Model
 
 _OP_OFFLOAD = {"on": True, "off": False}
 
@@ -51,6 +51,16 @@ def load_model(path: str | os.PathLike, on_cpu: bool = False) -> Model:
 
 def context_config(on_cpu: bool = False, **fields: Any) -> ContextConfig:
     return ContextConfig(op_offload=OP_OFFLOAD and not on_cpu, **fields)
+
+
+def all_logits(model: Model, kv: KvConfig, tokens: list[int], n_ctx: int, n_ubatch: int | None = None,
+               flash_attn: str = "on") -> np.ndarray:
+    """Every token's logits of ``tokens`` decoded into a fresh context of n_ctx cells on the suite's device, in
+    one batch of ubatches of n_ubatch (default: all of it)."""
+    config = context_config(n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ubatch or n_ctx, n_threads=2, kv=kv,
+                            flash_attn=flash_attn)
+    with model.context(config) as ctx:
+        return ctx.eval(tokens, all_logits=True)
 
 
 # On a GPU the matmul kernels (cuBLAS, ggml's MMQ with its stream-k split) and upstream's flash attention are

@@ -4,6 +4,7 @@ every comparison runs the same kernels with the same batch shapes, or checks aga
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import subprocess
@@ -42,11 +43,7 @@ def tokens() -> list[int]:
     return [int(t) for t in np.random.default_rng(3).integers(300, GEMMA3.n_vocab, size=400)]
 
 
-def logits(model: Model, kv: KvConfig, tokens: list[int], n_ubatch: int = 512, flash_attn: str = "on") -> np.ndarray:
-    config = device.context_config(n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=n_ubatch, n_threads=2, kv=kv,
-                                   flash_attn=flash_attn)
-    with model.context(config) as ctx:
-        return ctx.eval(tokens, all_logits=True)
+logits = functools.partial(device.all_logits, n_ctx=N_CTX)
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import ContextConfig, KvConfig, LlamaError, Model, Sampler, SamplerSettings
+from pykvq import ContextConfig, KvConfig, LlamaError, Model, Sampler, SamplerSettings, gguf_metadata
 from pykvq.llama_tools import run_tool
-from pykvq.kv_types import Selection
+from pykvq.kv_types import SELECT_OFF, Selection
 
 import device
 
@@ -180,7 +180,7 @@ def test_pykvq_run_reports_what_selection_holds(smollm2: Path, tmp_path: Path, h
     out = subprocess.run(["pykvq", "run", "-m", str(smollm2), "-f", str(prompt), *RUN_ARGS], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "pykvq: --kv-select: batch and ubatch sizes raised to the prompt's" in out.stderr
+    assert "pykvq: prompt selection: batch and ubatch sizes raised to the prompt's" in out.stderr
     line = next(line for line in out.stderr.splitlines() if line.startswith("pykvq: prompt selection 0.25,0.25"))
     assert "without selection" in line and "MiB" in line
 
@@ -260,3 +260,57 @@ def test_llama_cpp_python_selects_the_prompt(smollm2: Path, tokens: list[int]) -
     memory = lib.llama.llama_get_memory(lib.ffi.cast("struct llama_context *", llm._ctx.ctx))
     held = lib.llama.llama_memory_seq_pos_max(memory, 0) - lib.llama.llama_memory_seq_pos_min(memory, 0) + 1
     assert held == 300
+
+
+@pytest.fixture(scope="module")
+def selecting_copy(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2 with kvq.select "0.25,0.25" in its metadata, as `pykvq calibrate --kv-select 0.25,0.25` writes it."""
+    copy = tmp_path_factory.mktemp("select") / "smollm2-select.gguf"
+    gguf_metadata.write_copy(smollm2, copy, {gguf_metadata.KEY_SELECT: "0.25,0.25"})
+    return copy
+
+
+def test_the_model_s_kvq_select_applies_where_none_is_given(model: Model, selecting_copy: Path,
+                                                            tokens: list[int]) -> None:
+    given = prompt_then_continuation(model, tokens, (0.25, 0.25))
+    with device.load_model(selecting_copy) as copy:
+        from_model = prompt_then_continuation(copy, tokens, None)
+        assert from_model[2] == given[2] == 300
+        np.testing.assert_array_equal(from_model[1], given[1])
+        # off wins over the model's
+        assert prompt_then_continuation(copy, tokens, SELECT_OFF)[2] == N_PROMPT
+
+
+def test_a_prompt_the_model_s_selection_cannot_take_is_kept_whole(model: Model, selecting_copy: Path,
+                                                                  tokens: list[int]) -> None:
+    """Where --kv-select refuses (a prompt over several ubatches), a tool that batches as usual on a model with
+    kvq.select is not broken: the prompt is kept whole, exactly plain kivi2's."""
+    with context(model, None, n_ubatch=256) as ctx:
+        plain = ctx.eval(tokens[:N_PROMPT], all_logits=True)
+    with device.load_model(selecting_copy) as copy, context(copy, None, n_ubatch=256) as ctx:
+        np.testing.assert_array_equal(ctx.eval(tokens[:N_PROMPT], all_logits=True), plain)
+        assert ctx.seq_cells(0) == N_PROMPT
+
+
+@pytest.mark.parametrize("value, message", [("0.9,0.9", "add up to 1.8"), ("most", "does not read as HH,RW")])
+def test_a_bad_kvq_select_is_refused_with_its_key(smollm2: Path, tmp_path: Path, value: str, message: str) -> None:
+    copy = tmp_path / "bad-select.gguf"
+    gguf_metadata.write_copy(smollm2, copy, {gguf_metadata.KEY_SELECT: value})
+    refusal = rf"the model's kvq.select metadata '{value}' is not a prompt selection: .*{message}.*--kv-select off"
+    with device.load_model(copy) as bad, pytest.raises(LlamaError, match=refusal):
+        context(bad, None)
+    out = subprocess.run(["pykvq", "inspect", str(copy)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "kvq.select is not a prompt selection" in out.stderr
+
+
+def test_pykvq_run_takes_the_model_s_selection(selecting_copy: Path, tmp_path: Path, hamlet: Path) -> None:
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(hamlet.read_text()[20000:22500])
+    args = ["pykvq", "run", "-m", str(selecting_copy), "-f", str(prompt), *RUN_ARGS[:2], *RUN_ARGS[4:]]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "prompt selection from the model's kvq.* metadata: 0.25,0.25" in out.stderr
+    assert "pykvq: prompt selection 0.25,0.25: the sequence holds" in out.stderr
+    off = subprocess.run([*args, "--kv-select", "off"], capture_output=True, text=True, timeout=300)
+    assert off.returncode == 0, off.stderr[-3000:]
+    assert "pykvq: prompt selection" not in off.stderr

@@ -19,7 +19,7 @@ LLAMA_API enum ggml_type llama_kvq_cache_type(size_t i);
 
 // Settings of the kivi layers of a KV cache (DESIGN.md §4-5).
 // window and n_sink may be LLAMA_KVQ_FROM_MODEL: the model's kvq.window / kvq.sinks metadata (pykvq calibrate
-// writes them), else the default; that is what the process-wide settings hold until set.
+// writes them), else the default; that is what the process-wide settings hold until set (the selection too).
 #define LLAMA_KVQ_FROM_MODEL (-1)
 
 struct llama_kvq_params {
@@ -34,7 +34,9 @@ struct llama_kvq_params {
     // kept tokens fill the sequence's first cells, quantized as a prompt of that length would be, and keep their
     // meaning (RoPE is applied before they are stored); generation appends as usual. The prompt must reach the
     // cache in one ubatch (-ub at least its length), one sequence per ubatch, and every layer of the cache must be
-    // kivi. A prompt no longer than the window is kept whole.
+    // kivi. A prompt no longer than the window is kept whole. All three LLAMA_KVQ_FROM_MODEL (what the process-wide
+    // settings hold until set): the model's kvq.select ("HH,RW[,N]"), if it has one; a prompt that such a setting
+    // cannot select (spanning ubatches, sharing one with another sequence's) is kept whole, with a log line.
     float   select_hh;
     float   select_recent;
     // the prompt's last select_observe tokens are the queries whose attention picks the heavy hitters, each token

@@ -149,11 +149,44 @@ static int32_t kvq_setting_for(const llama_model & model, int32_t value, const c
 }
 
 // the process-wide settings, the window and sinks LLAMA_KVQ_FROM_MODEL resolved for this model
-static llama_kvq_params kvq_params_for(const llama_model & model) {
+// MiniKV's selection left to the model: its kvq.select ("HH,RW[,N]"), else none
+static void kvq_select_for(const llama_model & model, llama_kvq_params & params) {
+    params.select_hh      = 0.0f;
+    params.select_recent  = 0.0f;
+    params.select_observe = 0;
+    char buf[64];
+    const int32_t n = llama_model_meta_val_str(&model, "kvq.select", buf, sizeof(buf));
+    if (n < 0) {
+        return;
+    }
+    float hh = 0.0f;
+    float recent = 0.0f;
+    int32_t observe = 0;
+    const bool parsed = n < (int32_t) sizeof(buf) && llama_kvq_parse_select(buf, hh, recent, observe);
+    const std::string problem = parsed ? llama_kvq_check_select(hh, recent, observe) : "it does not read as HH,RW[,N]";
+    if (!parsed || !problem.empty() || observe == LLAMA_KVQ_FROM_MODEL) {
+        throw std::runtime_error(std::string("the model's kvq.select metadata '") + buf + "' is not a prompt selection: " +
+                                 (problem.empty() ? "no value to take from the model" : problem) +
+                                 " (--kv-select HH,RW[,N] or --kv-select off overrides it)");
+    }
+    params.select_hh      = hh;
+    params.select_recent  = recent;
+    params.select_observe = observe;
+}
+
+// the settings a cache of this model takes; select_from_model says whether the selection came from kvq.select
+static llama_kvq_params kvq_params_for(const llama_model & model, bool * select_from_model = nullptr) {
     const llama_kvq_params defaults = llama_kvq_default_params();
     llama_kvq_params params = llama_kvq_get_params();
     params.window = kvq_setting_for(model, params.window, "kvq.window", "--kv-window", defaults.window);
     params.n_sink = kvq_setting_for(model, params.n_sink, "kvq.sinks", "--kv-sinks", defaults.n_sink);
+    const bool from_model = llama_kvq_select_from_model(params);
+    if (from_model) {
+        kvq_select_for(model, params);
+    }
+    if (select_from_model != nullptr) {
+        *select_from_model = from_model && llama_kvq_select_on(params.select_hh, params.select_recent);
+    }
     return params;
 }
 
@@ -179,7 +212,7 @@ uint32_t llama_kvq_graph_extra_nodes(const llama_model & model) {
 
 void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_type type_v, uint32_t n_stream_wanted,
         uint32_t kv_size) {
-    kvq_params = kvq_params_for(model);
+    kvq_params = kvq_params_for(model, &kvq_select_from_model);
     kvq_layer_plan plan = kvq_plan_layers(model, hparams.n_layer_all, type_k, type_v);
     const std::string & spec   = plan.spec;
     const std::string & source = plan.source;
@@ -235,18 +268,22 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
             clip_spec.empty() ? "" : ", clip = ", clip_spec.c_str());
 }
 
+static std::string kvq_select_name(bool from_model) {
+    return from_model ? "prompt selection (the model's kvq.select)" : "prompt selection (--kv-select)";
+}
+
 // What the fused kernels do not compute is refused here, at context creation, rather than answered wrongly: they
 // take Q, K, V, the mask, the KQ scale, the logit soft-cap and learned sinks, and nothing else of llama.cpp's
 // attention.
 static void kvq_check_attention(const llama_model & model, const llama_hparams & hparams, uint32_t il,
-        const std::string & types, bool selects) {
+        const std::string & types, bool selects, bool select_from_model) {
     const bool learned_sinks = il < model.layers.size() && model.layers[il].attn_sinks != nullptr;
     if ((hparams.attn_soft_cap || learned_sinks) && selects) {
-        throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + types + ": prompt selection "
-                                 "(--kv-select) scores the prompt's tokens without the model's " +
+        throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + types + ": " +
+                                 kvq_select_name(select_from_model) + " scores the prompt's tokens without the model's " +
                                  (learned_sinks ? "learned attention sinks (gpt-oss)" :
                                                   "attention logit soft-capping (Gemma 2)") +
-                                 "; turn selection off for this model");
+                                 "; turn selection off for this model (--kv-select off)");
     }
     const char * missing = nullptr;
     if (hparams.use_alibi) {
@@ -266,8 +303,9 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
     if (!kvq_either_kivi(type_k, type_v)) {
         if (kvq_selects_prompts()) {
             throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + kvq_types_text(type_k, type_v) +
-                                     ": prompt selection (--kv-select) keeps the selected tokens in kivi layers "
-                                     "only; give every layer a kivi type (--kv-layers) or turn selection off");
+                                     ": " + kvq_select_name(kvq_select_from_model) + " keeps the selected tokens "
+                                     "in kivi layers only; give every layer a kivi type (--kv-layers) or turn "
+                                     "selection off (--kv-select off)");
         }
         return false;
     }
@@ -277,7 +315,7 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
         throw std::runtime_error("KV cache " + kvq_types_text(type_k, type_v) + ": unsupported head size " + std::to_string(dk) + "/" + std::to_string(dv) + " in layer " +
                                  std::to_string(il) + " (kivi types need a multiple of 32, at most 512)");
     }
-    kvq_check_attention(model, hparams, il, kvq_types_text(type_k, type_v), kvq_selects_prompts());
+    kvq_check_attention(model, hparams, il, kvq_types_text(type_k, type_v), kvq_selects_prompts(), kvq_select_from_model);
     const uint32_t n_embd_k = hparams.n_embd_k_gqa(il);
     const uint32_t n_embd_v = hparams.n_embd_v_gqa(il);
     // the ring holds the window, and n_rollback more cells so that that many tokens can be removed exactly
@@ -397,7 +435,8 @@ llama_kv_cache::slot_info llama_kv_cache::kvq_find_slot(const llama_ubatch & uba
             res.kvq_drops.push_back({ strm, first, n_drop, n_held });
         }
         // a prompt decoded into an empty sequence, alone in its ubatch (kvq_check_select)
-        if (n_held == 0 && ubatch.n_seqs_unq == 1 && kvq_selects_prompts()) {
+        if (n_held == 0 && ubatch.n_seqs_unq == 1 && kvq_selects_prompts() &&
+            !(seq < kvq_select_whole.size() && kvq_select_whole[seq])) {
             res.kvq_select = llama_kvq_select_for(kvq_params, n_new[seq]);
             res.kvq_select.part = regions ? seq : strm;
         }
@@ -433,8 +472,10 @@ bool llama_kv_cache::kvq_selects_prompts() const {
 }
 
 // A selecting ubatch needs the whole prompt: refused, before any of the batch goes in, when an empty sequence's
-// tokens span ubatches (-ub) or share one with another sequence's
+// tokens span ubatches (-ub) or share one with another sequence's; a selection the model's kvq.select asks for
+// keeps such a prompt whole instead (kvq_select_whole), as a tool that knows nothing of it batches as it always does
 bool llama_kv_cache::kvq_check_select(const std::vector<llama_ubatch> & ubatches) const {
+    kvq_select_whole.assign(kvq_n_part, false);
     if (!kvq_active() || !kvq_selects_prompts()) {
         return true;
     }
@@ -462,21 +503,23 @@ bool llama_kv_cache::kvq_check_select(const std::vector<llama_ubatch> & ubatches
             n_tokens[seq]++;
         }
     }
+    const std::string name = kvq_select_name(kvq_select_from_model);
     for (uint32_t seq = 0; seq < kvq_n_part; ++seq) {
-        if (first[seq] < 0 || llama_kvq_select_for(kvq_params, n_tokens[seq]).n_prompt == 0) {
+        if (first[seq] < 0 || llama_kvq_select_for(kvq_params, n_tokens[seq]).n_prompt == 0 || (!spans[seq] && !shares[seq])) {
             continue;
         }
-        if (spans[seq]) {
-            return kvq_slot_fail("prompt selection (--kv-select) reads the whole prompt in one ubatch, and the " +
-                                 std::to_string(n_tokens[seq]) + "-token prompt of sequence " + std::to_string(seq) +
-                                 " spans several: raise the batch and ubatch sizes to at least " +
-                                 std::to_string(n_tokens[seq]) + " (-b, -ub)");
+        const std::string why = spans[seq] ?
+            name + " reads the whole prompt in one ubatch, and the " + std::to_string(n_tokens[seq]) +
+            "-token prompt of sequence " + std::to_string(seq) + " spans several" :
+            name + " takes one prompt per ubatch, and sequence " + std::to_string(seq) + "'s shares one with another's";
+        const std::string fix = spans[seq] ?
+            "raise the batch and ubatch sizes to at least " + std::to_string(n_tokens[seq]) + " (-b, -ub)" :
+            "decode each sequence's prompt in a call of its own";
+        if (!kvq_select_from_model) {
+            return kvq_slot_fail(why + ": " + fix);
         }
-        if (shares[seq]) {
-            return kvq_slot_fail("prompt selection (--kv-select) takes one prompt per ubatch, and sequence " +
-                                 std::to_string(seq) + "'s shares one with another's: decode each sequence's "
-                                 "prompt in a call of its own");
-        }
+        LLAMA_LOG_INFO("%s: %s: kept whole (to select it, %s)\n", __func__, why.c_str(), fix.c_str());
+        kvq_select_whole[seq] = true;
     }
     return true;
 }

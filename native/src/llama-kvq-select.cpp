@@ -3,11 +3,17 @@
 #include "ggml-kvq.h"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #define KVQ_SELECT_POOL 7
 
 std::string llama_kvq_check_select(float hh, float recent, int32_t observe) {
+    if (hh == LLAMA_KVQ_FROM_MODEL && recent == LLAMA_KVQ_FROM_MODEL && observe == LLAMA_KVQ_FROM_MODEL) {
+        return "";
+    }
     if (observe < 0) {
         return "the selection's observation window must be 0 (all of the prompt) or more tokens, got " +
                std::to_string(observe);
@@ -26,6 +32,41 @@ std::string llama_kvq_check_select(float hh, float recent, int32_t observe) {
                ", more than the whole prompt (heavy hitters + recent window <= 1)";
     }
     return "";
+}
+
+bool llama_kvq_parse_select(const char * text, float & hh, float & recent, int32_t & observe) {
+    if (std::strcmp(text, "off") == 0 || text[0] == '\0') {
+        hh      = 0.0f;
+        recent  = 0.0f;
+        observe = 0;
+        return true;
+    }
+    char * end = nullptr;
+    const float h = std::strtof(text, &end);
+    if (end == text || *end != ',') {
+        return false;
+    }
+    const char * second = end + 1;
+    const float r = std::strtof(second, &end);
+    if (end == second || (*end != '\0' && *end != ',')) {
+        return false;
+    }
+    long n = 0;
+    if (*end == ',') {
+        const char * third = end + 1;
+        n = std::strtol(third, &end, 10);
+        if (end == third || *end != '\0' || n < INT32_MIN || n > INT32_MAX) {
+            return false;
+        }
+    }
+    hh      = h;
+    recent  = r;
+    observe = (int32_t) n;
+    return true;
+}
+
+bool llama_kvq_select_from_model(const llama_kvq_params & params) {
+    return params.select_hh == LLAMA_KVQ_FROM_MODEL && params.select_recent == LLAMA_KVQ_FROM_MODEL;
 }
 
 bool llama_kvq_select_on(float hh, float recent) {

@@ -22,8 +22,16 @@ struct llama_kvq_select {
     uint32_t n_keep() const { return n_sink + n_hh + n_recent; }
 };
 
-// "" when the shares and the observation window are valid (both shares 0 is off), else why not
+// "" when the shares and the observation window are valid (both shares 0 is off; all three LLAMA_KVQ_FROM_MODEL:
+// the model's kvq.select), else why not
 std::string llama_kvq_check_select(float hh, float recent, int32_t observe);
+
+// "HH,RW[,N]" (--kv-select, the model's kvq.select): two shares and the observation window (left out: 0); "off" or
+// "": none. False when it does not parse; llama_kvq_check_select judges the values.
+bool llama_kvq_parse_select(const char * text, float & hh, float & recent, int32_t & observe);
+
+// whether the settings leave the selection to the model's kvq.select
+bool llama_kvq_select_from_model(const llama_kvq_params & params);
 
 bool llama_kvq_select_on(float hh, float recent);
 

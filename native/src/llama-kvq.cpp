@@ -19,7 +19,8 @@ const char * llama_kvq_version(void) {
 // Settings are process-wide: llama_context_params' layout is mirrored by llama-cpp-python and must not
 // change, so they cannot travel with it.
 static std::mutex       kvq_params_mutex;
-static llama_kvq_params kvq_params = { LLAMA_KVQ_FROM_MODEL, LLAMA_KVQ_FROM_MODEL, false, 0, 0.0f, 0.0f, 0 };
+static llama_kvq_params kvq_params = { LLAMA_KVQ_FROM_MODEL, LLAMA_KVQ_FROM_MODEL, false, 0, LLAMA_KVQ_FROM_MODEL,
+                                       LLAMA_KVQ_FROM_MODEL, LLAMA_KVQ_FROM_MODEL };
 static std::string      kvq_error;
 static std::string      kvq_layer_spec;
 static std::string      kvq_layer_spec_out;   // what llama_kvq_get_layer_types hands out
@@ -77,35 +78,6 @@ static bool kvq_parse_count(const char * value, int32_t & out) {
         return false;
     }
     out = (int32_t) v;
-    return true;
-}
-
-// "HH,RW[,N]": two fractions and the observation window (N left out: all of the prompt); "off" (or "" or "0,0")
-// turns selection off
-static bool kvq_parse_select(const char * value, llama_kvq_params & params) {
-    if (std::strcmp(value, "off") == 0 || value[0] == '\0') {
-        params.select_hh      = 0.0f;
-        params.select_recent  = 0.0f;
-        params.select_observe = 0;
-        return true;
-    }
-    char * end = nullptr;
-    const float hh = std::strtof(value, &end);
-    if (end == value || *end != ',') {
-        return false;
-    }
-    const char * second = end + 1;
-    const float recent = std::strtof(second, &end);
-    if (end == second || (*end != '\0' && *end != ',')) {
-        return false;
-    }
-    int32_t observe = 0;
-    if (*end == ',' && !kvq_parse_count(end + 1, observe)) {
-        return false;
-    }
-    params.select_hh      = hh;
-    params.select_recent  = recent;
-    params.select_observe = observe;
     return true;
 }
 
@@ -171,7 +143,7 @@ bool llama_kvq_set_param(const char * name, const char * value) {
     } else if (std::strcmp(name, "rotate") == 0) {
         ok = kvq_parse_switch(value, params.rotate);
     } else if (std::strcmp(name, "select") == 0) {
-        ok = kvq_parse_select(value, params);
+        ok = llama_kvq_parse_select(value, params.select_hh, params.select_recent, params.select_observe);
     } else if (std::strcmp(name, "layers") == 0) {
         return llama_kvq_set_layer_types(value);
     } else if (std::strcmp(name, "clip") == 0) {

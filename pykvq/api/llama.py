@@ -62,8 +62,9 @@ class KvConfig:
     recent shares of a prompt that its sequence keeps (e.g. ``(0.25, 0.25)``), and optionally how many of the
     prompt's last tokens pick the heavy hitters by their attention (``(0.25, 0.25, 32)``; 0: all of them; left out:
     the default); the prompt must be decoded in one call that fits one ubatch (n_ubatch), and every layer must be
-    kivi. ``clip``: SKVQ's clipped quantization, per-layer ratios in the ``layers`` form (``"k:*=0.9;v:*=0.85"``);
-    None lets a model's kvq.kv_clip metadata apply, ``"none"`` ignores it."""
+    kivi; None: the model's kvq.select (a prompt it cannot take is kept whole), ``kv_types.SELECT_OFF``: none.
+    ``clip``: SKVQ's clipped quantization, per-layer ratios in the ``layers`` form (``"k:*=0.9;v:*=0.85"``); None
+    lets a model's kvq.kv_clip metadata apply, ``"none"`` ignores it."""
 
     type_k: str = "f16"
     type_v: str = "f16"
@@ -94,13 +95,17 @@ class KvConfig:
             if value is not None and value < 0:
                 raise ValueError(f"the {what} must be 0 or more tokens, got {value}")
         defaults = native.kvq_default_params()
-        select_hh, select_recent, *observe = self.select or (defaults.select_hh, defaults.select_recent)
+        if self.select is None:
+            select_hh, select_recent, observe = (native.KVQ_FROM_MODEL,) * 3
+        else:
+            select_hh, select_recent, *rest = self.select
+            observe = int(rest[0]) if rest else defaults.select_observe
         return native.KvqParams(
             native.KVQ_FROM_MODEL if self.window is None else self.window,
             native.KVQ_FROM_MODEL if self.sinks is None else self.sinks,
             defaults.rotate if self.rotate is None else self.rotate,
             defaults.n_rollback if self.rollback is None else self.rollback,
-            select_hh, select_recent, int(observe[0]) if observe else defaults.select_observe)
+            select_hh, select_recent, observe)
 
 
 @dataclass(frozen=True)

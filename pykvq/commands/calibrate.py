@@ -14,12 +14,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pykvq import attention_sensitivity, clip_calibration, gguf_metadata
+from pykvq import attention_sensitivity, clip_calibration, gguf_metadata, kv_types
 from pykvq.allocation import BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, format_allocation, refine
 from pykvq.attention_sensitivity import WidthErrors
 from pykvq.api.capture import AttentionCapture, TensorObserver
 from pykvq.api.llama import ContextConfig, KvConfig, Model
 from pykvq.bindings import native
+from pykvq.commands import arguments
 
 log = logging.getLogger("pykvq.calibrate")
 
@@ -80,8 +81,9 @@ class Calibrator:
 
     def kld(self, layers: str, sinks: int | None = None, clip: str | None = None) -> float:
         """KL divergence against f16 KV of a per-layer mix, with the probe's sinks and clip ratios or those given."""
+        # a copy calibrated again keeps its kvq.select out of the measurement (one whole prompt either way)
         kv = KvConfig(REFERENCE, REFERENCE, self.probe.window, self.probe.sinks if sinks is None else sinks,
-                      layers=layers, clip=self.probe.clip if clip is None else clip)
+                      layers=layers, clip=self.probe.clip if clip is None else clip, select=kv_types.SELECT_OFF)
         return mean_kld(self.reference, self._log_probs(kv))
 
     def sinks_klds(self, candidates: tuple[int, ...]) -> dict[int, float]:
@@ -265,9 +267,10 @@ def run(args: argparse.Namespace) -> int:
           f"from kivi2 everywhere), {result.measured:.4f} after {result.evaluations - 1} measured mixes")
     print(f"--kv-layers '{allocation.spec()}'")
     print(f"--kv-clip '{clip}' (each tensor at its width's ratio)")
-    gguf_metadata.write_copy(args.model, args.output,
-                             metadata(allocation, clip, args.kv_budget, sensitivities, args.sensitivity, args.file,
-                                      probe))
+    recorded = metadata(allocation, clip, args.kv_budget, sensitivities, args.sensitivity, args.file, probe)
+    if args.kv_select is not None:
+        recorded[gguf_metadata.KEY_SELECT] = kv_types.selection_spec(args.kv_select)
+    gguf_metadata.write_copy(args.model, args.output, recorded)
     print(f"wrote {args.output}")
     return 0
 
@@ -307,6 +310,10 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                         "text, and one ratio per part searched by that KL divergence, and keeps the lowest; or give a "
                         "--kv-clip spec or none (default %(default)s); written as the model's kvq.kv_clip and used "
                         "while measuring")
+    p.add_argument("--kv-select", metavar="HH,RW[,N]", type=arguments.selection,
+                   help="MiniKV's prompt selection for the copy (as `pykvq run --kv-select` takes it), written as "
+                        "its kvq.select; not measured here: the calibration judges whole prompts, whose logits "
+                        "selection leaves as they are")
     p.add_argument("--sensitivity", choices=SENSITIVITY_SOURCES, default="attention",
                    help="attention: each layer's sensitivities from the f16 run's attention output error at each "
                         "width, scaled into KL divergence by two measured mixes; measured: each tensor at 4 and "

@@ -85,7 +85,8 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-select", metavar="HH,RW[,N]", type=arguments.selection,
                    help="kivi: MiniKV's prompt selection: the prompt keeps its heaviest hitters (by the attention "
                         "they drew from its last N tokens; 0: from all of it) and its most recent tokens, as shares "
-                        "of its length, e.g. 0.25,0.25 or 0.25,0.25,32 (default off)")
+                        "of its length, e.g. 0.25,0.25 or 0.25,0.25,32; off: none (default: the model's kvq.select, "
+                        "else off)")
     p.add_argument("--kv-rotate", type=arguments.switch, help="kivi: Hadamard rotation of K/V, on or off (default off)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 or less is greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40, 0 = off)")
@@ -160,18 +161,31 @@ def run_command(args: argparse.Namespace) -> int:
     with Model(_model_path(args), n_gpu_layers=n_gpu_layers) as model:
         kv = with_model_metadata(kv, model.path)
         check_layers(kv, model)
-        n_batch, n_ubatch = _batch_sizes(args, model, kv)
+        select = kv.select if kv.select is not None else model_selection(model.path)
+        n_batch, n_ubatch = _batch_sizes(args, model, kv, select)
         config = ContextConfig(args.ctx_size, n_batch, n_ubatch, args.threads, args.flash_attn, kv,
                                op_offload=args.op_offload, swa_full=args.swa_full)
         with model.context(config) as ctx:
-            _generate(model, ctx, args, kv)
+            _generate(model, ctx, args, kv, select)
     return 0
 
 
-def _batch_sizes(args: argparse.Namespace, model: Model, kv: KvConfig) -> tuple[int, int]:
-    """-b and -ub; with --kv-select raised to the prompt's length (selection reads the whole prompt in one
-    ubatch), after checking that the prompt is longer than the window it would select from."""
-    if kv.select is None:
+def model_selection(model_path: Path) -> kv_types.Selection | None:
+    """The model's kvq.select, which the KV cache itself takes where --kv-select gives none (keeping a prompt
+    whole rather than refusing it where it cannot select)."""
+    text = model_info.checked_kvq(model_path).get(gguf_metadata.KEY_SELECT)
+    if text is None:
+        return None
+    log.info("prompt selection from the model's kvq.* metadata: %s", text)
+    return kv_types.parse_select(str(text))
+
+
+def _batch_sizes(args: argparse.Namespace, model: Model, kv: KvConfig,
+                 select: kv_types.Selection | None) -> tuple[int, int]:
+    """-b and -ub; with prompt selection raised to the prompt's length (selection reads the whole prompt in one
+    ubatch), after checking that a prompt --kv-select asks to select is longer than the window it would select
+    from (one the model's kvq.select would select is kept whole)."""
+    if not kv_types.selects(select) or (args.kv_select is None and not kv.is_kivi):
         return args.batch_size, args.ubatch_size
     if not kv.is_kivi:
         raise ValueError(f"--kv-select keeps the selected tokens in kivi layers: K {kv.type_k} / V {kv.type_v} "
@@ -180,11 +194,13 @@ def _batch_sizes(args: argparse.Namespace, model: Model, kv: KvConfig) -> tuple[
         return args.batch_size, args.ubatch_size
     n_prompt = len(model.tokenize(_prompt_text(args), parse_special=True))
     window = native.kvq_default_params().window if kv.window is None else kv.window
+    if n_prompt <= window and args.kv_select is None:
+        return args.batch_size, args.ubatch_size
     if n_prompt <= window:
         raise ValueError(f"--kv-select: the prompt is {n_prompt} tokens, no longer than the fp16 window of {window} "
                          "that holds it whole anyway: nothing to select (drop --kv-select or give a longer prompt)")
     if n_prompt > args.ubatch_size:
-        log.info("--kv-select: batch and ubatch sizes raised to the prompt's %d tokens (-b, -ub)", n_prompt)
+        log.info("prompt selection: batch and ubatch sizes raised to the prompt's %d tokens (-b, -ub)", n_prompt)
     return max(args.batch_size, n_prompt), max(args.ubatch_size, n_prompt)
 
 
@@ -212,7 +228,8 @@ def check_layers(kv: KvConfig, model: Model) -> None:
         native.resolve_clip(kv.clip, model.n_layer)
 
 
-def _generate(model: Model, ctx: Context, args: argparse.Namespace, kv: KvConfig) -> None:
+def _generate(model: Model, ctx: Context, args: argparse.Namespace, kv: KvConfig,
+              select: kv_types.Selection | None) -> None:
     sampler = model.sampler(SamplerSettings(args.temp, args.top_k, args.top_p, args.min_p, args.seed,
                                             args.ignore_eos))
     if args.conversation:
@@ -226,8 +243,8 @@ def _generate(model: Model, ctx: Context, args: argparse.Namespace, kv: KvConfig
         _stream(ctx.generate_text(tokens, args.n_predict, sampler), sys.stdout)
         sys.stdout.write("\n")
     _report(ctx.generation, ctx.memory(), kv)
-    if kv.select is not None:
-        _report_selection(ctx, kv)
+    if kv_types.selects(select) and kv.is_kivi:
+        _report_selection(ctx, kv, select)
     if ctx.context_full:
         # -n -1 asks for "until the end", and a full context is one; a count that did not fit is an error
         if args.n_predict >= 0:
@@ -236,7 +253,7 @@ def _generate(model: Model, ctx: Context, args: argparse.Namespace, kv: KvConfig
         log.warning("context full after %d tokens: generation stopped (raise -c)", ctx.n_past)
 
 
-def _report_selection(ctx: Context, kv: KvConfig) -> None:
+def _report_selection(ctx: Context, kv: KvConfig, select: kv_types.Selection) -> None:
     """The memory the sequence holds after prompt selection, next to what plain kivi would hold for it."""
     memory = ctx.memory()
     params = native.kvq_default_params()
@@ -250,7 +267,7 @@ def _report_selection(ctx: Context, kv: KvConfig) -> None:
         size = memory.held_bytes(n_cells, fp16)
         return f"{size / MIB:.2f} MiB, {8 * size / (n_cells * elements_per_cell):.2f} bits per element"
 
-    print(f"pykvq: prompt selection {kv_types.selection_spec(kv.select)}: the sequence holds {held} cells for its "
+    print(f"pykvq: prompt selection {kv_types.selection_spec(select)}: the sequence holds {held} cells for its "
           f"{n_tokens} tokens, {describe(held)}; without selection {n_tokens} cells, {describe(n_tokens)}",
           file=sys.stderr)
 

@@ -139,7 +139,7 @@ def _llama_class() -> type:
                             kv_clip)
             if kv.is_kivi:
                 kwargs["flash_attn"] = True
-            if kv.select is not None:
+            if kv_types.selects(kv.select):
                 # llama-cpp-python decodes a prompt in n_batch pieces: selection needs it whole
                 n_ctx = kwargs.get("n_ctx", 512) or 512
                 kwargs.setdefault("n_batch", n_ctx)
