@@ -27,9 +27,11 @@ def calibrate(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     out = tmp_path / "calibrated.gguf"
     proc = calibrate("-m", str(smollm2), "-f", str(hamlet), "-o", str(out), "--kv-budget", "2.0", "-c", "64",
-                     "--kv-window", "16", cwd=tmp_path)
+                     "--kv-window", "16", "--kv-select", "0.25,0.25,32", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     meta = gguf_metadata.read_kvq(out)
+    # recorded for every entry point; a prompt shorter than the window (below) is kept whole, not refused
+    assert meta[gguf_metadata.KEY_SELECT] == "0.25,0.25,32"
     assert meta["kvq.kv_budget"] == pytest.approx(2.0) and meta["kvq.calibration.n_tokens"] == 64
     assert all(len(meta[f"kvq.calibration.kld_{p}_{w}"]) == N_LAYER for p in "kv" for w in ("kivi4", "kivi1"))
     assert meta["kvq.calibration.sensitivity"] == "attention"
