@@ -95,6 +95,11 @@ SHAPES = {
     # last 4 layers reading layer 2's (sliding-window) or layer 3's (global) cache
     "gemma4-small": Shape(8, 256, 512, 4, 2, 2048, 32768, 1000000.0, arch="gemma4", head_dim=128, head_dim_swa=64,
                           n_swa=64, swa_pattern=4, n_kv_shared=4),
+    # Gemma 4 E2B's attention (35 layers, 4 sliding-window of head size 256 to 1 global of 512, one KV head, a
+    # 512-token window, the last 20 layers reading earlier caches) with a small FFN and vocabulary, which the KV
+    # cache does not see: for memory figures
+    "gemma4-e2b-attention": Shape(35, 1536, 256, 8, 1, 2048, 131072, 1000000.0, arch="gemma4", head_dim=512,
+                                  head_dim_swa=256, n_swa=512, swa_pattern=5, n_kv_shared=20),
     "gpt-oss-small": Shape(2, 256, 128, 4, 2, 2048, 8192, 150000.0, arch="gpt-oss", head_dim=64, n_swa=64,
                            n_expert=4, n_expert_used=2),
 }
