@@ -1,8 +1,9 @@
 """kivi caches read by layers that keep no KV of their own (Gemma 3n/4's shared KV layers: the last layers attend
-the cache of the last earlier layer of their kind), on a random-weight GGUF of Gemma 4's shape
+the cache of the last earlier layer of their kind), on random-weight GGUFs of both families' shapes
 (pykvq/devtools/random_model.py "gemma4-small": 8 layers, 3 sliding-window of head size 64 to 1 global of 128,
-layers 4-7 reading layer 2's or layer 3's cache). Judged on the CPU build: every comparison runs the same kernels
-with the same batch shapes, or checks against upstream's f16 cache."""
+layers 4-7 reading layer 2's or layer 3's cache; "gemma3n-small": 25 layers with AltUp, Laurel and per-layer inputs,
+layers 20-24 reading layer 18's or 19's). Judged on the CPU build: every comparison runs the same kernels with the
+same batch shapes, or checks against upstream's f16 cache."""
 
 from __future__ import annotations
 
@@ -35,14 +36,18 @@ def gemma4_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_file(tmp_path_factory, "gemma4-small", GEMMA4)
 
 
-@pytest.fixture(scope="module")
-def gemma4(gemma4_path: Path):
-    with device.load_model(gemma4_path) as model:
+@pytest.fixture(scope="module", params=["gemma4-small", "gemma3n-small"])
+def gemma4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, gemma4_path: Path):
+    """A model with shared KV layers: Gemma 4's shape, and Gemma 3n's."""
+    path = gemma4_path if request.param == "gemma4-small" else model_file(
+        tmp_path_factory, request.param, random_model.SHAPES[request.param])
+    with device.load_model(path) as model:
         yield model
 
 
 @pytest.fixture(scope="module")
 def tokens() -> list[int]:
+    assert random_model.SHAPES["gemma3n-small"].n_vocab == GEMMA4.n_vocab
     return [int(t) for t in np.random.default_rng(5).integers(300, GEMMA4.n_vocab, size=400)]
 
 
@@ -77,6 +82,10 @@ def test_kivi_is_close_to_f16_where_the_sharing_reads_quantized_cells(gemma4: Mo
 def test_batching_does_not_change_logits(gemma4: Model, tokens: list[int], n_ubatch: int) -> None:
     """Over several ubatches the readers attend the source's fp16 ring before it takes the new batch: the source
     layer's ring write waits for the last reader (were it read after, the cells a window back would be the batch's)."""
+    if n_ubatch == 1 and gemma4.path.name.startswith("gemma3n"):
+        # not the cache: Gemma 3n's AltUp predictions (f32 matmuls) round differently for one token than for
+        # several (2e-6 at layer 0, upstream's graph, seen with an eval callback); 2 tokens and more agree exactly
+        pytest.skip("Gemma 3n's own graph is not batch-invariant at one token per ubatch")
     kv = KvConfig.preset("kivi2", window=32, sinks=4)
     feed = tokens if n_ubatch > 1 else tokens[:120]
     device.assert_same_logits(logits(gemma4, kv, feed, n_ubatch=n_ubatch), logits(gemma4, kv, feed))

@@ -24,6 +24,10 @@ from pykvq.bindings import gguf_py
 log = logging.getLogger("pykvq.random_model")
 
 QK4 = 32
+# llama.cpp's Gemma 3n hyperparameters that its GGUFs leave out
+GEMMA3N_ALTUP = 4
+GEMMA3N_PER_LAYER = 256
+GEMMA3N_LAUREL_RANK = 64
 Q4_CODE_BYTES = 16  # after an fp16 scale (Q4_0), or an fp16 scale and minimum (Q4_1)
 
 
@@ -42,7 +46,8 @@ class Shape:
     # "gpt-oss": every other layer sliding-window, learned attention sinks, n_expert experts of n_ff; "gemma4":
     # every swa_pattern-th layer global with head size head_dim, the others sliding-window with head_dim_swa, Q/K
     # norms, a KQ scale of 1, and the last n_kv_shared layers reading the KV cache of the last layer of their kind
-    # before them
+    # before them; "gemma3n": every 5th layer global, AltUp, Laurel and per-layer inputs, layers from the 20th on
+    # reading earlier caches as gemma4's do (llama.cpp's fixed count)
     arch: str = "llama"
     head_dim: int | None = None  # None: n_embd / n_head
     n_swa: int = 0
@@ -64,7 +69,7 @@ class Shape:
 
     @property
     def is_gemma(self) -> bool:
-        return self.arch in ("gemma2", "gemma3", "gemma4")
+        return self.arch in ("gemma2", "gemma3", "gemma3n", "gemma4")
 
     def is_swa(self, il: int) -> bool:
         """gemma4's layer kinds (the other families' are the model loader's own rule)."""
@@ -100,6 +105,9 @@ SHAPES = {
     # cache does not see: for memory figures
     "gemma4-e2b-attention": Shape(35, 1536, 256, 8, 1, 2048, 131072, 1000000.0, arch="gemma4", head_dim=512,
                                   head_dim_swa=256, n_swa=512, swa_pattern=5, n_kv_shared=20),
+    # Gemma 3n's shape at small size: 25 layers (llama.cpp's Gemma 3n keeps KV in its first 20), 4 sliding-window
+    # to 1 global, layers 20-23 reading layer 18's cache and 24 reading layer 19's
+    "gemma3n-small": Shape(25, 256, 512, 4, 2, 2048, 32768, 1000000.0, arch="gemma3n", head_dim=128, n_swa=64),
     "gpt-oss-small": Shape(2, 256, 128, 4, 2, 2048, 8192, 150000.0, arch="gpt-oss", head_dim=64, n_swa=64,
                            n_expert=4, n_expert_used=2),
 }
@@ -194,7 +202,33 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
             small(f"blk.{il}.ffn_{part}_exps.weight", shape.n_expert, rows, cols)
             small(f"blk.{il}.ffn_{part}_exps.bias", shape.n_expert, rows)
 
+    def gemma3n_model_tensors() -> None:
+        """AltUp's projections of the residual stream and the per-layer inputs, with llama.cpp's defaults: 4 AltUp
+        streams, 256 per-layer input channels."""
+        n_altup, n_embd_altup = GEMMA3N_ALTUP, GEMMA3N_PER_LAYER
+        small("altup_proj.weight", n_altup - 1, shape.n_embd, shape.n_embd)
+        small("altup_unembd_proj.weight", n_altup - 1, shape.n_embd, shape.n_embd)
+        matrix("per_layer_token_embd.weight", shape.n_vocab, n_embd_altup * shape.n_layer)
+        matrix("per_layer_model_proj.weight", n_embd_altup * shape.n_layer, shape.n_embd)
+        norm("per_layer_proj_norm.weight", n_embd_altup)
+
+    def gemma3n_layer_tensors(il: int) -> None:
+        n_altup, n_embd_altup = GEMMA3N_ALTUP, GEMMA3N_PER_LAYER
+        matrix(f"blk.{il}.inp_gate.weight", n_embd_altup, shape.n_embd)
+        matrix(f"blk.{il}.proj.weight", shape.n_embd, n_embd_altup)
+        norm(f"blk.{il}.post_norm.weight")
+        small(f"blk.{il}.altup_correct_coef.weight", n_altup, n_altup)
+        norm(f"blk.{il}.altup_correct_scale.weight")
+        small(f"blk.{il}.altup_predict_coef.weight", n_altup * n_altup, n_altup)
+        matrix(f"blk.{il}.altup_router.weight", n_altup, shape.n_embd)
+        norm(f"blk.{il}.altup_router_norm.weight")
+        matrix(f"blk.{il}.laurel_l.weight", GEMMA3N_LAUREL_RANK, shape.n_embd)
+        matrix(f"blk.{il}.laurel_r.weight", shape.n_embd, GEMMA3N_LAUREL_RANK)
+        norm(f"blk.{il}.laurel_post_norm.weight")
+
     matrix("token_embd.weight", shape.n_vocab, shape.n_embd)
+    if shape.arch == "gemma3n":
+        gemma3n_model_tensors()
     if shape.arch == "gemma4":
         norm("rope_freqs.weight", head_dim // 2)
     for il in range(shape.n_layer):
@@ -224,7 +258,9 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         if shape.is_gemma:
             norm(f"blk.{il}.post_attention_norm.weight")
             norm(f"blk.{il}.post_ffw_norm.weight")
-        if shape.arch in ("gemma3", "gemma4"):
+        if shape.arch == "gemma3n":
+            gemma3n_layer_tensors(il)
+        if shape.arch in ("gemma3", "gemma3n", "gemma4"):
             norm(f"blk.{il}.attn_q_norm.weight", dim)
             if shape.has_kv(il):
                 norm(f"blk.{il}.attn_k_norm.weight", dim)
