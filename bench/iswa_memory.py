@@ -39,6 +39,7 @@ ROWS = [
     Row("kivi2", KvConfig.preset("kivi2")),
     Row("kivi2, SWA f16", KvConfig("kivi2", "kivi2", type_swa="f16")),
     Row("kivi2, SWA q8_0", KvConfig("kivi2", "kivi2", type_swa="q8_0")),
+    Row("kivi2, SWA kivi4", KvConfig("kivi2", "kivi2", type_swa="kivi4")),
 ]
 
 
