@@ -53,6 +53,19 @@ def context_config(on_cpu: bool = False, **fields: Any) -> ContextConfig:
     return ContextConfig(op_offload=OP_OFFLOAD and not on_cpu, **fields)
 
 
+def assert_state_continues(model: Model, config: ContextConfig, first: list[int], then: list[int]) -> None:
+    """A state saved after ``first`` loads into a fresh context, which continues with ``then`` as the saving one
+    did."""
+    with model.context(config) as saving:
+        saving.eval(first)
+        state = saving.save_state()
+        expected = saving.eval(then, all_logits=True)
+    with model.context(config) as loading:
+        loading.load_state(state)
+        assert loading.n_past == len(first)
+        assert_same_logits(loading.eval(then, all_logits=True), expected)
+
+
 def all_logits(model: Model, kv: KvConfig, tokens: list[int], n_ctx: int, n_ubatch: int | None = None,
                flash_attn: str = "on") -> np.ndarray:
     """Every token's logits of ``tokens`` decoded into a fresh context of n_ctx cells on the suite's device, in

@@ -122,14 +122,7 @@ def test_run_reports_each_cache(gemma3_path: Path, args: list[str], label: str, 
 def test_state_round_trip_continues_exactly(gemma3: Model, tokens: list[int]) -> None:
     kv = KvConfig.preset("kivi2", window=32, sinks=4)
     config = device.context_config(n_ctx=N_CTX, n_batch=N_CTX, n_threads=2, kv=kv, flash_attn="on")
-    with gemma3.context(config) as first:
-        first.eval(tokens[:250])
-        state = first.save_state()
-        expected = first.eval(tokens[250:300], all_logits=True)
-    with gemma3.context(config) as second:
-        second.load_state(state)
-        assert second.n_past == 250
-        device.assert_same_logits(second.eval(tokens[250:300], all_logits=True), expected)
+    device.assert_state_continues(gemma3, config, tokens[:250], tokens[250:300])
 
 
 @pytest.mark.parametrize("type_swa", [None, "f16"], ids=["kivi-swa", "f16-swa"])

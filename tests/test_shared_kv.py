@@ -94,13 +94,7 @@ def test_batching_does_not_change_logits(gemma4: Model, tokens: list[int], n_uba
 def test_a_state_round_trip_continues_exactly(gemma4: Model, tokens: list[int]) -> None:
     config = device.context_config(n_ctx=N_CTX, n_batch=N_CTX, n_threads=2, flash_attn="on",
                                    kv=KvConfig.preset("kivi2", window=32, sinks=4))
-    with gemma4.context(config) as first:
-        first.eval(tokens[:250])
-        state = first.save_state()
-        expected = first.eval(tokens[250:300], all_logits=True)
-    with gemma4.context(config) as second:
-        second.load_state(state)
-        device.assert_same_logits(second.eval(tokens[250:300], all_logits=True), expected)
+    device.assert_state_continues(gemma4, config, tokens[:250], tokens[250:300])
 
 
 @pytest.mark.parametrize("unified", [False, True], ids=["streams", "unified"])
