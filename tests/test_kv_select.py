@@ -314,3 +314,11 @@ def test_pykvq_run_takes_the_model_s_selection(selecting_copy: Path, tmp_path: P
     off = subprocess.run([*args, "--kv-select", "off"], capture_output=True, text=True, timeout=300)
     assert off.returncode == 0, off.stderr[-3000:]
     assert "pykvq: prompt selection" not in off.stderr
+
+
+def test_pykvq_inspect_shows_what_the_model_s_selection_holds(selecting_copy: Path) -> None:
+    base = ["pykvq", "inspect", str(selecting_copy), "-c", str(N_PROMPT)]
+    text = subprocess.run(base, capture_output=True, text=True, timeout=120).stdout
+    assert f"selected: --kv-select 0.25,0.25 keeps 300 of a {N_PROMPT}-token prompt's cells" in text
+    off = subprocess.run([*base, "--kv-select", "off"], capture_output=True, text=True, timeout=120).stdout
+    assert "selected:" not in off and "kvq.select = 0.25,0.25" in off

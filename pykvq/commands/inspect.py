@@ -228,8 +228,10 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"model file not found: {args.model}")
     info = collect(args.model)
     n_ctx = args.ctx_size or info["shape"]["n_ctx_train"] or 4096
-    if args.kv_select:
-        info["selection"] = selection(info, args.kv_select, n_ctx)
+    model_select = info["kvq"].get(gguf_metadata.KEY_SELECT)
+    select = args.kv_select or (kv_types.parse_select(model_select) if model_select else None)
+    if kv_types.selects(select):
+        info["selection"] = selection(info, select, n_ctx)
     if args.json:
         print(json.dumps(info, indent=1))
     else:
@@ -245,6 +247,7 @@ def add_inspect_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("model", type=Path, metavar="MODEL", help="GGUF model")
     p.add_argument("-c", "--ctx-size", type=int, help="context for the totals (default: the trained context)")
     p.add_argument("--kv-select", metavar="HH,RW[,N]", type=arguments.selection,
-                   help="also the memory a prompt of -c tokens holds after MiniKV's prompt selection (kivi types)")
+                   help="also the memory a prompt of -c tokens holds after MiniKV's prompt selection (kivi types; "
+                        "default: the model's kvq.select, if any; off: none)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=run)
