@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,23 @@ def test_corrupt_models_are_an_error_not_a_crash(small_gguf: bytes, tmp_path: Pa
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("n_layer", [600, 0])
+def test_an_impossible_block_count_is_an_error_not_a_crash(n_layer: int, tmp_path: Path) -> None:
+    """Found by the fuzz above (a byte of block_count: 6146 layers): llama.cpp's loader aborted the process on a
+    count past its 512 layers (GGML_ASSERT); patch 0018 makes it a load error."""
+    path = tmp_path / "layers.gguf"
+    random_model.write(replace(random_model.SHAPES["tiny"], n_layer=2), path)
+    blob = bytearray(path.read_bytes())
+    key = b"llama.block_count"
+    at = blob.index(key) + len(key) + 4  # after the key: the value's type (uint32), then the value
+    blob[at:at + 4] = n_layer.to_bytes(4, "little")
+    path.write_bytes(bytes(blob))
+    proc = subprocess.run(["pykvq", "run", *device.TOOL_ARGS, "-m", str(path), "-p", "hello", "-n", "2", "-c", "256",
+                           "-t", "1"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"impossible block count {n_layer} (1 to 512 layers)" in proc.stderr
 
 
 def test_a_vocabulary_that_throws_is_an_error_not_a_crash(tmp_path: Path) -> None:
