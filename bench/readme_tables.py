@@ -230,6 +230,13 @@ def clip_words(spec: str | None) -> str:
     return f"--kv-clip '{spec}'" if all("*" in part for part in spec.split(";")) else "per-layer clip ratios"
 
 
+def rotation_words(spec: str | None) -> str:
+    """A rotation spec as a table caption says it."""
+    if not spec or spec in ("off", "none"):
+        return "no rotation"
+    return "rotation everywhere" if spec == "on" else f"rotation `{spec}`"
+
+
 def recipe_table(path: Path) -> str:
     return recipe_record_table(json.loads(path.read_text()))
 
@@ -239,7 +246,8 @@ def recipe_record_table(record: dict) -> str:
     lines = [f"The calibrated recipe against upstream's 4-bit KV ({record['model']}, {record['text']}, n_ctx "
              f"{record['n_ctx']}, {record['chunks']} chunks; `pykvq calibrate` on {c['n_tokens']} tokens of Macbeth "
              f"in {c['seconds'] / 60:.1f} min on {c['threads']} threads chose {c['kvq.sinks']} sinks, "
-             f"{clip_words(c['kvq.kv_clip'])} and the mix below; bench/recipe.py):", "",
+             f"{rotation_words(c.get('kvq.kv_rotate'))}, {clip_words(c['kvq.kv_clip'])} and the mix below; "
+             "bench/recipe.py):", "",
              "| KV cache | code bits | K, V bpe | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in record["rows"]:
         bits = "" if r["code_bits"] is None else f"{r['code_bits']:.2f}"

@@ -2,12 +2,13 @@
 
     python bench/recipe.py [--model smollm2|qwen2.5-coder-1.5b|PATH] [--ctx 2048] [--chunks 4]
 
-1. `pykvq calibrate` (its defaults: 2.0 code bits, sinks and clip ratios chosen, the mix refined by measuring it)
+1. `pykvq calibrate` (its defaults: 2.0 code bits, sinks, rotation and clip ratios chosen, the mix refined by
+   measuring it)
    on --calibration-tokens of Macbeth writes a calibrated copy of the model.
 2. `pykvq perplexity` scores Hamlet (never the calibration text), the same chunks for every row: f16, upstream's
-   q4_0 and q4_1 (rotated, their default) and plain kivi2 on the model; kivi2 with the calibrated sinks and the
-   clip ratios calibrated for kivi2 everywhere ("uniform calibrated kivi2"); the copy as it is, its kvq.kv_layers
-   with its sinks and its per-width clip ratios (the calibrated mix).
+   q4_0 and q4_1 (rotated, their default) and plain kivi2 on the model; kivi2 with the calibrated sinks and rotation
+   and the clip ratios calibrated for kivi2 everywhere ("uniform calibrated kivi2"); the copy as it is, its
+   kvq.kv_layers with its sinks, rotation and per-width clip ratios (the calibrated mix).
 
 Targets: the mix (<= 2.0 code bits) at a ΔPPL no larger than q4_0's, uniform calibrated kivi2 no larger than
 q4_1's; where an upstream type collapses (ΔPPL over COLLAPSE_PCT) the bar is +1.5% and +1.0% instead.
@@ -123,8 +124,10 @@ def main() -> None:
     calibrated, calibration = calibrate(model, args.calibration_tokens, args.threads, args.workdir)
     tag = model_tag(name)
     rows = scored(model, ["--kv-types", ",".join(UPSTREAM)], args, args.workdir / f"recipe-{tag}-upstream")
-    # kivi2 everywhere with the sinks and the clip ratios calibrated for it; the copy's own kvq.kv_clip is its mix's
+    # kivi2 everywhere with the sinks, rotation and clip ratios calibrated for it; the copy's own kvq.kv_clip is its
+    # mix's
     uniform = ["--kv-types", "kivi2", "--kv-sinks", str(calibration[gguf_metadata.KEY_SINKS]),
+               "--kv-rotate", str(calibration.get(gguf_metadata.KEY_ROTATE, "off")),
                "--kv-clip", calibration[gguf_metadata.KEY_KIVI2_CLIP]]
     mine = scored(model, uniform, args, args.workdir / f"recipe-{tag}-calibrated-kivi2")
     mine += scored(calibrated, ["--kv-types", "", "--kv-layers", calibration[gguf_metadata.KEY_LAYERS]], args,

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pykvq import kv_types
+
 GROUP = 32
 BITS = 2
 RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
@@ -135,15 +137,4 @@ def per_layer_clip(layer_qkv: Callable[[int], tuple[np.ndarray, np.ndarray, np.n
 def clip_spec_per_layer(ratios: dict[str, list[float]]) -> str:
     """The --kv-clip form of per-layer ratios (k, v: one per layer), runs of equal ratios as ranges; "none" when
     nothing clips."""
-    parts = []
-    for part, values in sorted(ratios.items()):
-        if all(r == 1.0 for r in values):
-            continue
-        rules, start = [], 0
-        for il in range(1, len(values) + 1):
-            if il == len(values) or values[il] != values[start]:
-                span = str(start) if il - 1 == start else f"{start}-{il - 1}"
-                rules.append(f"{span}={values[start]:g}")
-                start = il
-        parts.append(f"{part}:{','.join(rules)}")
-    return ";".join(parts) or "none"
+    return kv_types.per_layer_spec({part: [f"{r:g}" for r in values] for part, values in ratios.items()}, "1")

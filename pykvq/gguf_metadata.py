@@ -1,13 +1,16 @@
 """pykvq's ``kvq.*`` metadata in GGUF files: written into a copy of a model, read back.
 
-Schema, version 2 (version 1 files, which cannot hold kvq.kv_clip, are read as they are). What the KV cache uses:
-``kvq.kv_layers``, ``kvq.kv_clip``, ``kvq.window`` and ``kvq.sinks``, read by the patched llama.cpp itself wherever
-the caller gives no per-layer types, clip ratios, window or sinks (and checked by pykvq run / perplexity first). The
+Schema, version 3 (version 1 files, which cannot hold kvq.kv_clip, and version 2 ones, which cannot hold kvq.kv_rotate,
+are read as they are). What the KV cache uses: ``kvq.kv_layers``, ``kvq.kv_clip``, ``kvq.kv_rotate``, ``kvq.window``
+and ``kvq.sinks``, read by the patched llama.cpp itself wherever the caller gives no per-layer types, clip ratios,
+rotation, window or sinks (and checked by pykvq run / perplexity first). The
 rest records how they were chosen, for later methods.
 
-    kvq.version                    uint32   2
+    kvq.version                    uint32   3
     kvq.kv_layers                  string   per-layer K/V types, the --kv-layers form
     kvq.kv_clip                    string   SKVQ's per-layer K/V clip ratios, the --kv-clip form
+    kvq.kv_rotate                  string   Hadamard rotation of the kivi layers' K/V: on, off, or per layer (the
+                                            --kv-rotate form)
     kvq.window                     uint32   default kivi window (recent tokens kept in fp16), at most 2^31-1
     kvq.sinks                      uint32   default kivi sinks (first tokens kept in fp16), at most 2^31-1
     kvq.kv_budget                  float32  mean code bits per element the mix was chosen for
@@ -54,12 +57,13 @@ from pykvq.bindings.native import INT32_MAX
 
 log = logging.getLogger("pykvq.gguf")
 
-KVQ_VERSION = 2
-# what this pykvq reads: version 1 lacks kvq.kv_clip and means the same otherwise
-READ_VERSIONS = (1, 2)
+KVQ_VERSION = 3
+# what this pykvq reads: version 1 lacks kvq.kv_clip, 2 kvq.kv_rotate, and they mean the same otherwise
+READ_VERSIONS = (1, 2, 3)
 KEY_VERSION = "kvq.version"
 KEY_LAYERS = "kvq.kv_layers"
 KEY_CLIP = "kvq.kv_clip"
+KEY_ROTATE = "kvq.kv_rotate"
 KEY_SELECT = "kvq.select"  # MiniKV's prompt selection, "HH,RW[,N]" as --kv-select takes it
 KEY_WINDOW = "kvq.window"
 KEY_SINKS = "kvq.sinks"
@@ -111,7 +115,7 @@ def kvq_fields(fields: dict[str, object], path: Path) -> dict[str, object]:
     kvq = {name: value for name, value in fields.items() if name.startswith("kvq.")}
     version = kvq.get(KEY_VERSION)
     if kvq and not (_is_whole(version) and version in READ_VERSIONS):
-        readable = " and ".join(map(str, READ_VERSIONS))
+        readable = f"{READ_VERSIONS[0]} to {READ_VERSIONS[-1]}"
         raise GgufError(f"{path}: kvq.* metadata version {version!r}; this pykvq reads versions {readable}")
     return kvq
 
@@ -163,9 +167,9 @@ def _kind(value: object) -> str:
 
 
 def validate_settings(kvq: dict[str, object], n_layer: int) -> None:
-    """GgufError when the kvq.* settings a KV cache takes (per-layer types and clip ratios, window, sinks, prompt
-    selection), or the whole numbers recorded with them, are of the wrong kind or do not fit a model of ``n_layer``
-    layers."""
+    """GgufError when the kvq.* settings a KV cache takes (per-layer types, clip ratios and rotation, window, sinks,
+    prompt selection), or the whole numbers recorded with them, are of the wrong kind or do not fit a model of
+    ``n_layer`` layers."""
     from pykvq import kv_types
 
     layers = kvq.get(KEY_LAYERS)
@@ -181,16 +185,18 @@ def validate_settings(kvq: dict[str, object], n_layer: int) -> None:
             if (type_k in kv_types.KIVI_BITS) != (type_v in kv_types.KIVI_BITS):
                 raise GgufError(f"the model's {KEY_LAYERS} gives layer {il} K {type_k} and V {type_v}: a kivi K "
                                 "type needs a kivi V type and the other way round")
-    clip = kvq.get(KEY_CLIP)
-    if clip is not None:
-        if not isinstance(clip, str):
-            raise GgufError(f"{KEY_CLIP} must be a string, not {type(clip).__name__}")
-        from pykvq.bindings import native
+    from pykvq.bindings import native
 
+    for key, resolve in ((KEY_CLIP, native.resolve_clip), (KEY_ROTATE, native.resolve_rotation)):
+        spec = kvq.get(key)
+        if spec is None:
+            continue
+        if not isinstance(spec, str):
+            raise GgufError(f"{key} must be a string, not {type(spec).__name__}")
         try:
-            native.resolve_clip(clip, n_layer)
+            resolve(spec, n_layer)
         except ValueError as exc:
-            raise GgufError(f"the model's {KEY_CLIP} does not fit its {n_layer} layers: {exc}") from exc
+            raise GgufError(f"the model's {key} does not fit its {n_layer} layers: {exc}") from exc
     select = kvq.get(KEY_SELECT)
     if select is not None:
         if not isinstance(select, str):

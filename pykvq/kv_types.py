@@ -150,6 +150,23 @@ def bits_per_element(name: str, n_ctx: int, window: int, n_sink: int, rollback: 
     raise KvTypeError(f"unknown KV cache type {name!r}")
 
 
+def per_layer_spec(values: dict[str, list[str]], neutral: str) -> str:
+    """The per-layer spec form (--kv-layers, --kv-clip, --kv-rotate) of one value per layer for each part (k, v),
+    runs of equal values as ranges, a part that is ``neutral`` everywhere left out; "none" when every part is."""
+    parts = []
+    for part, per_layer in sorted(values.items()):
+        if all(v == neutral for v in per_layer):
+            continue
+        rules, start = [], 0
+        for il in range(1, len(per_layer) + 1):
+            if il == len(per_layer) or per_layer[il] != per_layer[start]:
+                span = str(start) if il - 1 == start else f"{start}-{il - 1}"
+                rules.append(f"{span}={per_layer[start]}")
+                start = il
+        parts.append(f"{part}:{','.join(rules)}")
+    return ";".join(parts) or "none"
+
+
 def type_id(name: str) -> int:
     for t in native.kv_cache_types():
         if t.name == name:

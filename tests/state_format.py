@@ -3,10 +3,10 @@
 A whole state (llama_state_get_data, llama_context::state_write_data): the model's architecture string, then
 the KV cache (llama_kv_cache::state_write): the stream count, and per stream its cell count, each cell's
 position and sequence ids, then the cells' data. A cache with kivi layers writes its data as one block per
-sequence part (kvq_state_write_part): the KVQ3 header (magic, n_layer, window, n_sink, n_fp16, n_cells, rotate)
-and per layer the saved K/V type ids and the layer's bytes (a kivi layer: sealed K tiles, V rows, fp16 sinks
-and ring; another type: the part's K and V rows). A cache without kivi layers writes upstream's v_trans,
-n_layer, and per layer K then V: type, row size, rows.
+sequence part (kvq_state_write_part): the KVQ4 header (magic, n_layer, window, n_sink, n_fp16, n_cells, rotate)
+and per layer the saved K/V type ids, what the layer rotates (not in KVQ3) and the layer's bytes (a kivi layer:
+sealed K tiles, V rows, fp16 sinks and ring; another type: the part's K and V rows). A cache without kivi layers
+writes upstream's v_trans, n_layer, and per layer K then V: type, row size, rows.
 
 A sequence state (llama_state_seq_get_data) starts with a magic and the saved sequence id; a session file
 (llama_state_save_file) with its magic, version and token list. Upstream's state of this llama.cpp carries no
@@ -27,7 +27,8 @@ from pykvq.bindings import native
 
 SEQ_STATE_MAGIC = 0xAF143CD8  # llama-context.cpp's io_magic
 SESSION_MAGIC, SESSION_VERSION = 0x6767736E, 10  # 'ggsn', LLAMA_SESSION_VERSION
-KVQ_MAGIC = 0x3351564B  # "KVQ3"
+KVQ_MAGIC = 0x3451564B  # "KVQ4"
+KVQ3_MAGIC = 0x3351564B  # "KVQ3": no per-layer rotation
 QK_KIVI = 32  # cells per sealed K tile
 KIVI_TYPE_IDS = {43, 44, 45}
 
@@ -104,7 +105,7 @@ def row_size(type_id: int, n: int) -> int:
 
 
 def _kvq_part(r: _Reader, n_embd_k: Sequence[int], n_embd_v: Sequence[int], tag: str) -> int:
-    r.field("<I", f"{tag}.kvq.magic")
+    magic = r.field("<I", f"{tag}.kvq.magic")
     n_layer = r.field("<I", f"{tag}.kvq.n_layer")
     r.field("<i", f"{tag}.kvq.window")
     r.field("<i", f"{tag}.kvq.n_sink")
@@ -115,6 +116,8 @@ def _kvq_part(r: _Reader, n_embd_k: Sequence[int], n_embd_v: Sequence[int], tag:
         lt = f"{tag}.l{il}"
         type_k = r.field("<i", f"{lt}.type_k")
         type_v = r.field("<i", f"{lt}.type_v")
+        if magic != KVQ3_MAGIC:
+            r.field("<i", f"{lt}.rotate")
         if type_k in KIVI_TYPE_IDS:
             r.region(n_cells // QK_KIVI * row_size(type_k, n_embd_k[il] * QK_KIVI), f"{lt}.k_tiles")
             r.region(n_cells * row_size(type_v, n_embd_v[il]), f"{lt}.v_rows")

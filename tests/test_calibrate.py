@@ -42,6 +42,9 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     assert f"-> --kv-clip '{meta['kvq.calibration.kivi2_clip']}'" in proc.stdout
     clip = meta.get(gguf_metadata.KEY_CLIP, "none")
     assert f"--kv-clip '{clip}' (each tensor at its width's ratio)" in proc.stdout
+    # the rotation measured lowest among none, all and per layer (left out when none)
+    rotate = meta.get(gguf_metadata.KEY_ROTATE, "off")
+    assert f"-> --kv-rotate '{rotate}'" in proc.stdout and "off: " in proc.stdout and "on: " in proc.stdout
     types_k, types_v = kv_types.layer_types(meta[gguf_metadata.KEY_LAYERS], N_LAYER, "kivi2", "kivi2")
     bits = [BITS[t] for t in types_k + types_v]
     assert sum(bits) / len(bits) <= 2.0
@@ -52,6 +55,7 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     assert run.returncode == 0 and f"KV cache layers {meta[gguf_metadata.KEY_LAYERS]}" in run.stderr
     assert f"sinks {sinks}" in run.stderr
     assert clip == "none" or f"clip {clip}" in run.stderr
+    assert rotate == "off" or ("rotated" if rotate == "on" else f"rotation {rotate}") in run.stderr
 
 
 @pytest.mark.parametrize("case, message", [
@@ -62,6 +66,8 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     ("not-gguf", "invalid magic characters"),
     ("bad-clip", "'1.5' is not a clip ratio in (0, 1]"),
     ("clip-layers", "the model has 30 layers"),
+    ("bad-rotate", "'sometimes' is not on or off"),
+    ("rotate-layers", "the model has 30 layers"),
 ])
 def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     short = tmp_path / "short.txt"
@@ -77,6 +83,8 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, ha
         "not-gguf": ["-m", str(notes), "-f", str(hamlet), "-o", out],
         "bad-clip": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-clip", "k:*=1.5"],
         "clip-layers": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-clip", "v:0-31=0.9"],
+        "bad-rotate": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-rotate", "k:*=sometimes"],
+        "rotate-layers": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-rotate", "v:0-31=on"],
     }[case]
     proc = calibrate(*args, cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr

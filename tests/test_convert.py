@@ -153,7 +153,9 @@ def test_inspect_shows_the_metadata_and_the_memory(calibrated: tuple[Path, subpr
 
 
 @pytest.mark.parametrize("metadata, needle", [
-    ({"kvq.version": 3}, "version 3"),
+    ({"kvq.version": 4}, "version 4"),
+    ({gguf_metadata.KEY_ROTATE: "k:*=sideways"}, "not on or off"),
+    ({gguf_metadata.KEY_ROTATE: "k:0-1=on"}, "kvq.kv_rotate does not fit its 3 layers"),
     ({gguf_metadata.KEY_CLIP: "k:*=1.5"}, "not a clip ratio in (0, 1]"),
     ({gguf_metadata.KEY_CLIP: "k:0-1=0.9"}, "kvq.kv_clip does not fit its 3 layers"),
     ({gguf_metadata.KEY_LAYERS: "k:0-3=kivi2;v:*=kivi2"}, "does not fit its 3 layers"),

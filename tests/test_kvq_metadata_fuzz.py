@@ -154,7 +154,7 @@ def schema_accepts(key: str, v: Value) -> bool:
         return False
     whole = v.vtype in WHOLE
     if key == gguf_metadata.KEY_VERSION:
-        return whole and v.value in (1, 2)
+        return whole and v.value in gguf_metadata.READ_VERSIONS
     if key == gguf_metadata.KEY_LAYERS:
         return v.vtype == T.STRING and spec_parses(v.value.split("\x00")[0])  # type: ignore[union-attr]
     if key == gguf_metadata.KEY_CLIP:
@@ -205,7 +205,7 @@ def native_settings(key: str, v: Value) -> Native:
     """What llama.cpp's cache takes from a model holding ``key`` = ``v``; ValueError when it must refuse the model."""
     if not loadable(v):
         raise ValueError("llama.cpp cannot load an array of arrays")
-    if key == gguf_metadata.KEY_VERSION and native_text(v) not in ("1", "2"):
+    if key == gguf_metadata.KEY_VERSION and native_text(v) not in {str(n) for n in gguf_metadata.READ_VERSIONS}:
         raise ValueError("version")
     if key == gguf_metadata.KEY_WINDOW:
         return Native(window=native_count(key, native_text(v)))

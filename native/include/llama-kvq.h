@@ -25,7 +25,8 @@ LLAMA_API enum ggml_type llama_kvq_cache_type(size_t i);
 struct llama_kvq_params {
     int32_t window;   // W: the most recent tokens kept (and attended) in fp16, default 128
     int32_t n_sink;   // S: the first tokens of a sequence kept in fp16 for good, default 0
-    bool    rotate;   // apply upstream's Hadamard rotation to kivi K/V (mixes channels), default false
+    bool    rotate;   // apply upstream's Hadamard rotation to kivi K/V (mixes channels), default false; what the
+                      // kivi layers do when neither llama_kvq_set_rotation nor the model's kvq.kv_rotate says
     int32_t n_rollback; // extra fp16 ring cells: the last n_rollback tokens of a sequence can be removed exactly
                         // (speculative decoding, regeneration), default 0
     // MiniKV's selection (off: both 0): a prompt decoded into an empty sequence keeps, per layer and KV head, only
@@ -56,7 +57,7 @@ LLAMA_API struct llama_kvq_params llama_kvq_get_params(void);
 LLAMA_API const char *            llama_kvq_last_error(void);
 
 // One setting by name, as the tools' command lines give it: "window", "sinks" and "rollback" take a count,
-// "rotate" takes on/off, "layers" a per-layer spec (llama_kvq_set_layer_types), "clip" a per-layer clip spec
+// "rotate" a rotation spec (llama_kvq_set_rotation), "layers" a per-layer spec (llama_kvq_set_layer_types), "clip" a per-layer clip spec
 // (llama_kvq_set_clip), "type_swa" a type name
 // (llama_kvq_set_swa_types). Returns false (see llama_kvq_last_error) for an unknown name or a bad value.
 LLAMA_API bool llama_kvq_set_param(const char * name, const char * value);
@@ -97,6 +98,20 @@ LLAMA_API const char * llama_kvq_get_clip(void);   // valid until the next llama
 // A clip spec resolved for n_layer layers into clip_k[n_layer] and clip_v[n_layer]; false (see
 // llama_kvq_last_error) when it does not parse or does not fit the layers.
 LLAMA_API bool llama_kvq_resolve_clip(const char * spec, int32_t n_layer, float * clip_k, float * clip_v);
+
+// Upstream's Hadamard rotation of K and V, per kivi layer, for KV caches created afterwards (it spreads outlier
+// channels over the rest: it helps some layers of some models and hurts others, pykvq calibrate measures which):
+// "on" or "off" for every layer, or the per-layer spec form with on/off values, e.g. "k:*=on;v:0-3=off,4-=on" (a part
+// left out: off). "" (or NULL): no spec, a model's "kvq.kv_rotate" metadata applies if it has one, else
+// llama_kvq_params.rotate. Layers of other types rotate as upstream's do: when their type is quantized. Returns
+// false (see llama_kvq_last_error) when the spec does not parse. Also "rotate" in llama_kvq_set_param.
+LLAMA_API bool         llama_kvq_set_rotation(const char * spec);
+LLAMA_API const char * llama_kvq_get_rotation(void);   // valid until the next llama_kvq_set_rotation
+
+// A rotation spec resolved for n_layer layers into rotate_k[n_layer] and rotate_v[n_layer] ("": fallback
+// everywhere); false (see llama_kvq_last_error) when it does not parse or does not fit the layers.
+LLAMA_API bool llama_kvq_resolve_rotation(const char * spec, int32_t n_layer, bool fallback, bool * rotate_k,
+                                          bool * rotate_v);
 
 // What a context's KV cache holds and costs. bytes: all of its buffers (scales, fp16 window and sinks and
 // alignment included); f16_bytes: what f16 K and V for the same cells and layers would take.

@@ -51,11 +51,11 @@ static size_t kvq_plain_part_offset(const ggml_tensor * t, uint32_t part, bool i
 // a per-layer spec of the model's own (pykvq calibrate writes them), "" when it has none; `flag` overrides it
 static std::string kvq_model_spec(const llama_model & model, const char * key, const char * flag) {
     char buf[4096];
-    // version 2 added kvq.kv_clip; version 1 files are read as they are
+    // version 2 added kvq.kv_clip, 3 kvq.kv_rotate; older files are read as they are
     if (llama_model_meta_val_str(&model, "kvq.version", buf, sizeof(buf)) >= 0 && std::string(buf) != "1" &&
-        std::string(buf) != "2") {
+        std::string(buf) != "2" && std::string(buf) != "3") {
         throw std::runtime_error(std::string("the model's kvq.* metadata is version ") + buf +
-                                 "; this pykvq reads versions 1 and 2 (" + flag + " none ignores it)");
+                                 "; this pykvq reads versions 1 to 3 (" + flag + " none ignores it)");
     }
     const int32_t n = llama_model_meta_val_str(&model, key, buf, sizeof(buf));
     if (n >= (int32_t) sizeof(buf)) {
@@ -98,12 +98,14 @@ static kvq_layer_plan kvq_plan_layers(const llama_model & model, uint32_t n_laye
     return plan;
 }
 
-// SKVQ's clip ratio of every layer's K and V: --kv-clip (llama_kvq_set_clip), else the model's kvq.kv_clip, else 1
-static llama_kvq_layer_clips kvq_plan_clips(const llama_model & model, uint32_t n_layer, std::string & spec) {
-    const kvq_spec_source given = kvq_spec_for(model, llama_kvq_clip_spec(), "kvq.kv_clip", "--kv-clip");
+// A per-layer setting: the command line's spec, else the model's; `spec` says which applies ("" when neither)
+template <typename Resolve>
+static auto kvq_plan_setting(const llama_model & model, const std::string & given_spec, const char * key,
+                             const char * flag, std::string & spec, Resolve resolve) {
+    const kvq_spec_source given = kvq_spec_for(model, given_spec, key, flag);
     spec = given.spec == "none" ? "" : given.spec;
     try {
-        return llama_kvq_resolve_clip_spec(given.spec, (int32_t) n_layer);
+        return resolve(given.spec);
     } catch (const std::invalid_argument & err) {
         throw std::runtime_error(given.source + ": " + err.what());
     }
@@ -218,8 +220,14 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
     const std::string & source = plan.source;
     kvq_types_k = std::move(plan.types.k);
     kvq_types_v = std::move(plan.types.v);
+    const int32_t n_layer = (int32_t) hparams.n_layer_all;
     std::string clip_spec;
-    kvq_clips = kvq_plan_clips(model, hparams.n_layer_all, clip_spec);
+    kvq_clips = kvq_plan_setting(model, llama_kvq_clip_spec(), "kvq.kv_clip", "--kv-clip", clip_spec,
+            [n_layer](const std::string & s) { return llama_kvq_resolve_clip_spec(s, n_layer); });
+    std::string rotation_spec;
+    kvq_rotation = kvq_plan_setting(model, llama_kvq_rotation_spec(), "kvq.kv_rotate", "--kv-rotate", rotation_spec,
+            [n_layer, this](const std::string & s) { return llama_kvq_resolve_rotation_spec(s, n_layer, kvq_params.rotate); });
+    kvq_rotated = { std::vector<bool>(n_layer, false), std::vector<bool>(n_layer, false) };
 
     bool any_kivi = false;
     for (uint32_t il = 0; il < kvq_types_k.size(); ++il) {
@@ -261,8 +269,11 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
     if (other != nullptr) {
         throw std::runtime_error("KV cache " + types + ": kivi types do not support a cache that shares another's cells yet");
     }
+    if (rotation_spec.empty()) {
+        rotation_spec = kvq_params.rotate ? "on" : "off";
+    }
     LLAMA_LOG_INFO("%s: kivi %sKV cache: window = %d, sinks = %d, rollback = %d, rotation = %s, %u %s of %u cells%s%s%s%s\n",
-            __func__, n_swa != 0 ? "sliding-window " : "", kvq_params.window, kvq_params.n_sink, kvq_params.n_rollback, kvq_params.rotate ? "on" : "off",
+            __func__, n_swa != 0 ? "sliding-window " : "", kvq_params.window, kvq_params.n_sink, kvq_params.n_rollback, rotation_spec.c_str(),
             kvq_n_part, unified ? "sequence regions" : "sequence streams", kvq_part_cells,
             spec.empty() || spec == "none" ? "" : ", layer types = ", spec == "none" ? "" : spec.c_str(),
             clip_spec.empty() ? "" : ", clip = ", clip_spec.c_str());
@@ -660,10 +671,11 @@ void llama_kv_cache::kvq_copy_parts(const stream_copy_info & copies) const {
     }
 }
 
-// Upstream rotates K (V) when its cache type is quantized. With per-layer types the layers decide: a cache with kivi
-// layers rotates as the kivi setting says, any other when one of its layers is quantized. Caches of the same layer
-// types then rotate alike, which upstream's state format, recording no rotation, relies on.
-bool llama_kv_cache::kvq_rotates(const std::vector<ggml_type> & types) const {
+// Upstream rotates K (V) when its cache type is quantized, every layer alike. In a cache with kivi layers each layer
+// decides: a kivi layer as the rotation setting says for it, any other as upstream would, when its type is quantized.
+// `rotated` gets what each layer of this cache rotates; whether any does.
+bool llama_kv_cache::kvq_rotates(const std::vector<ggml_type> & types, const std::vector<bool> & setting,
+                                 std::vector<bool> & rotated) const {
     bool any_kivi      = false;
     bool any_quantized = false;
     // the layers this cache holds: the two caches of an iSWA model may be of different types
@@ -672,7 +684,23 @@ bool llama_kv_cache::kvq_rotates(const std::vector<ggml_type> & types) const {
         any_kivi      = any_kivi || ggml_kvq_is_kivi(type);
         any_quantized = any_quantized || ggml_is_quantized(type);
     }
-    return any_kivi ? kvq_params.rotate : any_quantized;
+    bool any = false;
+    for (const kv_layer & layer : layers) {
+        const ggml_type type = types[layer.il];
+        rotated[layer.il] = ggml_kvq_is_kivi(type) ? setting[layer.il] : any_kivi ? ggml_is_quantized(type) : any_quantized;
+        any = any || rotated[layer.il];
+    }
+    return any;
+}
+
+// whether layer il's K (V) is rotated; a layer that reads another's cache (shared KV) was turned as that one
+bool llama_kv_cache::kvq_layer_rotated(int32_t il, bool v) const {
+    const int32_t owner = layers[map_layer_ids.at(il)].il;
+    return v ? attn_rot_v && kvq_rotated.v[owner] : attn_rot_k && kvq_rotated.k[owner];
+}
+
+ggml_tensor * llama_kv_cache::kvq_layer_rot(ggml_tensor * rot, int32_t il, bool v) const {
+    return rot != nullptr && kvq_layer_rotated(il, v) ? rot : nullptr;
 }
 
 bool llama_kv_cache::kvq_active() const {
@@ -687,9 +715,10 @@ bool llama_kv_cache::kvq_active() const {
 // Saved state of a kivi cache, after upstream's cell metadata: every setting that changes what the bytes mean
 // (checked on load: data of another type, window or sink count would be read into the wrong layout, rotated
 // codes would be read as plain ones), then per layer the sealed K tiles, the V rows and the fp16 sinks and ring.
-static constexpr uint32_t KVQ_STATE_MAGIC    = 0x3351564b; // "KVQ3"
+static constexpr uint32_t KVQ_STATE_MAGIC    = 0x3451564b; // "KVQ4"
 static constexpr uint32_t KVQ_STATE_MAGIC_V1 = 0x3151564b; // "KVQ1": before the rotation was recorded
 static constexpr uint32_t KVQ_STATE_MAGIC_V2 = 0x3251564b; // "KVQ2": the rotation setting, not what was rotated
+static constexpr uint32_t KVQ_STATE_MAGIC_V3 = 0x3351564b; // "KVQ3": what the whole cache rotates, not each layer
 
 struct kvq_state_header {
     uint32_t magic;
@@ -698,13 +727,18 @@ struct kvq_state_header {
     int32_t  n_sink;
     int64_t  n_fp16;
     uint32_t n_cells;
-    int32_t  rotate;   // KVQ_ROT_K | KVQ_ROT_V: what the cache rotates, whatever made it (type or setting)
+    int32_t  rotate;   // KVQ_ROT_K | KVQ_ROT_V: what any layer rotates, whatever made it (type or setting); then
+                       // per layer its K and V type ids and (from KVQ4) what it rotates
 };
 
 enum { KVQ_ROT_K = 1, KVQ_ROT_V = 2 };
 
-static int32_t kvq_rotation(bool rot_k, bool rot_v) {
+static int32_t kvq_rotation_bits(bool rot_k, bool rot_v) {
     return (rot_k ? KVQ_ROT_K : 0) | (rot_v ? KVQ_ROT_V : 0);
+}
+
+int32_t llama_kv_cache::kvq_layer_rotation(int32_t il) const {
+    return kvq_rotation_bits(kvq_layer_rotated(il, false), kvq_layer_rotated(il, true));
 }
 
 static std::string kvq_rotation_text(int32_t rotate) {
@@ -715,10 +749,10 @@ static std::string kvq_rotation_text(int32_t rotate) {
 // one block per saved part: its first n_cells cells
 void llama_kv_cache::kvq_state_write_part(llama_io_write_i & io, uint32_t part, uint32_t n_cells) const {
     const kvq_state_header header = { KVQ_STATE_MAGIC, (uint32_t) layers.size(), kvq_params.window, kvq_params.n_sink,
-                                      kvq_n_fp16(layers), n_cells, kvq_rotation(attn_rot_k, attn_rot_v) };
+                                      kvq_n_fp16(layers), n_cells, kvq_rotation_bits(attn_rot_k, attn_rot_v) };
     io.write(&header, sizeof(header));
     for (const kv_layer & layer : layers) {
-        const int32_t types[2] = { (int32_t) layer.k->type, (int32_t) layer.v->type };
+        const int32_t types[3] = { (int32_t) layer.k->type, (int32_t) layer.v->type, kvq_layer_rotation(layer.il) };
         io.write(types, sizeof(types));
         if (layer.k_fp16 == nullptr) {
             // a layer of another type (per-layer types): the part's rows, one per cell
@@ -878,6 +912,11 @@ bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, ui
         std::vector<uint32_t> & from, std::vector<uint32_t> & to, uint32_t & part, uint32_t & n_cells) {
     kvq_state_header header = {};
     io.read(&header, sizeof(header));
+    // KVQ3 rotated every layer as its header says
+    const bool per_layer_rotation = header.magic != KVQ_STATE_MAGIC_V3;
+    if (!per_layer_rotation) {
+        header.magic = KVQ_STATE_MAGIC;
+    }
     if (header.magic == KVQ_STATE_MAGIC_V1 || header.magic == KVQ_STATE_MAGIC_V2) {
         return kvq_state_fail("it was saved by an older pykvq (kivi state format " +
                               std::string(header.magic == KVQ_STATE_MAGIC_V1 ? "1" : "2") +
@@ -887,7 +926,7 @@ bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, ui
         return kvq_state_fail("it was not saved from a kivi KV cache");
     }
     const int64_t n_fp16 = kvq_n_fp16(layers);
-    const int32_t rotate = kvq_rotation(attn_rot_k, attn_rot_v);
+    const int32_t rotate = kvq_rotation_bits(attn_rot_k, attn_rot_v);
     if (header.n_layer != layers.size() || header.window != kvq_params.window || header.n_sink != kvq_params.n_sink ||
         header.n_fp16 != n_fp16 || header.rotate != rotate) {
         return kvq_state_fail("it was saved with " + std::to_string(header.n_layer) + " layers, window " +
@@ -921,12 +960,17 @@ bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, ui
         to.push_back(cell);
     }
     for (const kv_layer & layer : layers) {
-        int32_t types[2];
-        io.read(types, sizeof(types));
+        int32_t types[3] = { 0, 0, header.rotate };
+        io.read(types, per_layer_rotation ? sizeof(types) : 2*sizeof(int32_t));
         if (types[0] != (int32_t) layer.k->type || types[1] != (int32_t) layer.v->type) {
             return kvq_state_fail("layer " + std::to_string(layer.il) + " was saved as " +
                                   kvq_saved_type_name(types[0]) + "/" + kvq_saved_type_name(types[1]) + ", this cache holds " +
                                   kvq_types_text(layer.k->type, layer.v->type));
+        }
+        if (types[2] != kvq_layer_rotation(layer.il)) {
+            return kvq_state_fail("layer " + std::to_string(layer.il) + " was saved with rotation " +
+                                  kvq_rotation_text(types[2]) + ", this cache's is " +
+                                  kvq_rotation_text(kvq_layer_rotation(layer.il)));
         }
         if (layer.k_fp16 == nullptr) {
             for (ggml_tensor * t : { layer.k, layer.v }) {

@@ -1,9 +1,9 @@
-// Per-layer KV cache settings: the spec language of --kv-layers and llama_kvq_set_layer_types, for types, and of
-// --kv-clip and llama_kvq_set_clip, for clip ratios.
+// Per-layer KV cache settings: the spec language of --kv-layers and llama_kvq_set_layer_types, for types, of
+// --kv-clip and llama_kvq_set_clip, for clip ratios, and of --kv-rotate and llama_kvq_set_rotation, for rotation.
 //
 //   spec    := "asymkv:" L_K "/" L_V | part (";" part)*      (asymkv: types only)
 //   part    := ("k" | "v") ":" rule ("," rule)*
-//   rule    := range "=" VALUE                               (a type name, or a ratio in (0, 1])
+//   rule    := range "=" VALUE                     (a type name, a ratio in (0, 1], or on/off)
 //   range   := "*" | N | N "-" | N "-" M            (layers, inclusive; "N-" runs to the last layer)
 //
 // asymkv:L_K/L_V is AsymKV's notation: K is kivi2 in the first L_K layers and kivi1 after, V likewise.
@@ -115,8 +115,33 @@ float kvq_parse_clip(const std::string & value, const std::string & where) {
     return v;
 }
 
-const kvq_values<ggml_type> kvq_types = { "TYPE",  "type",  "layer types", "0-15=kivi2", true,  kvq_parse_type };
-const kvq_values<float>     kvq_clips = { "RATIO", "ratio", "clip ratios", "0-15=0.9",   false, kvq_parse_clip };
+bool kvq_parse_on_off(const std::string & value, const std::string & where) {
+    if (value != "on" && value != "off") {
+        kvq_fail(where, "'" + value + "' is not on or off");
+    }
+    return value == "on";
+}
+
+const kvq_values<ggml_type> kvq_types    = { "TYPE",   "type",     "layer types", "0-15=kivi2", true,  kvq_parse_type };
+const kvq_values<float>     kvq_clips    = { "RATIO",  "ratio",    "clip ratios", "0-15=0.9",   false, kvq_parse_clip };
+const kvq_values<bool>      kvq_switches = { "on|off", "rotation", "rotation",    "0-15=on",    false, kvq_parse_on_off };
+
+// a rotation spec that sets every layer alike: on/off as the switches of the tools take them
+bool kvq_rotation_everywhere(const std::string & spec, bool & on) {
+    for (const char * word : { "on", "1", "true", "yes" }) {
+        if (spec == word) {
+            on = true;
+            return true;
+        }
+    }
+    for (const char * word : { "off", "0", "false", "no", "none" }) {
+        if (spec == word) {
+            on = false;
+            return true;
+        }
+    }
+    return false;
+}
 
 template <typename T>
 kvq_rule kvq_parse_rule(const std::string & text, const kvq_values<T> & values) {
@@ -272,6 +297,33 @@ llama_kvq_layer_clips llama_kvq_resolve_clip_spec(const std::string & spec, int3
                  kvq_resolve_part(parsed.v, "v", n_layer, 1.0f, kvq_clips) };
     } catch (const std::invalid_argument & err) {
         kvq_fail_spec(spec, kvq_clips.label, err);
+    }
+}
+
+void llama_kvq_check_rotation_spec(const std::string & spec) {
+    bool on;
+    if (spec.empty() || kvq_rotation_everywhere(spec, on)) {
+        return;
+    }
+    if (spec.find(':') == std::string::npos) {
+        throw std::invalid_argument("rotation '" + spec + "' is neither on/off nor a per-layer spec (valid: on, off, " +
+                                    "or per layer, e.g. k:*=on;v:0-3=off,4-=on)");
+    }
+    kvq_check(spec, kvq_switches);
+}
+
+llama_kvq_layer_rotation llama_kvq_resolve_rotation_spec(const std::string & spec, int32_t n_layer, bool fallback) {
+    bool on = fallback;
+    if (spec.empty() || kvq_rotation_everywhere(spec, on)) {
+        return { std::vector<bool>(n_layer, on), std::vector<bool>(n_layer, on) };
+    }
+    llama_kvq_check_rotation_spec(spec);
+    try {
+        const kvq_spec parsed = kvq_parse(spec, kvq_switches);
+        return { kvq_resolve_part(parsed.k, "k", n_layer, false, kvq_switches),
+                 kvq_resolve_part(parsed.v, "v", n_layer, false, kvq_switches) };
+    } catch (const std::invalid_argument & err) {
+        kvq_fail_spec(spec, kvq_switches.label, err);
     }
 }
 

@@ -1,4 +1,4 @@
-// Per-layer KV cache types and clip ratios (llama-kvq-layers.cpp has the spec language).
+// Per-layer KV cache types, clip ratios and rotation (llama-kvq-layers.cpp has the spec language).
 #pragma once
 
 #include "ggml.h"
@@ -38,3 +38,17 @@ llama_kvq_layer_clips llama_kvq_resolve_clip_spec(const std::string & spec, int3
 
 // the process-wide spec set with llama_kvq_set_clip ("" when none)
 std::string llama_kvq_clip_spec(void);
+
+// whether upstream's Hadamard rotation turns each layer's K and V
+struct llama_kvq_layer_rotation {
+    std::vector<bool> k;
+    std::vector<bool> v;
+};
+
+// "on", "off" (or "none") for every layer, or the per-layer form with on/off values, a part left out off; ""
+// (no setting) is `fallback` everywhere
+void                     llama_kvq_check_rotation_spec(const std::string & spec);
+llama_kvq_layer_rotation llama_kvq_resolve_rotation_spec(const std::string & spec, int32_t n_layer, bool fallback);
+
+// the process-wide spec set with llama_kvq_set_rotation ("" when none)
+std::string llama_kvq_rotation_spec(void);

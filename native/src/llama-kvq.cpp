@@ -26,6 +26,8 @@ static std::string      kvq_layer_spec;
 static std::string      kvq_layer_spec_out;   // what llama_kvq_get_layer_types hands out
 static std::string      kvq_clip_spec;
 static std::string      kvq_clip_spec_out;    // what llama_kvq_get_clip hands out
+static std::string      kvq_rotation_spec;
+static std::string      kvq_rotation_spec_out; // what llama_kvq_get_rotation hands out
 static ggml_type        kvq_swa_type_k = GGML_TYPE_COUNT;
 static ggml_type        kvq_swa_type_v = GGML_TYPE_COUNT;
 
@@ -81,22 +83,6 @@ static bool kvq_parse_count(const char * value, int32_t & out) {
     return true;
 }
 
-static bool kvq_parse_switch(const char * value, bool & out) {
-    for (const char * on : { "on", "1", "true", "yes" }) {
-        if (std::strcmp(value, on) == 0) {
-            out = true;
-            return true;
-        }
-    }
-    for (const char * off : { "off", "0", "false", "no" }) {
-        if (std::strcmp(value, off) == 0) {
-            out = false;
-            return true;
-        }
-    }
-    return false;
-}
-
 bool llama_kvq_set_swa_types(enum ggml_type type_k, enum ggml_type type_v) {
     std::lock_guard<std::mutex> lock(kvq_params_mutex);
     for (const ggml_type type : { type_k, type_v }) {
@@ -141,7 +127,7 @@ bool llama_kvq_set_param(const char * name, const char * value) {
     } else if (std::strcmp(name, "rollback") == 0) {
         ok = kvq_parse_count(value, params.n_rollback);
     } else if (std::strcmp(name, "rotate") == 0) {
-        ok = kvq_parse_switch(value, params.rotate);
+        return llama_kvq_set_rotation(value);
     } else if (std::strcmp(name, "select") == 0) {
         ok = llama_kvq_parse_select(value, params.select_hh, params.select_recent, params.select_observe);
     } else if (std::strcmp(name, "layers") == 0) {
@@ -158,8 +144,7 @@ bool llama_kvq_set_param(const char * name, const char * value) {
     if (!ok) {
         std::lock_guard<std::mutex> lock(kvq_params_mutex);
         kvq_error = std::string("invalid value '") + value + "' for kivi setting " + name +
-                    (std::strcmp(name, "rotate") == 0   ? " (valid: on, off)" :
-                     std::strcmp(name, "select") == 0   ? " (HH,RW[,N]: the heavy-hitter and recent shares of the prompt "
+                    (std::strcmp(name, "select") == 0   ? " (HH,RW[,N]: the heavy-hitter and recent shares of the prompt "
                                                           "and the observation window, e.g. 0.25,0.25 or 0.25,0.25,32, "
                                                           "or off)" :
                                                           " (a whole number of tokens)");
@@ -233,6 +218,32 @@ const char * llama_kvq_get_clip(void) {
 std::string llama_kvq_clip_spec(void) {
     std::lock_guard<std::mutex> lock(kvq_params_mutex);
     return kvq_clip_spec;
+}
+
+bool llama_kvq_set_rotation(const char * spec) {
+    return kvq_set_spec(spec, llama_kvq_check_rotation_spec, kvq_rotation_spec);
+}
+
+const char * llama_kvq_get_rotation(void) {
+    return kvq_get_spec(kvq_rotation_spec, kvq_rotation_spec_out);
+}
+
+std::string llama_kvq_rotation_spec(void) {
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    return kvq_rotation_spec;
+}
+
+bool llama_kvq_resolve_rotation(const char * spec, int32_t n_layer, bool fallback, bool * rotate_k, bool * rotate_v) {
+    try {
+        const llama_kvq_layer_rotation rotation = llama_kvq_resolve_rotation_spec(spec ? spec : "", n_layer, fallback);
+        std::copy(rotation.k.begin(), rotation.k.end(), rotate_k);
+        std::copy(rotation.v.begin(), rotation.v.end(), rotate_v);
+    } catch (const std::invalid_argument & err) {
+        std::lock_guard<std::mutex> lock(kvq_params_mutex);
+        kvq_error = err.what();
+        return false;
+    }
+    return true;
 }
 
 bool llama_kvq_resolve_clip(const char * spec, int32_t n_layer, float * clip_k, float * clip_v) {

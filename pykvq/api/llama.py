@@ -64,13 +64,15 @@ class KvConfig:
     the default); the prompt must be decoded in one call that fits one ubatch (n_ubatch), and every layer must be
     kivi; None: the model's kvq.select (a prompt it cannot take is kept whole), ``kv_types.SELECT_OFF``: none.
     ``clip``: SKVQ's clipped quantization, per-layer ratios in the ``layers`` form (``"k:*=0.9;v:*=0.85"``); None
-    lets a model's kvq.kv_clip metadata apply, ``"none"`` ignores it."""
+    lets a model's kvq.kv_clip metadata apply, ``"none"`` ignores it. ``rotate``: upstream's Hadamard rotation of the
+    kivi layers, True/False for all, or per layer in the ``layers`` form with on/off (``"k:*=on;v:0-3=off,4-=on"``);
+    None lets a model's kvq.kv_rotate apply, else off."""
 
     type_k: str = "f16"
     type_v: str = "f16"
     window: int | None = None
     sinks: int | None = None
-    rotate: bool | None = None
+    rotate: bool | str | None = None
     layers: str | None = None
     rollback: int | None = None
     type_swa: str | None = None
@@ -81,6 +83,13 @@ class KvConfig:
     def preset(cls, name: str, **settings) -> KvConfig:
         """K and V of one type, e.g. ``KvConfig.preset("kivi2", window=64)``."""
         return cls(name, name, **settings)
+
+    @property
+    def rotation_spec(self) -> str:
+        """``rotate`` as the C API's rotation spec: "" lets the model's kvq.kv_rotate apply."""
+        if isinstance(self.rotate, bool):
+            return "on" if self.rotate else "off"
+        return self.rotate or ""
 
     @property
     def is_kivi(self) -> bool:
@@ -103,7 +112,7 @@ class KvConfig:
         return native.KvqParams(
             native.KVQ_FROM_MODEL if self.window is None else self.window,
             native.KVQ_FROM_MODEL if self.sinks is None else self.sinks,
-            defaults.rotate if self.rotate is None else self.rotate,
+            self.rotate if isinstance(self.rotate, bool) else defaults.rotate,
             defaults.n_rollback if self.rollback is None else self.rollback,
             select_hh, select_recent, observe)
 
@@ -214,17 +223,19 @@ def kvq_params_applied(kv: KvConfig) -> Iterator[None]:
     """Hold ``kv``'s kivi settings in the C API while a context is created in this block."""
     with _context_lock:
         previous, previous_layers, previous_swa = native.kvq_params(), native.kvq_layer_types(), native.swa_types()
-        previous_clip = native.kvq_clip()
+        previous_clip, previous_rotation = native.kvq_clip(), native.kvq_rotation()
         try:
             native.set_kvq_params(kv.kvq_params())
             native.set_kvq_layer_types(kv.layers or "")
             native.set_kvq_clip(kv.clip or "")
+            native.set_kvq_rotation(kv.rotation_spec)
             native.set_swa_type_name(kv.type_swa)
             yield
         finally:
             native.set_kvq_params(previous)
             native.set_kvq_layer_types(previous_layers)
             native.set_kvq_clip(previous_clip)
+            native.set_kvq_rotation(previous_rotation)
             native.set_swa_types(*previous_swa)
 
 

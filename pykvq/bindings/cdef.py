@@ -193,6 +193,10 @@ LLAMA_CDEF = """
     bool llama_kvq_set_clip(const char * spec);
     const char * llama_kvq_get_clip(void);
     bool llama_kvq_resolve_clip(const char * spec, int32_t n_layer, float * clip_k, float * clip_v);
+    bool llama_kvq_set_rotation(const char * spec);
+    const char * llama_kvq_get_rotation(void);
+    bool llama_kvq_resolve_rotation(const char * spec, int32_t n_layer, bool fallback, bool * rotate_k,
+                                    bool * rotate_v);
     bool llama_kvq_resolve_layer_types(const char * spec, int32_t n_layer, int type_k, int type_v, int * types_k,
                                        int * types_v);
     struct llama_kvq_params llama_kvq_get_params(void);

@@ -220,6 +220,12 @@ def set_kvq_params(params: KvqParams) -> None:
         raise ValueError(lib.ffi.string(lib.llama.llama_kvq_last_error()).decode())
 
 
+def _set_spec(setter, spec: str) -> None:
+    lib = libs()
+    if not setter(spec.encode()):
+        raise ValueError(_str(lib.llama.llama_kvq_last_error()))
+
+
 def kvq_layer_types() -> str:
     """The process-wide per-layer spec ("" when none: a model's kvq.kv_layers applies)."""
     return _str(libs().llama.llama_kvq_get_layer_types())
@@ -227,9 +233,7 @@ def kvq_layer_types() -> str:
 
 def set_kvq_layer_types(spec: str) -> None:
     """Set the process-wide per-layer spec; ValueError naming the offending part when it does not parse."""
-    lib = libs()
-    if not lib.llama.llama_kvq_set_layer_types(spec.encode()):
-        raise ValueError(_str(lib.llama.llama_kvq_last_error()))
+    _set_spec(libs().llama.llama_kvq_set_layer_types, spec)
 
 
 def kvq_clip() -> str:
@@ -240,9 +244,7 @@ def kvq_clip() -> str:
 def set_kvq_clip(spec: str) -> None:
     """Set the process-wide clip spec (SKVQ's per-layer clip ratios); ValueError naming the offending part when it
     does not parse."""
-    lib = libs()
-    if not lib.llama.llama_kvq_set_clip(spec.encode()):
-        raise ValueError(_str(lib.llama.llama_kvq_last_error()))
+    _set_spec(libs().llama.llama_kvq_set_clip, spec)
 
 
 def resolve_clip(spec: str, n_layer: int) -> tuple[list[float], list[float]]:
@@ -253,6 +255,27 @@ def resolve_clip(spec: str, n_layer: int) -> tuple[list[float], list[float]]:
     if not lib.llama.llama_kvq_resolve_clip(spec.encode(), n_layer, clip_k, clip_v):
         raise ValueError(_str(lib.llama.llama_kvq_last_error()))
     return list(clip_k), list(clip_v)
+
+
+def kvq_rotation() -> str:
+    """The process-wide rotation spec ("" when none: a model's kvq.kv_rotate applies, else the params' rotate)."""
+    return _str(libs().llama.llama_kvq_get_rotation())
+
+
+def set_kvq_rotation(spec: str) -> None:
+    """Set the process-wide rotation spec (on, off, or per layer); ValueError naming the offending part."""
+    _set_spec(libs().llama.llama_kvq_set_rotation, spec)
+
+
+def resolve_rotation(spec: str, n_layer: int, fallback: bool = False) -> tuple[list[bool], list[bool]]:
+    """Whether each layer's K and V are rotated under a rotation spec ("": ``fallback``); ValueError naming the
+    offending part."""
+    lib = libs()
+    rotate_k = lib.ffi.new("bool[]", n_layer)
+    rotate_v = lib.ffi.new("bool[]", n_layer)
+    if not lib.llama.llama_kvq_resolve_rotation(spec.encode(), n_layer, fallback, rotate_k, rotate_v):
+        raise ValueError(_str(lib.llama.llama_kvq_last_error()))
+    return list(rotate_k), list(rotate_v)
 
 
 def swa_types() -> tuple[int, int]:

@@ -16,6 +16,17 @@ def switch(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
 
 
+def rotation(text: str) -> bool | str:
+    """--kv-rotate: on/off for every kivi layer, or a per-layer spec (checked where the cache takes it)."""
+    try:
+        return switch(text)
+    except argparse.ArgumentTypeError:
+        if ":" not in text:
+            raise argparse.ArgumentTypeError(f"expected on, off or a per-layer spec such as 'k:*=on;v:0-3=off,4-=on', "
+                                             f"got {text!r}") from None
+        return text
+
+
 def selection(text: str) -> kv_types.Selection:
     """--kv-select's HH,RW[,N]."""
     try:

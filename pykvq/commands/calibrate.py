@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pykvq import attention_sensitivity, clip_calibration, gguf_metadata, kv_types
+from pykvq import attention_sensitivity, clip_calibration, gguf_metadata, kv_types, rotation
 from pykvq.allocation import BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, format_allocation, refine
 from pykvq.attention_sensitivity import WidthErrors
 from pykvq.api.capture import AttentionCapture, TensorObserver
@@ -44,6 +44,7 @@ class Probe:
     sinks: int
     threads: int
     clip: str = "none"      # SKVQ's clip ratios while measuring, the --kv-clip form
+    rotate: str = "off"     # the Hadamard rotation while measuring, the --kv-rotate form
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -79,12 +80,27 @@ class Calibrator:
         with self.model.context(config) as ctx:
             return log_softmax(ctx.eval(self.tokens, all_logits=True))
 
-    def kld(self, layers: str, sinks: int | None = None, clip: str | None = None) -> float:
-        """KL divergence against f16 KV of a per-layer mix, with the probe's sinks and clip ratios or those given."""
+    def kld(self, layers: str, sinks: int | None = None, clip: str | None = None, rotate: str | None = None) -> float:
+        """KL divergence against f16 KV of a per-layer mix, with the probe's sinks, clip ratios and rotation or
+        those given."""
         # a copy calibrated again keeps its kvq.select out of the measurement (one whole prompt either way)
         kv = KvConfig(REFERENCE, REFERENCE, self.probe.window, self.probe.sinks if sinks is None else sinks,
-                      layers=layers, clip=self.probe.clip if clip is None else clip, select=kv_types.SELECT_OFF)
+                      rotate=self.probe.rotate if rotate is None else rotate, layers=layers,
+                      clip=self.probe.clip if clip is None else clip, select=kv_types.SELECT_OFF)
         return mean_kld(self.reference, self._log_probs(kv))
+
+    def layer_qkv(self, il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Layer il's captured Q, K and V as the cache takes them under the probe's rotation."""
+        rotate_k, rotate_v = native.resolve_rotation(self.probe.rotate, self.model.n_layer)
+        return rotation.rotated_layer(self.capture.layer, {"k": rotate_k, "v": rotate_v})(il)
+
+    def rotation_klds(self) -> dict[str, float]:
+        """KL divergence of kivi2 everywhere (the probe's clip ratios) without rotation, with the per-layer rotation
+        of least attention-output error (pykvq.rotation), and with every layer rotated."""
+        with tqdm(total=self.model.n_layer, unit="layer", desc="rotation") as progress:
+            per_layer = rotation.per_layer_rotation(self.capture.layer, self.model.n_layer, self.probe.window,
+                                                    self.probe.sinks, progress.update)
+        return {spec: self.kld("none", rotate=spec) for spec in dict.fromkeys(("off", per_layer, "on"))}
 
     def sinks_klds(self, candidates: tuple[int, ...]) -> dict[int, float]:
         """KL divergence of kivi2 everywhere with each sinks count."""
@@ -93,7 +109,7 @@ class Calibrator:
     def per_layer_clip(self) -> str:
         """SKVQ's ratios per layer from the f16 run's Q, K and V (pykvq.clip_calibration)."""
         with tqdm(total=self.model.n_layer, unit="layer", desc="clip ratios") as progress:
-            return clip_calibration.per_layer_clip(self.capture.layer, self.model.n_layer, self.probe.window,
+            return clip_calibration.per_layer_clip(self.layer_qkv, self.model.n_layer, self.probe.window,
                                                    self.probe.sinks, progress=progress.update)
 
     def uniform_clip(self) -> tuple[str, dict[str, dict[float, float]]]:
@@ -118,7 +134,7 @@ class Calibrator:
         n_layer = self.model.n_layer
         k_clip, v_clip = native.resolve_clip(self.probe.clip, n_layer)
         with tqdm(total=n_layer, unit="layer", desc="attention errors") as progress:
-            return attention_sensitivity.width_errors(self.capture.layer, n_layer, self.probe.window, self.probe.sinks,
+            return attention_sensitivity.width_errors(self.layer_qkv, n_layer, self.probe.window, self.probe.sinks,
                                                       {"k": k_clip, "v": v_clip}, ratios, progress.update)
 
     def mix_kld(self, types: dict[tuple[str, int], str], widths: list[WidthErrors]) -> float:
@@ -215,6 +231,8 @@ def metadata(allocation: Allocation, clip: str, budget: float, sensitivities: li
     }
     if clip != "none":
         record[gguf_metadata.KEY_CLIP] = clip
+    if probe.rotate != "off":
+        record[gguf_metadata.KEY_ROTATE] = probe.rotate
     for part in PARTS:
         for name in PROBED:
             record[f"kvq.calibration.kld_{part}_{name}"] = [s.cost[name] for s in sensitivities if s.part == part]
@@ -232,10 +250,14 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_budget < min(BITS.values()):
         raise ValueError(f"--kv-budget {args.kv_budget:g} is below what any mix reaches (1 bit: kivi1 everywhere)")
     clip = "none" if args.kv_clip == "auto" else args.kv_clip
-    probe = Probe(args.ctx_size, args.kv_window, 0 if args.kv_sinks == "auto" else args.kv_sinks, args.threads, clip)
+    rotate = "off" if args.kv_rotate == "auto" else args.kv_rotate
+    probe = Probe(args.ctx_size, args.kv_window, 0 if args.kv_sinks == "auto" else args.kv_sinks, args.threads, clip,
+                  rotate)
     with Model(args.model) as model:
+        # refused before any measurement, naming the part
         if clip != "none":
-            native.resolve_clip(clip, model.n_layer)    # refused before any measurement, naming the part
+            native.resolve_clip(clip, model.n_layer)
+        native.resolve_rotation(rotate, model.n_layer)
         tokens = model.tokenize(args.file.read_text(encoding="utf-8", errors="replace"))[:probe.n_tokens]
         if len(tokens) < probe.n_tokens:
             raise ValueError(f"the calibration text has {len(tokens)} tokens; -c asks for {probe.n_tokens}")
@@ -245,6 +267,11 @@ def run(args: argparse.Namespace) -> int:
             probe = calibrator.probe = replace(probe, sinks=choose_sinks(klds))
             print("kivi2 everywhere, KL divergence against f16 KV by sinks: "
                   + ", ".join(f"{n}: {kld:.4f}" for n, kld in klds.items()) + f" -> {probe.sinks} sinks")
+        if args.kv_rotate == "auto":
+            klds = calibrator.rotation_klds()
+            probe = calibrator.probe = replace(probe, rotate=min(klds, key=klds.__getitem__))
+            print("kivi2 everywhere, KL divergence against f16 KV by rotation: "
+                  + ", ".join(f"{spec}: {kld:.4f}" for spec, kld in klds.items()) + f" -> --kv-rotate '{probe.rotate}'")
         if args.kv_clip == "auto":
             choice = calibrated_clip(calibrator)
             probe = calibrator.probe = replace(probe, clip=choice.chosen)
@@ -275,6 +302,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def rotation_choice(text: str) -> str:
+    """auto, or a --kv-rotate value as the spec the C API takes."""
+    if text == "auto":
+        return text
+    value = arguments.rotation(text)
+    return ("on" if value else "off") if isinstance(value, bool) else value
+
+
 def sinks_count(text: str) -> int | str:
     if text == "auto":
         return text
@@ -287,11 +322,11 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "calibrate", help="choose per-layer K/V widths for a bit budget and write them into a copy of the model",
         description="Chooses the kivi sinks count (the fewest within 2% of the best KL divergence against f16 "
-                    "KV) and SKVQ's clip ratios for K and V, finds how much each layer's K and V at 4 and at 1 "
-                    "bits, kivi2 elsewhere, changes the output's KL divergence (from the f16 run's attention, or "
-                    "measured), picks the widths with the least total for the budget, refines them by measuring "
-                    "mixes, and writes them as kvq.kv_layers, kvq.kv_clip and kvq.sinks into a copy of the model, "
-                    "which run then uses.")
+                    "KV), which layers' K and V to rotate and SKVQ's clip ratios for K and V, finds how much each "
+                    "layer's K and V at 4 and at 1 bits, kivi2 elsewhere, changes the output's KL divergence (from "
+                    "the f16 run's attention, or measured), picks the widths with the least total for the budget, "
+                    "refines them by measuring mixes, and writes them as kvq.kv_layers, kvq.kv_clip, kvq.kv_rotate "
+                    "and kvq.sinks into a copy of the model, which run then uses.")
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
     p.add_argument("-f", "--file", type=Path, required=True, help="calibration text")
     p.add_argument("-o", "--output", type=Path, required=True, help="the GGUF copy to write")
@@ -310,6 +345,11 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                         "text, and one ratio per part searched by that KL divergence, and keeps the lowest; or give a "
                         "--kv-clip spec or none (default %(default)s); written as the model's kvq.kv_clip and used "
                         "while measuring")
+    p.add_argument("--kv-rotate", default="auto", metavar="auto|on|off|SPEC", type=rotation_choice,
+                   help="upstream's Hadamard rotation of the kivi layers: auto measures, by the cache's KL divergence "
+                        "against f16 KV, none, every layer, and each layer's K and V rotated where that lowers its "
+                        "attention-output error on the text, and keeps the lowest; or give on, off or a --kv-rotate "
+                        "spec (default %(default)s); written as the model's kvq.kv_rotate and used while measuring")
     p.add_argument("--kv-select", metavar="HH,RW[,N]", type=arguments.selection,
                    help="MiniKV's prompt selection for the copy (as `pykvq run --kv-select` takes it), written as "
                         "its kvq.select; not measured here: the calibration judges whole prompts, whose logits "

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from pykvq import gguf_metadata, kv_types, llama_tools, paths
 from pykvq.bindings import native
+from pykvq.commands import arguments
 from pykvq.commands import inspect as model_info
 from pykvq.kv_types import KvSpec
 
@@ -36,6 +37,7 @@ class Settings:
     n_sink: int
     type_swa: str | None = None
     clip: str = "none"      # SKVQ's per-layer clip ratios of every kivi run (the --kv-clip form)
+    rotate: str = "off"     # the Hadamard rotation of every kivi run but the +rot ones (the --kv-rotate form)
 
 
 @dataclass
@@ -65,7 +67,7 @@ def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
             "-ctk", spec.name, "-ctv", spec.name]
     if spec.is_kivi:
         args += ["--kv-window", str(settings.window), "--kv-sinks", str(settings.n_sink),
-                 "--kv-rotate", "on" if spec.rotate else "off", "--kv-clip", settings.clip]
+                 "--kv-rotate", "on" if spec.rotate else settings.rotate, "--kv-clip", settings.clip]
     if settings.type_swa is not None:
         args += ["--kv-type-swa", settings.type_swa]
     # "none": the runs compare the named types, whatever per-layer types the model's metadata suggests
@@ -215,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{what} file not found: {f}")
     # the model's kvq.* metadata: its window and sinks are the defaults, its per-layer types one more run
     overrides = ((gguf_metadata.KEY_LAYERS, args.kv_layers or None), (gguf_metadata.KEY_WINDOW, args.kv_window),
-                 (gguf_metadata.KEY_SINKS, args.kv_sinks), (gguf_metadata.KEY_CLIP, args.kv_clip))
+                 (gguf_metadata.KEY_SINKS, args.kv_sinks), (gguf_metadata.KEY_CLIP, args.kv_clip),
+                 (gguf_metadata.KEY_ROTATE, args.kv_rotate))
     given = [key for key, value in overrides if value is not None]
     kvq = model_info.checked_kvq(args.model, ignored=given)
     model_layers_spec = kvq.get(gguf_metadata.KEY_LAYERS)
@@ -229,13 +232,19 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("need -c >= 64, --chunks >= 1, -t >= 1, --kv-window >= 0 and --kv-sinks >= 0")
     if args.kv_type_swa is not None:
         kv_types.type_id(args.kv_type_swa)  # an unknown name is refused before any run, with the valid ones
+    n_layer = model_info.read_shape(gguf_metadata.read_fields(args.model)).n_layer
     clip = str(kvq.get(gguf_metadata.KEY_CLIP, "none") if args.kv_clip is None else args.kv_clip)
     if clip != "none":
         # refused before any run, naming the part
-        native.resolve_clip(clip, model_info.read_shape(gguf_metadata.read_fields(args.model)).n_layer)
+        native.resolve_clip(clip, n_layer)
         log.info("kivi runs clip with %s", clip)
+    rotate = kvq.get(gguf_metadata.KEY_ROTATE, "off") if args.kv_rotate is None else args.kv_rotate
+    rotate = ("on" if rotate else "off") if isinstance(rotate, bool) else str(rotate)
+    native.resolve_rotation(rotate, n_layer)
+    if rotate != "off":
+        log.info("kivi runs rotate with %s", rotate)
     settings = Settings(args.model, args.file, args.ctx_size, args.chunks, args.threads, window, n_sink,
-                        args.kv_type_swa, clip)
+                        args.kv_type_swa, clip, rotate)
     runs = compare(settings, specs)
     print(format_table(runs))
     out = Path(args.output)
@@ -268,6 +277,9 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-clip", metavar="SPEC",
                    help="kivi runs: SKVQ's per-layer clip ratios, e.g. 'k:*=0.9;v:*=0.85'; 'none' ignores a model's "
                         "kvq.kv_clip (default: the model's kvq.kv_clip, else none)")
+    p.add_argument("--kv-rotate", metavar="on|off|SPEC", type=arguments.rotation,
+                   help="kivi runs without +rot: Hadamard rotation, on, off or per layer, e.g. 'k:*=on;v:0-3=off' "
+                        "(default: the model's kvq.kv_rotate, else off)")
     p.add_argument("--kv-type-swa", metavar="TYPE",
                    help="every run: K and V type of the sliding-window cache of a model with sliding-window layers "
                         "(Gemma 2/3, gpt-oss), e.g. f16 (default: each run's type)")

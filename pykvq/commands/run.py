@@ -87,7 +87,9 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
                         "they drew from its last N tokens; 0: from all of it) and its most recent tokens, as shares "
                         "of its length, e.g. 0.25,0.25 or 0.25,0.25,32; off: none (default: the model's kvq.select, "
                         "else off)")
-    p.add_argument("--kv-rotate", type=arguments.switch, help="kivi: Hadamard rotation of K/V, on or off (default off)")
+    p.add_argument("--kv-rotate", metavar="on|off|SPEC", type=arguments.rotation,
+                   help="kivi: Hadamard rotation of K/V, on or off for every kivi layer or per layer, e.g. "
+                        "'k:*=on;v:0-3=off,4-=on' (default: the model's kvq.kv_rotate, else off)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 or less is greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40, 0 = off)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95, 1.0 = off)")
@@ -205,12 +207,13 @@ def _batch_sizes(args: argparse.Namespace, model: Model, kv: KvConfig,
 
 
 _METADATA_FIELDS = (("layers", gguf_metadata.KEY_LAYERS), ("window", gguf_metadata.KEY_WINDOW),
-                    ("sinks", gguf_metadata.KEY_SINKS), ("clip", gguf_metadata.KEY_CLIP))
+                    ("sinks", gguf_metadata.KEY_SINKS), ("clip", gguf_metadata.KEY_CLIP),
+                    ("rotate", gguf_metadata.KEY_ROTATE))
 
 
 def with_model_metadata(kv: KvConfig, model_path: Path) -> KvConfig:
-    """The model's kvq.* defaults (per-layer types, window, sinks, clip ratios) where the command line gives none:
-    it wins. The rest of its kvq.* metadata is checked as `pykvq inspect` checks it."""
+    """The model's kvq.* defaults (per-layer types, window, sinks, clip ratios, rotation) where the command line
+    gives none: it wins. The rest of its kvq.* metadata is checked as `pykvq inspect` checks it."""
     given = [key for field, key in _METADATA_FIELDS if getattr(kv, field) is not None]
     kvq = model_info.checked_kvq(model_path, ignored=given)
     from_model = {field: kvq[key] for field, key in _METADATA_FIELDS if key in kvq}
@@ -220,12 +223,13 @@ def with_model_metadata(kv: KvConfig, model_path: Path) -> KvConfig:
 
 
 def check_layers(kv: KvConfig, model: Model) -> None:
-    """Per-layer types and clip ratios checked against the model's layers before the context: the message names
-    the part."""
+    """Per-layer types, clip ratios and rotation checked against the model's layers before the context: the message
+    names the part."""
     if kv.layers not in (None, "none"):
         kv_types.layer_types(kv.layers, model.n_layer, kv.type_k, kv.type_v)
     if kv.clip not in (None, "none"):
         native.resolve_clip(kv.clip, model.n_layer)
+    native.resolve_rotation(kv.rotation_spec, model.n_layer)
 
 
 def _generate(model: Model, ctx: Context, args: argparse.Namespace, kv: KvConfig,
@@ -310,7 +314,9 @@ def _report(timings: Timings, memory: KvMemory, kv: KvConfig) -> None:
         sinks = defaults.n_sink if kv.sinks is None else kv.sinks
         rollback = f", rollback {params.n_rollback}" if params.n_rollback else ""
         clip = f", clip {kv.clip}" if kv.clip not in (None, "none") else ""
-        settings = f" (window {window}, sinks {sinks}{rollback}{clip}{', rotated' if params.rotate else ''})"
+        rotation = kv.rotation_spec or ("on" if params.rotate else "off")
+        rotated = "" if rotation == "off" else ", rotated" if rotation == "on" else f", rotation {rotation}"
+        settings = f" (window {window}, sinks {sinks}{rollback}{clip}{rotated})"
     types = f"layers {kv.layers}" if kv.layers not in (None, "none") else f"K {kv.type_k}, V {kv.type_v}"
     print(f"pykvq: KV cache {types}{settings}: {memory.bytes / MIB:.2f} MiB for "
           f"{memory.n_cells} cells, {memory.bits_per_element:.2f} bits per element; f16 KV would use "

@@ -84,7 +84,7 @@ def check_kv_type(type_id: int | None) -> None:
         raise ValueError(f"unknown KV cache type {type_id!r}; valid: {listed}")
 
 
-def _kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None, rotate: bool | None = None,
+def _kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None, rotate: bool | str | None = None,
                layers: str | None = None, rollback: int | None = None, type_swa: str | None = None,
                select: Selection | None = None, clip: str | None = None) -> KvConfig:
     """Our view of a Llama's KV settings; the type ints are already checked (check_kv_type)."""
@@ -111,8 +111,9 @@ def _llama_class() -> type:
 
     class Llama(llama_cpp.Llama):
         """llama_cpp.Llama on pykvq's libllama; kv_window, kv_sinks and kv_rotate set the kivi layers (defaults:
-        128, 0, off), kv_layers per-layer types (e.g. "asymkv:16/0"), kv_rollback how many last tokens can be
-        removed exactly (speculative decoding's rejected drafts; default 0), kv_type_swa the type name of the
+        128, 0, the model's kvq.kv_rotate else off; kv_rotate also takes a per-layer spec such as
+        "k:*=on;v:0-3=off,4-=on"), kv_layers per-layer types (e.g. "asymkv:16/0"), kv_rollback how many last tokens
+        can be removed exactly (speculative decoding's rejected drafts; default 0), kv_type_swa the type name of the
         sliding-window cache of a Gemma-2/3 or gpt-oss model (default: type_k / type_v), kv_select MiniKV's prompt
         selection as (heavy-hitter share, recent share[, observation window]), e.g. (0.25, 0.25): n_batch and
         n_ubatch then default to n_ctx, as a prompt must reach the cache in one ubatch; kv_clip SKVQ's per-layer clip
@@ -128,7 +129,8 @@ def _llama_class() -> type:
             return super().__new__(cls)
 
         def __init__(self, *args, kv_window: int | None = None, kv_sinks: int | None = None,
-                     kv_rotate: bool | None = None, kv_layers: str | None = None, kv_rollback: int | None = None,
+                     kv_rotate: bool | str | None = None, kv_layers: str | None = None,
+                     kv_rollback: int | None = None,
                      kv_type_swa: str | None = None, kv_select: Selection | None = None, kv_clip: str | None = None,
                      **kwargs) -> None:
             # llama-cpp-python's rpc_servers (its server's --rpc_servers): upstream now registers them as devices

@@ -17,6 +17,7 @@ import sys
 from pykvq import kv_types
 from pykvq.api.llama import KvConfig
 from pykvq.bindings import native
+from pykvq.commands.arguments import rotation
 from pykvq.kv_types import KvSpec, KvTypeError
 from pykvq.llama_cpp import LlamaCppError, check_kv_type, load
 
@@ -27,7 +28,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--kv-window", type=int, help="kivi: recent tokens kept in fp16 (default 128)")
     parser.add_argument("--kv-sinks", type=int, help="kivi: first tokens kept in fp16 (default 0)")
     parser.add_argument("--kv-rollback", type=int, help="kivi: last tokens removable exactly (default 0)")
-    parser.add_argument("--kv-rotate", choices=["on", "off"], help="kivi: Hadamard rotation (default off)")
+    parser.add_argument("--kv-rotate", type=rotation,
+                        help="kivi: Hadamard rotation, on, off or per layer, e.g. k:*=on;v:0-3=off,4-=on (default: the "
+                             "model's kvq.kv_rotate, else off)")
     parser.add_argument("--kv-layers", help="per-layer K/V types, e.g. asymkv:16/0 or k:0-15=kivi2,16-=kivi1;v:*=kivi1")
     parser.add_argument("--kv-clip", help="kivi: SKVQ's per-layer clip ratios, e.g. k:*=0.9;v:*=0.85")
     parser.add_argument("--kv-type-swa", help="K and V type of a Gemma-2/3 or gpt-oss model's sliding-window cache")
@@ -60,10 +63,11 @@ def server_argv(argv: list[str]) -> list[str]:
         type_id = kv_types.type_id(spec.name)
         rest += ["--type_k", str(type_id), "--type_v", str(type_id)]
     # every part of the spec, as `pykvq run` takes it: kivi2+rot rotates, asymkv:16/0 sets per-layer types
-    rotate = ours.kv_rotate == "on" if ours.kv_rotate is not None else (True if spec and spec.rotate else None)
+    rotate = ours.kv_rotate if ours.kv_rotate is not None else (True if spec and spec.rotate else None)
     layers = ours.kv_layers if ours.kv_layers is not None else (spec.layers if spec else None)
-    native.set_kvq_params(KvConfig(window=ours.kv_window, sinks=ours.kv_sinks, rotate=rotate,
-                                   rollback=ours.kv_rollback).kvq_params())
+    kv = KvConfig(window=ours.kv_window, sinks=ours.kv_sinks, rotate=rotate, rollback=ours.kv_rollback)
+    native.set_kvq_params(kv.kvq_params())
+    native.set_kvq_rotation(kv.rotation_spec)
     if layers is not None:
         native.set_kvq_layer_types(layers)
     if ours.kv_clip is not None:
