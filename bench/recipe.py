@@ -62,6 +62,7 @@ def calibrate(model: Path, n_tokens: int, threads: int, workdir: Path) -> tuple[
               "threads": threads, "summary": stdout.strip().splitlines(),
               **{key: kvq.get(key) for key in (gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_CLIP,
                                                 gguf_metadata.KEY_SINKS, gguf_metadata.KEY_BUDGET,
+                                                gguf_metadata.KEY_ROTATE,
                                                 gguf_metadata.KEY_KIVI2_CLIP, gguf_metadata.KEY_SENSITIVITY)}}
     return out, record
 
