@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pykvq import ContextConfig, KvConfig, LlamaError, Model
+from pykvq import ContextConfig, KvConfig, LlamaError, Model, kv_types
 from pykvq.devtools import random_model
 
 import device
@@ -104,10 +104,17 @@ def layer_specs(space: Space) -> st.SearchStrategy[str | None]:
     return st.one_of(st.none(), st.just("none"), pairs, pairs, asymkv)
 
 
+def rotations(space: Space) -> st.SearchStrategy[bool | str | None]:
+    """None (the model's), on/off, or each layer's K and V on or off in the spec form."""
+    switches = st.lists(st.sampled_from(["on", "off"]), min_size=space.shape.n_layer, max_size=space.shape.n_layer)
+    per_layer = st.tuples(switches, switches).map(lambda kv: kv_types.per_layer_spec({"k": kv[0], "v": kv[1]}, "off"))
+    return st.one_of(st.none(), st.booleans(), per_layer)
+
+
 def kv_configs(space: Space) -> st.SearchStrategy[KvConfig]:
     return type_pairs(space.types).flatmap(lambda kv: st.builds(
         KvConfig, type_k=st.just(kv[0]), type_v=st.just(kv[1]), window=st.one_of(st.none(), amounts(160)),
-        sinks=st.one_of(st.none(), amounts(40)), rotate=st.one_of(st.none(), st.booleans()),
+        sinks=st.one_of(st.none(), amounts(40)), rotate=rotations(space),
         layers=layer_specs(space), rollback=st.one_of(st.none(), amounts(48)),
         type_swa=st.sampled_from(space.swa_types)))
 

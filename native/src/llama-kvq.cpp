@@ -233,11 +233,13 @@ std::string llama_kvq_rotation_spec(void) {
     return kvq_rotation_spec;
 }
 
-bool llama_kvq_resolve_rotation(const char * spec, int32_t n_layer, bool fallback, bool * rotate_k, bool * rotate_v) {
+// a per-layer spec resolved into the caller's K and V arrays; false, with the reason kept, when it does not fit
+template <typename Resolve, typename T>
+static bool kvq_resolve_into(Resolve resolve, T * out_k, T * out_v) {
     try {
-        const llama_kvq_layer_rotation rotation = llama_kvq_resolve_rotation_spec(spec ? spec : "", n_layer, fallback);
-        std::copy(rotation.k.begin(), rotation.k.end(), rotate_k);
-        std::copy(rotation.v.begin(), rotation.v.end(), rotate_v);
+        const auto resolved = resolve();
+        std::copy(resolved.k.begin(), resolved.k.end(), out_k);
+        std::copy(resolved.v.begin(), resolved.v.end(), out_v);
     } catch (const std::invalid_argument & err) {
         std::lock_guard<std::mutex> lock(kvq_params_mutex);
         kvq_error = err.what();
@@ -246,29 +248,17 @@ bool llama_kvq_resolve_rotation(const char * spec, int32_t n_layer, bool fallbac
     return true;
 }
 
+bool llama_kvq_resolve_rotation(const char * spec, int32_t n_layer, bool fallback, bool * rotate_k, bool * rotate_v) {
+    return kvq_resolve_into([&] { return llama_kvq_resolve_rotation_spec(spec ? spec : "", n_layer, fallback); },
+                            rotate_k, rotate_v);
+}
+
 bool llama_kvq_resolve_clip(const char * spec, int32_t n_layer, float * clip_k, float * clip_v) {
-    try {
-        const llama_kvq_layer_clips clips = llama_kvq_resolve_clip_spec(spec ? spec : "", n_layer);
-        std::copy(clips.k.begin(), clips.k.end(), clip_k);
-        std::copy(clips.v.begin(), clips.v.end(), clip_v);
-    } catch (const std::invalid_argument & err) {
-        std::lock_guard<std::mutex> lock(kvq_params_mutex);
-        kvq_error = err.what();
-        return false;
-    }
-    return true;
+    return kvq_resolve_into([&] { return llama_kvq_resolve_clip_spec(spec ? spec : "", n_layer); }, clip_k, clip_v);
 }
 
 bool llama_kvq_resolve_layer_types(const char * spec, int32_t n_layer, enum ggml_type type_k, enum ggml_type type_v,
         enum ggml_type * types_k, enum ggml_type * types_v) {
-    try {
-        const llama_kvq_layer_types types = llama_kvq_resolve_layer_spec(spec ? spec : "", n_layer, type_k, type_v);
-        std::copy(types.k.begin(), types.k.end(), types_k);
-        std::copy(types.v.begin(), types.v.end(), types_v);
-    } catch (const std::invalid_argument & err) {
-        std::lock_guard<std::mutex> lock(kvq_params_mutex);
-        kvq_error = err.what();
-        return false;
-    }
-    return true;
+    return kvq_resolve_into([&] { return llama_kvq_resolve_layer_spec(spec ? spec : "", n_layer, type_k, type_v); },
+                            types_k, types_v);
 }
