@@ -230,11 +230,14 @@ def clip_words(spec: str | None) -> str:
     return f"--kv-clip '{spec}'" if all("*" in part for part in spec.split(";")) else "per-layer clip ratios"
 
 
-def rotation_words(spec: str | None) -> str:
-    """A rotation spec as a table caption says it."""
+def rotation_words(calibration: dict) -> str:
+    """The chosen rotation as a table caption says it; nothing for a record from before rotation was calibrated."""
+    if "kvq.kv_rotate" not in calibration:
+        return ""
+    spec = calibration["kvq.kv_rotate"]
     if not spec or spec in ("off", "none"):
-        return "no rotation"
-    return "rotation everywhere" if spec == "on" else f"rotation `{spec}`"
+        return "no rotation, "
+    return "rotation everywhere, " if spec == "on" else f"rotation `{spec}`, "
 
 
 def recipe_table(path: Path) -> str:
@@ -246,7 +249,7 @@ def recipe_record_table(record: dict) -> str:
     lines = [f"The calibrated recipe against upstream's 4-bit KV ({record['model']}, {record['text']}, n_ctx "
              f"{record['n_ctx']}, {record['chunks']} chunks; `pykvq calibrate` on {c['n_tokens']} tokens of Macbeth "
              f"in {c['seconds'] / 60:.1f} min on {c['threads']} threads chose {c['kvq.sinks']} sinks, "
-             f"{rotation_words(c.get('kvq.kv_rotate'))}, {clip_words(c['kvq.kv_clip'])} and the mix below; "
+             f"{rotation_words(c)}{clip_words(c['kvq.kv_clip'])} and the mix below; "
              "bench/recipe.py):", "",
              "| KV cache | code bits | K, V bpe | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in record["rows"]:
