@@ -3,6 +3,7 @@
     python bench/passkey.py [--lengths 1024 2048 4096] [--depths 0 25 50 75 100] [--trials 3]
     python bench/passkey.py --model path/to/model.gguf --kv-types f16,q4_0,kivi2,asymkv:16/8 --ngl 99
     python bench/passkey.py --kv-types f16,kivi2 --kv-select 0.25,0.25 0.125,0.125
+    python bench/passkey.py --model model.kvq.gguf --kv-types f16 --kv-layers 'k:0-9=kivi4,10-=kivi2;v:*=kivi2'
 
 Each prompt is filler text of about `length` tokens with "The pass key is NNNNN. Remember it." at `depth`
 percent of it, then "What is the pass key? The pass key is"; the answer is decoded greedily and counts when
@@ -186,6 +187,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="smollm2, qwen2.5-coder-1.5b, random:SHAPE or a GGUF path")
     p.add_argument("--kv-types", default="f16,q8_0,q4_0,kivi4,kivi2",
                    help="comma-separated, as pykvq perplexity takes them (f16 first: the reference)")
+    p.add_argument("--kv-layers", action="append", default=[], metavar="SPEC",
+                   help="also run per-layer types, e.g. a calibrated model's kvq.kv_layers (its rotation, clip "
+                        "ratios and sinks apply as the model says); repeatable")
     p.add_argument("--kv-select", metavar="HH,RW[,N]", nargs="*", default=[], type=kv_types.parse_select,
                    help="MiniKV selections to run each kivi type under, e.g. 0.25,0.25 0.125,0.125")
     p.add_argument("--kv-sinks", type=int, help="sinks of the kivi types (default: the model's kvq.sinks, else 0)")
@@ -198,6 +202,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
     args = p.parse_args(argv)
     specs = [KvSpec.parse(t) for t in args.kv_types.split(",") if t.strip()]
+    specs += [KvSpec.per_layer(spec) for spec in args.kv_layers]
     if not specs or specs[0].label != "f16":
         p.error("--kv-types must start with f16, the reference the others are judged against")
     if any(not 0 <= d <= 100 for d in args.depths) or args.trials < 1 or any(n < 128 for n in args.lengths):

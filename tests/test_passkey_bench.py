@@ -59,3 +59,10 @@ def test_sinks_go_to_the_kivi_settings_only() -> None:
     args = passkey.parse_args(["--kv-types", "f16,kivi2", "--kv-select", "0.25,0.25,32", "--kv-sinks", "4"])
     assert [s.label for s in args.settings] == ["f16", "kivi2 +4 sinks", "kivi2 +4 sinks sel 0.25/0.25 obs 32"]
     assert [passkey.kv_config(s).sinks for s in args.settings] == [None, 4, 4]
+
+
+def test_per_layer_types_join_as_kivi_settings() -> None:
+    mix = "k:0-9=kivi4,10-=kivi2;v:*=kivi1"
+    args = passkey.parse_args(["--kv-types", "f16", "--kv-layers", mix, "--kv-sinks", "4"])
+    assert [s.spec.label for s in args.settings] == ["f16", mix]
+    assert passkey.kv_config(args.settings[1]).layers == mix and args.settings[1].sinks == 4
