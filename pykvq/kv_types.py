@@ -42,7 +42,11 @@ class KvSpec:
 
     @classmethod
     def per_layer(cls, spec: str) -> KvSpec:
-        """Per-layer types; ValueError naming the offending part when ``spec`` does not parse."""
+        """Per-layer types; ValueError naming the offending part when ``spec`` does not parse, or when it names no
+        layer at all (empty or "none": that run would be the plain type under another name)."""
+        if spec.strip() in ("", "none"):
+            raise KvTypeError(f"per-layer types {spec!r}: give each layer's K and V type, e.g. k:0-15=kivi2,16-=kivi1;"
+                              "v:*=kivi1")
         native.check_layer_spec(spec)
         return cls("kivi2", layers=spec)
 

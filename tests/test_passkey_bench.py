@@ -66,3 +66,9 @@ def test_per_layer_types_join_as_kivi_settings() -> None:
     args = passkey.parse_args(["--kv-types", "f16", "--kv-layers", mix, "--kv-sinks", "4"])
     assert [s.spec.label for s in args.settings] == ["f16", mix]
     assert passkey.kv_config(args.settings[1]).layers == mix and args.settings[1].sinks == 4
+
+
+@pytest.mark.parametrize("empty", ["", "none"])
+def test_an_empty_per_layer_spec_is_refused_not_run_as_the_plain_type(empty: str) -> None:
+    with pytest.raises(ValueError, match="give each layer's K and V type"):
+        passkey.parse_args(["--kv-types", "f16", "--kv-layers", empty])
