@@ -50,18 +50,21 @@ def rotate(x: np.ndarray, order: int) -> np.ndarray:
     return (blocks @ hadamard(order)).reshape(x.shape)
 
 
+def rotated_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, rotate_k: bool,
+                rotate_v: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One layer's Q, K and V as the cache sees them: Q and K turned alike (their dot products stay), V turned (the
+    output turned back is exact, so its error is the turned one's)."""
+    if rotate_k and rotatable(q.shape[-1]):
+        order = k_block(q.shape[-1])
+        q, k = rotate(q, order), rotate(k, order)
+    if rotate_v and rotatable(v.shape[-1]):
+        v = rotate(v, SMALLEST)
+    return q, k, v
+
+
 def rotated_layer(layer_qkv: LayerQkv, rotation: dict[str, list[bool]]) -> LayerQkv:
-    """``layer_qkv`` as the cache sees it under ``rotation`` (per part, per layer): Q and K turned alike (their dot
-    products stay), V turned (the output turned back is exact, so its error is the turned one's)."""
-    def layer(il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        q, k, v = layer_qkv(il)
-        if rotation["k"][il] and rotatable(q.shape[-1]):
-            order = k_block(q.shape[-1])
-            q, k = rotate(q, order), rotate(k, order)
-        if rotation["v"][il] and rotatable(v.shape[-1]):
-            v = rotate(v, SMALLEST)
-        return q, k, v
-    return layer
+    """``layer_qkv`` under ``rotation`` (per part, per layer)."""
+    return lambda il: rotated_qkv(*layer_qkv(il), rotation["k"][il], rotation["v"][il])
 
 
 def per_layer_rotation(layer_qkv: LayerQkv, n_layer: int, window: int, sinks: int,
@@ -69,13 +72,12 @@ def per_layer_rotation(layer_qkv: LayerQkv, n_layer: int, window: int, sinks: in
     """The --kv-rotate spec that rotates each layer's K and V where that lowers its attention-output error."""
     contract: Contract | None = None
     chosen: dict[str, list[str]] = {"k": [], "v": []}
-    off = {"k": [False] * n_layer, "v": [False] * n_layer}
-    on = {"k": [True] * n_layer, "v": [True] * n_layer}
     for il in range(n_layer):
-        views = [tuple(x[:MAX_TOKENS] for x in rotated_layer(layer_qkv, r)(il)) for r in (off, on)]
+        q, k, v = (x[:MAX_TOKENS] for x in layer_qkv(il))
         if contract is None:
-            contract = Contract.of(views[0][0].shape[0], window, sinks)
-        plain, turned = (LayerAttention(*view, contract) for view in views)
+            contract = Contract.of(q.shape[0], window, sinks)
+        plain = LayerAttention(q, k, v, contract)
+        turned = LayerAttention(*rotated_qkv(q, k, v, True, True), contract)
         for part, error in (("k", LayerAttention.k_error), ("v", LayerAttention.v_error)):
             better = min(error(turned, BITS, r) for r in RATIOS) < min(error(plain, BITS, r) for r in RATIOS)
             chosen[part].append("on" if better else "off")

@@ -16,10 +16,11 @@ def switch(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
 
 
-def rotation(text: str) -> bool | str:
-    """--kv-rotate: on/off for every kivi layer, or a per-layer spec (checked where the cache takes it)."""
+def rotation(text: str) -> str:
+    """--kv-rotate as the C API's rotation spec: on/off for every kivi layer (any of the switch's words), or a
+    per-layer spec (checked where the cache takes it)."""
     try:
-        return switch(text)
+        return "on" if switch(text) else "off"
     except argparse.ArgumentTypeError:
         if ":" not in text:
             raise argparse.ArgumentTypeError(f"expected on, off or a per-layer spec such as 'k:*=on;v:0-3=off,4-=on', "

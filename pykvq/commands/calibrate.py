@@ -304,10 +304,7 @@ def run(args: argparse.Namespace) -> int:
 
 def rotation_choice(text: str) -> str:
     """auto, or a --kv-rotate value as the spec the C API takes."""
-    if text == "auto":
-        return text
-    value = arguments.rotation(text)
-    return ("on" if value else "off") if isinstance(value, bool) else value
+    return text if text == "auto" else arguments.rotation(text)
 
 
 def sinks_count(text: str) -> int | str:

@@ -238,8 +238,7 @@ def run(args: argparse.Namespace) -> int:
         # refused before any run, naming the part
         native.resolve_clip(clip, n_layer)
         log.info("kivi runs clip with %s", clip)
-    rotate = kvq.get(gguf_metadata.KEY_ROTATE, "off") if args.kv_rotate is None else args.kv_rotate
-    rotate = ("on" if rotate else "off") if isinstance(rotate, bool) else str(rotate)
+    rotate = str(kvq.get(gguf_metadata.KEY_ROTATE, "off")) if args.kv_rotate is None else args.kv_rotate
     native.resolve_rotation(rotate, n_layer)
     if rotate != "off":
         log.info("kivi runs rotate with %s", rotate)
