@@ -4,11 +4,14 @@
     python bench/passkey.py --model path/to/model.gguf --kv-types f16,q4_0,kivi2,asymkv:16/8 --ngl 99
     python bench/passkey.py --kv-types f16,kivi2 --kv-select 0.25,0.25 0.125,0.125
     python bench/passkey.py --model model.kvq.gguf --kv-types f16 --kv-layers 'k:0-9=kivi4,10-=kivi2;v:*=kivi2'
+    python bench/passkey.py --model model.kvq.gguf --kv-types f16,kivi2 --kv-rotate off --kv-clip none
 
 Each prompt is filler text of about `length` tokens with "The pass key is NNNNN. Remember it." at `depth`
 percent of it, then "What is the pass key? The pass key is"; the answer is decoded greedily and counts when
 its first number is the key. --kv-select adds, for each kivi type, a run per MiniKV selection (heavy-hitter and
-recent shares of the prompt; the prompt then goes in as one ubatch). Every type sees the same prompts (the same
+recent shares of the prompt; the prompt then goes in as one ubatch). --kv-rotate and --kv-clip set the kivi runs'
+rotation and clip ratios over the model's kvq.kv_rotate / kvq.kv_clip (e.g. to take a calibrated recipe apart).
+Every type sees the same prompts (the same
 keys, from --seed). A type is judged
 against f16 at the depths and lengths the model itself gets right there. Writes
 bench/results/passkey-<model>-<lengths>.json and .png (accuracy heat maps, one per type) and prints a table.
@@ -30,6 +33,7 @@ from tqdm import tqdm
 
 from pykvq import kv_types
 from pykvq.api.llama import ContextConfig, KvConfig, Model
+from pykvq.commands import arguments
 from pykvq.kv_types import KvSpec
 
 
@@ -68,10 +72,14 @@ class Setting:
     spec: KvSpec
     select: kv_types.Selection | None = None
     sinks: int | None = None  # kivi types only
+    rotate: str | None = None  # kivi types only: the --kv-rotate spec, None: +rot, else the model's
+    clip: str | None = None    # kivi types only: the --kv-clip spec, None: the model's
 
     @property
     def label(self) -> str:
         label = self.spec.label + (f" +{self.sinks} sinks" if self.sinks else "")
+        label += "".join(f" {what} {value}" for what, value in (("rot", self.rotate), ("clip", self.clip))
+                         if value is not None)
         if self.select is None:
             return label
         return f"{label} sel {kv_types.selection_label(self.select)}"
@@ -79,14 +87,19 @@ class Setting:
 
 def kv_config(setting: Setting) -> KvConfig:
     spec = setting.spec
-    return KvConfig(spec.name, spec.name, rotate=True if spec.rotate else None, layers=spec.layers or "none",
-                    select=setting.select, sinks=setting.sinks)
+    rotate = setting.rotate if setting.rotate is not None else (True if spec.rotate else None)
+    return KvConfig(spec.name, spec.name, rotate=rotate, layers=spec.layers or "none", select=setting.select,
+                    sinks=setting.sinks, clip=setting.clip)
 
 
-def settings_of(specs: list[KvSpec], selects: list[kv_types.Selection], sinks: int | None = None) -> list[Setting]:
-    """Each type as given, then each kivi type under each selection; kivi types with `sinks` sinks."""
+def settings_of(specs: list[KvSpec], selects: list[kv_types.Selection], sinks: int | None = None,
+                rotate: str | None = None, clip: str | None = None) -> list[Setting]:
+    """Each type as given, then each kivi type under each selection; kivi types with `sinks` sinks, rotated and
+    clipped as given."""
     def setting(spec: KvSpec, select: kv_types.Selection | None = None) -> Setting:
-        return Setting(spec, select, sinks if spec.is_kivi else None)
+        if not spec.is_kivi:
+            return Setting(spec, select)
+        return Setting(spec, select, sinks, rotate, clip)
 
     plain = [setting(spec) for spec in specs]
     return plain + [setting(spec, select) for select in selects for spec in specs if spec.is_kivi]
@@ -193,6 +206,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-select", metavar="HH,RW[,N]", nargs="*", default=[], type=kv_types.parse_select,
                    help="MiniKV selections to run each kivi type under, e.g. 0.25,0.25 0.125,0.125")
     p.add_argument("--kv-sinks", type=int, help="sinks of the kivi types (default: the model's kvq.sinks, else 0)")
+    p.add_argument("--kv-rotate", type=arguments.rotation, metavar="on|off|SPEC",
+                   help="rotation of the kivi types (default: +rot, else the model's kvq.kv_rotate, else off)")
+    p.add_argument("--kv-clip", metavar="none|SPEC",
+                   help="SKVQ's clip ratios of the kivi types (default: the model's kvq.kv_clip, else none)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--depths", type=int, nargs="+", default=[0, 25, 50, 75, 100])
     p.add_argument("--trials", type=int, default=3, help="keys per length and depth")
@@ -209,7 +226,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("depths are percentages 0..100, trials at least 1, lengths at least 128 tokens")
     if args.kv_sinks is not None and args.kv_sinks < 0:
         p.error("--kv-sinks is a count of 0 or more")
-    args.settings = settings_of(specs, args.kv_select, args.kv_sinks)
+    args.settings = settings_of(specs, args.kv_select, args.kv_sinks, args.kv_rotate, args.kv_clip)
     return args
 
 
@@ -226,10 +243,13 @@ def main(argv: list[str] | None = None) -> None:
                    for n in args.lengths for d in args.depths for _ in range(args.trials)]
         rows = run(model, args.settings, prompts, args.threads)
     record = {"model": name, "lengths": args.lengths, "depths": args.depths, "trials": args.trials,
-              "seed": args.seed, "ngl": args.ngl, "kv_sinks": args.kv_sinks,
+              "seed": args.seed, "ngl": args.ngl, "kv_sinks": args.kv_sinks, "kv_rotate": args.kv_rotate,
+              "kv_clip": args.kv_clip,
               "kv_types": [s.label for s in args.settings], "rows": rows}
     record["summary"] = summary(record)
     variant = ("-select" if args.kv_select else "") + (f"-sinks{args.kv_sinks}" if args.kv_sinks else "")
+    variant += "".join(f"-{what}-{value if value in ('on', 'off', 'none') else 'spec'}"
+                       for what, value in (("rot", args.kv_rotate), ("clip", args.kv_clip)) if value is not None)
     save_results(RESULTS / f"passkey-{model_tag(name)}-{'-'.join(map(str, args.lengths))}{variant}", record, plot,
                  table)
 

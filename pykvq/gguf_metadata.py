@@ -20,6 +20,8 @@ rest records how they were chosen, for later methods.
     kvq.calibration.sinks          uint32   kivi sinks during the measurement (pykvq convert)
 
   written by pykvq calibrate (llama.cpp's logits, KL divergence against f16 KV):
+    kvq.calibration.recall                   uint32            of those tokens, the last that repeated the
+                                                               text from its 9th (the recall span)
     kvq.calibration.sensitivity              string            how the next were found: "attention" (the f16
                                                                run's attention error, scaled by measured mixes)
                                                                or "measured" (each one measured with the cache)
@@ -74,7 +76,8 @@ KEY_KIVI2_CLIP = "kvq.calibration.kivi2_clip"
 
 # whole-number keys and their largest value: the settings reach llama.cpp's int32 fields
 WHOLE_NUMBERS = {KEY_WINDOW: INT32_MAX, KEY_SINKS: INT32_MAX, "kvq.calibration.window": INT32_MAX,
-                 "kvq.calibration.sinks": INT32_MAX, "kvq.calibration.n_tokens": 2**32 - 1}
+                 "kvq.calibration.sinks": INT32_MAX, "kvq.calibration.n_tokens": 2**32 - 1,
+                 "kvq.calibration.recall": 2**32 - 1}
 
 
 # copies smaller than this are quick enough not to need a progress bar

@@ -7,6 +7,7 @@ import argparse
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pykvq import attention_sensitivity, gguf_metadata, kv_types
@@ -27,12 +28,13 @@ def calibrate(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     out = tmp_path / "calibrated.gguf"
     proc = calibrate("-m", str(smollm2), "-f", str(hamlet), "-o", str(out), "--kv-budget", "2.0", "-c", "64",
-                     "--kv-window", "16", "--kv-select", "0.25,0.25,32", cwd=tmp_path)
+                     "--recall", "8", "--kv-window", "16", "--kv-select", "0.25,0.25,32", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     meta = gguf_metadata.read_kvq(out)
     # recorded for every entry point; a prompt shorter than the window (below) is kept whole, not refused
     assert meta[gguf_metadata.KEY_SELECT] == "0.25,0.25,32"
     assert meta["kvq.kv_budget"] == pytest.approx(2.0) and meta["kvq.calibration.n_tokens"] == 64
+    assert meta["kvq.calibration.recall"] == 8
     assert all(len(meta[f"kvq.calibration.kld_{p}_{w}"]) == N_LAYER for p in "kv" for w in ("kivi4", "kivi1"))
     assert meta["kvq.calibration.sensitivity"] == "attention"
     sinks = meta[gguf_metadata.KEY_SINKS]
@@ -68,6 +70,8 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     ("clip-layers", "the model has 30 layers"),
     ("bad-rotate", "'sometimes' is not on or off"),
     ("rotate-layers", "the model has 30 layers"),
+    ("recall-near", "--recall 400 with -c 512: the recalled tokens would lie 104 tokens back"),
+    ("recall-all", "--recall 512: give 0 (none) up to fewer than the -c 512 tokens"),
 ])
 def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     short = tmp_path / "short.txt"
@@ -85,12 +89,36 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, ha
         "clip-layers": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-clip", "v:0-31=0.9"],
         "bad-rotate": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-rotate", "k:*=sometimes"],
         "rotate-layers": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-rotate", "v:0-31=on"],
+        "recall-near": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--recall", "400"],
+        "recall-all": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--recall", "512"],
     }[case]
     proc = calibrate(*args, cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("pykvq: error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_the_probe_repeats_the_text_past_the_sinks_and_weighs_both_halves_alike() -> None:
+    probe = calibrate_command.Probe(n_tokens=200, window=16, sinks=0, threads=1, recall=40)
+    text = list(range(1000, 1300))
+    tokens = probe.tokens(text)
+    start = calibrate_command.RECALL_START
+    assert tokens == text[:160] + text[start:start + 40] and len(tokens) == 200
+    weights = probe.weights()
+    assert weights.sum() == pytest.approx(1.0)
+    assert weights[:160].sum() == pytest.approx(0.5) and weights[160:].sum() == pytest.approx(0.5)
+    # without a recall span the text is the probe and every token weighs alike
+    plain = calibrate_command.Probe(200, 16, 0, 1)
+    assert plain.tokens(text) == text[:200] and np.allclose(plain.weights(), 1 / 200)
+
+
+def test_the_divergence_is_the_weighted_mean_over_tokens() -> None:
+    reference = np.log(np.array([[0.5, 0.5], [0.9, 0.1]]))
+    other = np.log(np.array([[0.5, 0.5], [0.5, 0.5]]))
+    second = 0.9 * np.log(0.9 / 0.5) + 0.1 * np.log(0.1 / 0.5)
+    assert calibrate_command.mean_kld(reference, other, np.array([0.5, 0.5])) == pytest.approx(second / 2)
+    assert calibrate_command.mean_kld(reference, other, np.array([0.0, 1.0])) == pytest.approx(second)
 
 
 def test_the_fewest_sinks_within_the_tolerance_of_the_best_are_chosen() -> None:

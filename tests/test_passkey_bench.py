@@ -72,3 +72,13 @@ def test_per_layer_types_join_as_kivi_settings() -> None:
 def test_an_empty_per_layer_spec_is_refused_not_run_as_the_plain_type(empty: str) -> None:
     with pytest.raises(ValueError, match="give each layer's K and V type"):
         passkey.parse_args(["--kv-types", "f16", "--kv-layers", empty])
+
+
+def test_rotation_and_clip_go_to_the_kivi_settings_only() -> None:
+    args = passkey.parse_args(["--kv-types", "f16,q4_0,kivi2+rot", "--kv-rotate", "off", "--kv-clip", "k:*=0.9"])
+    assert [s.label for s in args.settings] == ["f16", "q4_0", "kivi2+rot rot off clip k:*=0.9"]
+    configs = [passkey.kv_config(s) for s in args.settings]
+    assert [(c.rotate, c.clip) for c in configs] == [(None, None), (None, None), ("off", "k:*=0.9")]
+    # without the options: +rot rotates, a plain kivi type takes the model's
+    plain = passkey.parse_args(["--kv-types", "f16,kivi2,kivi2+rot"])
+    assert [passkey.kv_config(s).rotate for s in plain.settings] == [None, None, True]

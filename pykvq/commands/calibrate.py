@@ -1,7 +1,12 @@
 """`pykvq calibrate`: choose the kivi sinks count and SKVQ's clip ratios, find each layer's K and V sensitivity on
 a text (from the f16 run's attention, pykvq.attention_sensitivity, or measured one tensor at a time), choose
 per-layer widths for a budget (pykvq.allocation), refine them by measuring mixes, and write them into a copy of the
-model as kvq.* metadata."""
+model as kvq.* metadata.
+
+Every choice is judged by the KL divergence against f16 KV of a probe: the text's first tokens, then (the recall
+span) a stretch of the text from its start repeated, so that those tokens are predicted by copying from further
+back than the fp16 window. Prose alone rarely needs the exact recall of a distant token, which a pass key does; the
+divergence is the mean of the text's and the recall span's, weighed alike."""
 
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ SENSITIVITY_SOURCES = ("attention", "measured")
 # attention sinks intact: the fewest whose KL divergence is within SINKS_TOLERANCE of the best count's
 SINK_CANDIDATES = (0, 1, 2, 4, 8)
 SINKS_TOLERANCE = 0.02
+# the recalled stretch starts past every sinks candidate, so that the cache holds all of it quantized
+RECALL_START = max(SINK_CANDIDATES)
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,29 @@ class Probe:
     threads: int
     clip: str = "none"      # SKVQ's clip ratios while measuring, the --kv-clip form
     rotate: str = "off"     # the Hadamard rotation while measuring, the --kv-rotate form
+    recall: int = 0         # the last n_tokens: the text from RECALL_START again (0: the text alone)
+
+    def check_recall(self) -> None:
+        """ValueError unless the recall span reads tokens that the cache holds quantized (past the fp16 window and
+        the query's own tile)."""
+        if self.recall < 0 or self.recall >= self.n_tokens:
+            raise ValueError(f"--recall {self.recall}: give 0 (none) up to fewer than the -c {self.n_tokens} tokens")
+        distance = self.n_tokens - self.recall - RECALL_START
+        if self.recall and distance < self.window + clip_calibration.GROUP:
+            raise ValueError(f"--recall {self.recall} with -c {self.n_tokens}: the recalled tokens would lie "
+                             f"{distance} tokens back, within the {self.window}-token fp16 window and a "
+                             f"{clip_calibration.GROUP}-token tile; lower --recall or raise -c")
+
+    def tokens(self, text: list[int]) -> list[int]:
+        """The probe's tokens from the text's: its first n_tokens - recall, then its recall span again."""
+        return text[:self.n_tokens - self.recall] + text[RECALL_START:RECALL_START + self.recall]
+
+    def weights(self) -> np.ndarray:
+        """Each probe token's weight in the mean divergence: the text's and the recall span's halves alike."""
+        n_text = self.n_tokens - self.recall
+        if not self.recall:
+            return np.full(n_text, 1.0 / n_text)
+        return np.concatenate([np.full(n_text, 0.5 / n_text), np.full(self.recall, 0.5 / self.recall)])
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -52,9 +82,9 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
 
 
-def mean_kld(reference: np.ndarray, other: np.ndarray) -> float:
-    """Mean over tokens of KL(reference || other), both given as log-probabilities."""
-    return float(np.mean(np.sum(np.exp(reference) * (reference - other), axis=1)))
+def mean_kld(reference: np.ndarray, other: np.ndarray, weights: np.ndarray) -> float:
+    """The weighted mean over tokens of KL(reference || other), both given as log-probabilities."""
+    return float(np.dot(weights, np.sum(np.exp(reference) * (reference - other), axis=1)))
 
 
 def uniform_types(n_layer: int, **by_part: str) -> dict[tuple[str, int], str]:
@@ -63,14 +93,15 @@ def uniform_types(n_layer: int, **by_part: str) -> dict[tuple[str, int], str]:
 
 
 class Calibrator:
-    """Log-probabilities of one token sequence under different KV layer mixes, against f16 KV; the Q, K and V every
-    layer attends with in the f16 run (one ubatch)."""
+    """Log-probabilities of the probe's tokens (from a text's, Probe.tokens) under different KV layer mixes, against
+    f16 KV; the Q, K and V every layer attends with in the f16 run (one ubatch)."""
 
-    def __init__(self, model: Model, tokens: list[int], probe: Probe) -> None:
+    def __init__(self, model: Model, text: list[int], probe: Probe) -> None:
         self.model = model
-        self.tokens = tokens
+        self.tokens = probe.tokens(text)
         self.probe = probe
-        self.capture = AttentionCapture(len(tokens))
+        self.weights = probe.weights()
+        self.capture = AttentionCapture(len(self.tokens))
         self.reference = self._log_probs(KvConfig(layers="none"), self.capture)
 
     def _log_probs(self, kv: KvConfig, observer: TensorObserver | None = None) -> np.ndarray:
@@ -87,7 +118,7 @@ class Calibrator:
         kv = KvConfig(REFERENCE, REFERENCE, self.probe.window, self.probe.sinks if sinks is None else sinks,
                       rotate=self.probe.rotate if rotate is None else rotate, layers=layers,
                       clip=self.probe.clip if clip is None else clip, select=kv_types.SELECT_OFF)
-        return mean_kld(self.reference, self._log_probs(kv))
+        return mean_kld(self.reference, self._log_probs(kv), self.weights)
 
     def layer_qkv(self, il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Layer il's captured Q, K and V as the cache takes them under the probe's rotation."""
@@ -224,6 +255,7 @@ def metadata(allocation: Allocation, clip: str, budget: float, sensitivities: li
         gguf_metadata.KEY_SENSITIVITY: source,
         "kvq.calibration.text": text.name,
         "kvq.calibration.n_tokens": probe.n_tokens,
+        "kvq.calibration.recall": probe.recall,
         "kvq.calibration.window": probe.window,
         "kvq.calibration.sinks": probe.sinks,
         gguf_metadata.KEY_KIVI2_CLIP: probe.clip,
@@ -251,14 +283,16 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--kv-budget {args.kv_budget:g} is below what any mix reaches (1 bit: kivi1 everywhere)")
     clip = "none" if args.kv_clip == "auto" else args.kv_clip
     rotate = "off" if args.kv_rotate == "auto" else args.kv_rotate
+    recall = args.ctx_size // 4 if args.recall is None else args.recall
     probe = Probe(args.ctx_size, args.kv_window, 0 if args.kv_sinks == "auto" else args.kv_sinks, args.threads, clip,
-                  rotate)
+                  rotate, recall)
+    probe.check_recall()
     with Model(args.model) as model:
         # refused before any measurement, naming the part
         if clip != "none":
             native.resolve_clip(clip, model.n_layer)
         native.resolve_rotation(rotate, model.n_layer)
-        tokens = model.tokenize(args.file.read_text(encoding="utf-8", errors="replace"))[:probe.n_tokens]
+        tokens = model.tokenize(args.file.read_text(encoding="utf-8", errors="replace"))
         if len(tokens) < probe.n_tokens:
             raise ValueError(f"the calibration text has {len(tokens)} tokens; -c asks for {probe.n_tokens}")
         calibrator = Calibrator(model, tokens, probe)
@@ -330,6 +364,11 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-budget", type=float, default=2.0,
                    help="mean code bits per K/V element (kivi4 = 4, kivi2 = 2, kivi1 = 1; default %(default)s)")
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="calibration tokens (default %(default)s)")
+    p.add_argument("--recall", type=int, metavar="N",
+                   help="the last N of the -c tokens repeat the text from its token "
+                        f"{RECALL_START}, so that each choice is also judged on recalling distant tokens exactly "
+                        "(what a pass key needs); the KL divergence weighs them and the text alike; 0: the text "
+                        "alone (default: a quarter of -c)")
     p.add_argument("--kv-window", type=int, default=128, help="kivi window while measuring (default %(default)s)")
     p.add_argument("--kv-sinks", type=sinks_count, default="auto",
                    help="kivi sinks: a count, or auto to choose it on the text among "
