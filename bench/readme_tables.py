@@ -244,11 +244,17 @@ def recipe_table(path: Path) -> str:
     return recipe_record_table(json.loads(path.read_text()))
 
 
+def recall_words(calibration: dict) -> str:
+    """How many of the calibration's tokens were its recall span (none recorded before it had one)."""
+    recall = calibration.get("kvq.calibration.recall")
+    return f"(the last {recall} its recall span) " if recall else "(no recall span) "
+
+
 def recipe_record_table(record: dict) -> str:
     c = record["calibration"]
     lines = [f"The calibrated recipe against upstream's 4-bit KV ({record['model']}, {record['text']}, n_ctx "
              f"{record['n_ctx']}, {record['chunks']} chunks; `pykvq calibrate` on {c['n_tokens']} tokens of Macbeth "
-             f"in {c['seconds'] / 60:.1f} min on {c['threads']} threads chose {c['kvq.sinks']} sinks, "
+             f"{recall_words(c)}in {c['seconds'] / 60:.1f} min on {c['threads']} threads chose {c['kvq.sinks']} sinks, "
              f"{rotation_words(c)}{clip_words(c['kvq.kv_clip'])} and the mix below; "
              "bench/recipe.py):", "",
              "| KV cache | code bits | K, V bpe | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: | ---: | ---: |"]

@@ -63,7 +63,8 @@ def calibrate(model: Path, n_tokens: int, threads: int, workdir: Path) -> tuple[
               **{key: kvq.get(key) for key in (gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_CLIP,
                                                 gguf_metadata.KEY_SINKS, gguf_metadata.KEY_BUDGET,
                                                 gguf_metadata.KEY_ROTATE,
-                                                gguf_metadata.KEY_KIVI2_CLIP, gguf_metadata.KEY_SENSITIVITY)}}
+                                                gguf_metadata.KEY_KIVI2_CLIP, gguf_metadata.KEY_SENSITIVITY,
+                                                gguf_metadata.KEY_RECALL)}}
     return out, record
 
 

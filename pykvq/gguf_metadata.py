@@ -73,11 +73,12 @@ KEY_BUDGET = "kvq.kv_budget"
 KEY_CALIBRATION_TEXT = "kvq.calibration.text"
 KEY_SENSITIVITY = "kvq.calibration.sensitivity"
 KEY_KIVI2_CLIP = "kvq.calibration.kivi2_clip"
+KEY_RECALL = "kvq.calibration.recall"
 
 # whole-number keys and their largest value: the settings reach llama.cpp's int32 fields
 WHOLE_NUMBERS = {KEY_WINDOW: INT32_MAX, KEY_SINKS: INT32_MAX, "kvq.calibration.window": INT32_MAX,
                  "kvq.calibration.sinks": INT32_MAX, "kvq.calibration.n_tokens": 2**32 - 1,
-                 "kvq.calibration.recall": 2**32 - 1}
+                 KEY_RECALL: 2**32 - 1}
 
 
 # copies smaller than this are quick enough not to need a progress bar

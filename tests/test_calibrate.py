@@ -34,7 +34,7 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     # recorded for every entry point; a prompt shorter than the window (below) is kept whole, not refused
     assert meta[gguf_metadata.KEY_SELECT] == "0.25,0.25,32"
     assert meta["kvq.kv_budget"] == pytest.approx(2.0) and meta["kvq.calibration.n_tokens"] == 64
-    assert meta["kvq.calibration.recall"] == 8
+    assert meta[gguf_metadata.KEY_RECALL] == 8
     assert all(len(meta[f"kvq.calibration.kld_{p}_{w}"]) == N_LAYER for p in "kv" for w in ("kivi4", "kivi1"))
     assert meta["kvq.calibration.sensitivity"] == "attention"
     sinks = meta[gguf_metadata.KEY_SINKS]

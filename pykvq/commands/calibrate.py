@@ -255,7 +255,7 @@ def metadata(allocation: Allocation, clip: str, budget: float, sensitivities: li
         gguf_metadata.KEY_SENSITIVITY: source,
         "kvq.calibration.text": text.name,
         "kvq.calibration.n_tokens": probe.n_tokens,
-        "kvq.calibration.recall": probe.recall,
+        gguf_metadata.KEY_RECALL: probe.recall,
         "kvq.calibration.window": probe.window,
         "kvq.calibration.sinks": probe.sinks,
         gguf_metadata.KEY_KIVI2_CLIP: probe.clip,
