@@ -357,7 +357,9 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                     "layer's K and V at 4 and at 1 bits, kivi2 elsewhere, changes the output's KL divergence (from "
                     "the f16 run's attention, or measured), picks the widths with the least total for the budget, "
                     "refines them by measuring mixes, and writes them as kvq.kv_layers, kvq.kv_clip, kvq.kv_rotate "
-                    "and kvq.sinks into a copy of the model, which run then uses.")
+                    "and kvq.sinks into a copy of the model, which run then uses. Every KL divergence is taken "
+                    "over the text's first tokens and a recall span (--recall) that repeats its start, so that "
+                    "reading distant tokens exactly counts as much as the prose.")
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
     p.add_argument("-f", "--file", type=Path, required=True, help="calibration text")
     p.add_argument("-o", "--output", type=Path, required=True, help="the GGUF copy to write")
