@@ -368,9 +368,9 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="calibration tokens (default %(default)s)")
     p.add_argument("--recall", type=int, metavar="N",
                    help="the last N of the -c tokens repeat the text from past its first "
-                        f"{RECALL_START} tokens (where sinks would be), so that each choice is also judged on recalling distant tokens exactly "
-                        "(what a pass key needs); the KL divergence weighs them and the text alike; 0: the text "
-                        "alone (default: a quarter of -c)")
+                        f"{RECALL_START} tokens (where sinks would be), so that each choice is also judged on "
+                        "recalling distant tokens exactly (what a pass key needs); the KL divergence weighs them and "
+                        "the text alike; 0: the text alone (default: a quarter of -c)")
     p.add_argument("--kv-window", type=int, default=128, help="kivi window while measuring (default %(default)s)")
     p.add_argument("--kv-sinks", type=sinks_count, default="auto",
                    help="kivi sinks: a count, or auto to choose it on the text among "
