@@ -54,7 +54,7 @@ class Probe:
     rotate: str = "off"     # the Hadamard rotation while measuring, the --kv-rotate form
     recall: int = 0         # the last n_tokens: the text from RECALL_START again (0: the text alone)
 
-    def check_recall(self) -> None:
+    def __post_init__(self) -> None:
         """ValueError unless the recall span reads tokens that the cache holds quantized (past the fp16 window and
         the query's own tile)."""
         if self.recall < 0 or self.recall >= self.n_tokens:
@@ -286,7 +286,6 @@ def run(args: argparse.Namespace) -> int:
     recall = args.ctx_size // 4 if args.recall is None else args.recall
     probe = Probe(args.ctx_size, args.kv_window, 0 if args.kv_sinks == "auto" else args.kv_sinks, args.threads, clip,
                   rotate, recall)
-    probe.check_recall()
     with Model(args.model) as model:
         # refused before any measurement, naming the part
         if clip != "none":
