@@ -134,9 +134,15 @@ def pre_rope_table(path: Path) -> str:
              "| --- | --- | ---: | ---: | ---: |"]
     for m in record["models"]:
         for r in m["rows"]:
-            removed = m["share_of_loss_removed"].get(str(r["bits"])) if r["pre_rope"] else None
+            removed = m["share_of_loss_removed"].get(r["setting"])
             lines.append(f"| {m['model']} | {r['setting'].removesuffix(' K').replace(' K ', ' ')} | {r['ppl']:.2f} | "
                          f"{r['delta_pct']:+.1f}% | {'' if removed is None else f'{100 * removed:.0f}%'} |")
+    for m in record["models"]:
+        if "recipe" in m:
+            r = m["recipe"]
+            lines.append(f"\n{m['model']}, recipe: K as `pykvq calibrate`'s copy holds it ({r['sinks']} sinks, window "
+                         f"{r['window']}, K rotated in {r['k_rotated_layers']} layers, clipped at its kivi2 ratios), "
+                         "against the same quantized before RoPE (unrotated).")
     return "\n".join(lines)
 
 
