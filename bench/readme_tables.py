@@ -257,9 +257,10 @@ def recall_words(calibration: dict) -> str:
 
 
 def window_words(calibration: dict) -> str:
-    """The window the recipe chose, where its record says (older ones ran at the default)."""
+    """The window the recipe chose (--kv-window auto), where its record says."""
     window = calibration.get("kvq.window")
-    return "" if window is None else f"a {window}-token window, "
+    chosen = any("-> --kv-window" in line for line in calibration.get("summary", []))
+    return f"a {window}-token window (--kv-window auto), " if chosen else ""
 
 
 def recipe_record_table(record: dict) -> str:

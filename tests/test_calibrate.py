@@ -76,6 +76,7 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     ("recall-all", "--recall 512: give 0 (none) up to fewer than the -c 512 tokens"),
     ("window-ctx", "--kv-window-ctx 0: give the context length the model will run at"),
     ("window-short", "-c 64 is too short to choose a window among 32, 64, 128, 256"),
+    ("window-ctx-fixed", "--kv-window-ctx prices the windows --kv-window auto weighs"),
 ])
 def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     short = tmp_path / "short.txt"
@@ -96,7 +97,9 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, ha
         "recall-near": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--recall", "400"],
         "recall-all": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--recall", "512"],
         "window-ctx": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-window-ctx", "0"],
-        "window-short": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "-c", "64", "--recall", "0"],
+        "window-short": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "-c", "64", "--recall", "0",
+                         "--kv-window", "auto"],
+        "window-ctx-fixed": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-window-ctx", "4096"],
     }[case]
     proc = calibrate(*args, cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr

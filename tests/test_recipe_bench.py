@@ -39,9 +39,10 @@ def test_the_table_names_the_mix_and_the_verdicts() -> None:
     scored = rows(q4_0=5.5, q4_1=2.8, mix=5.0, uniform=3.0)
     record = {"model": "m", "text": "t", "n_ctx": 2048, "chunks": 4, "rows": scored, "targets": recipe.judged(scored),
               "calibration": {"n_tokens": 1024, "seconds": 90.0, "threads": 2, "kvq.sinks": 4, "kvq.window": 64,
+                              "summary": ["kivi2 everywhere, ... -> --kv-window 64"],
                               "kvq.kv_clip": "k:*=0.9"}}
     table = recipe_record_table(record)
     assert "calibrated mix: +5.00% against q4_0's +5.50%: **met**" in table
     assert "calibrated kivi2: +3.00% against q4_1's +2.80%: **not met**" in table
     assert "`--kv-layers 'k:0=kivi4,1-=kivi1;v:*=kivi2'`" in table
-    assert "chose 4 sinks, a 64-token window, " in table
+    assert "chose 4 sinks, a 64-token window (--kv-window auto), " in table

@@ -328,10 +328,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--kv-budget {args.kv_budget:g} is below what any mix reaches (1 bit: kivi1 everywhere)")
     if args.kv_window_ctx is not None and args.kv_window_ctx < 1:
         raise ValueError(f"--kv-window-ctx {args.kv_window_ctx}: give the context length the model will run at")
+    if args.kv_window_ctx is not None and args.kv_window != "auto":
+        raise ValueError("--kv-window-ctx prices the windows --kv-window auto weighs: give --kv-window auto with it")
     clip = "none" if args.kv_clip == "auto" else args.kv_clip
     rotate = "off" if args.kv_rotate == "auto" else args.kv_rotate
     recall = args.ctx_size // 4 if args.recall is None else args.recall
-    window = native.kvq_default_params().window if args.kv_window == "auto" else args.kv_window
+    window = native.kvq_default_params().window if args.kv_window in (None, "auto") else args.kv_window
     probe = Probe(args.ctx_size, window, 0 if args.kv_sinks == "auto" else args.kv_sinks, args.threads, clip, rotate,
                   recall)
     if args.kv_window == "auto":
@@ -435,10 +437,11 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                         f"{RECALL_START} tokens (where sinks would be), so that each choice is also judged on "
                         "recalling distant tokens exactly (what a pass key needs); the KL divergence weighs them and "
                         "the text alike; 0: the text alone (default: a quarter of -c)")
-    p.add_argument("--kv-window", type=count_or_auto, default="auto",
+    p.add_argument("--kv-window", type=count_or_auto,
                    help="kivi window (recent tokens kept in fp16): a count, or auto to choose it among "
                         f"{', '.join(map(str, window_choice.CANDIDATES))}, each priced at what its fp16 cells would "
-                        "buy as code bits at --kv-window-ctx (default %(default)s); written as the model's kvq.window")
+                        "buy as code bits at --kv-window-ctx (default: the cache's, 128; auto trades pass-key "
+                        "retrieval for memory, see the README); written as the model's kvq.window")
     p.add_argument("--kv-window-ctx", type=int, metavar="N",
                    help="the context length the model will run at, where --kv-window auto weighs a window's memory "
                         "(default: the model's training context)")
