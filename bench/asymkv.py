@@ -5,7 +5,7 @@
 For l in --layers, asymkv:l/0 (K kivi2 in the first l layers, kivi1 after, V kivi1) and asymkv:0/l (the same
 memory with V given the bits) are run through llama-perplexity on Hamlet. The allocator (pykvq calibrate's)
 measures each layer's sensitivities on Macbeth (another text than the one scored) and picks a mix per budget,
-then refines it by --refine mixes measured as a whole (pykvq.allocation.refine); both mixes are scored.
+then refines it by --refine mixes measured as a whole (pykvq.calibration.allocation.refine); both mixes are scored.
 Sensitivities are measured over --calibration-tokens with --calibration-window: a window as small a share of
 the calibration text as the default 128 is of the scored context, so that most cells are quantized in both.
 Writes bench/results/asymkv-c<N>.json and .png and prints a table.
@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pykvq import assets, kv_types
-from pykvq.allocation import allocate
+from pykvq.calibration.allocation import allocate
 from pykvq.api.llama import Model
 from pykvq.bindings import native
 from pykvq.commands import perplexity

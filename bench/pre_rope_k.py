@@ -29,7 +29,8 @@ from pathlib import Path
 from decode_speed import RESULTS
 from hf_study import MODELS, measure_settings, ppl_table, record_study, studied_model, study_arguments
 
-from pykvq import assets, gguf_metadata, rotation
+from pykvq import assets, gguf_metadata
+from pykvq.calibration import rotation
 from pykvq.api.llama import Model
 from pykvq.bindings import native
 from pykvq.convert.kv_calibration import fake_quantize, kivi_attention

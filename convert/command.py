@@ -17,7 +17,7 @@ from pykvq.convert import hf_converter
 from pykvq.convert.kv_calibration import GROUP, Calibration, CalibrationSettings
 
 from pykvq import gguf_metadata
-from pykvq.allocation import BITS, PARTS, allocate, format_allocation
+from pykvq.calibration.allocation import BITS, PARTS, allocate, format_allocation
 
 log = logging.getLogger("pykvq.convert")
 

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pykvq.allocation import BITS, PARTS, Sensitivity
+from pykvq.calibration.allocation import BITS, PARTS, Sensitivity
 
 log = logging.getLogger("pykvq.convert")
 
@@ -57,7 +57,7 @@ class Calibration:
                 self.errors.setdefault((part, name), [0.0] * self.n_layer)
 
     def sensitivities(self) -> list[Sensitivity]:
-        """Each layer's K and V cost per width, relative to kivi2 (what pykvq.allocation takes)."""
+        """Each layer's K and V cost per width, relative to kivi2 (what pykvq.calibration.allocation takes)."""
         return [Sensitivity(part, il, {name: self.errors[part, name][il] - self.errors[part, REFERENCE][il]
                                        for name in BITS})
                 for part in PARTS for il in range(self.n_layer)]

@@ -5,10 +5,11 @@
         print("".join(model.generate("Once upon a time", kv=KvConfig.preset("kivi2"))))
 
 Where things are: ``api`` (Model, Context, Sampler), ``bindings`` (cffi bindings to the built libraries),
-``commands`` (the ``pykvq`` command line), ``convert`` (HF -> GGUF with calibrated metadata), ``llama_cpp``
+``calibration`` (what ``pykvq calibrate`` chooses: widths, clip ratios, rotation, window), ``commands`` (the
+``pykvq`` command line), ``convert`` (HF -> GGUF with calibrated metadata), ``llama_cpp``
 (llama-cpp-python on pykvq's libllama), ``devtools`` (the upstream build and developer scripts); at the top,
 the core every part shares: ``paths``, ``build_info``, ``kv_types`` (the KV-spec vocabulary),
-``gguf_metadata`` (the ``kvq.*`` schema), ``allocation`` (the per-layer budget), ``assets``, ``llama_tools``.
+``gguf_metadata`` (the ``kvq.*`` schema), ``assets``, ``llama_tools``.
 """
 
 from importlib import import_module

@@ -1,5 +1,5 @@
-"""The budget allocator (pykvq.allocation) against brute force, its spec against the C parser, and the measured
-refinement against objectives where the costs do not add up."""
+"""The budget allocator (pykvq.calibration.allocation) against brute force, its spec against the C parser, and the
+measured refinement against objectives where the costs do not add up."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pykvq import kv_types
-from pykvq.allocation import BITS, PARTS, Allocation, BudgetError, Sensitivity, allocate, refine
+from pykvq.calibration.allocation import BITS, PARTS, Allocation, BudgetError, Sensitivity, allocate, refine
 
 
 def random_sensitivities(n_layer: int, rng: random.Random) -> list[Sensitivity]:

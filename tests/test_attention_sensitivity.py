@@ -1,14 +1,14 @@
-"""pykvq.attention_sensitivity: each layer's K and V cost per width from captured Q, K and V (numpy), on data built
-to need more bits in one layer than in another."""
+"""pykvq.calibration.attention_sensitivity: each layer's K and V cost per width from captured Q, K and V (numpy), on
+data built to need more bits in one layer than in another."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pykvq import attention_sensitivity as sens
-from pykvq.allocation import allocate
-from pykvq.clip_calibration import RATIOS
+from pykvq.calibration import attention_sensitivity as sens
+from pykvq.calibration.allocation import allocate
+from pykvq.calibration.clip_ratios import RATIOS
 
 
 def qkv(n: int, seed: int, spread: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

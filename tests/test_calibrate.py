@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import attention_sensitivity, gguf_metadata, kv_types, window_choice
-from pykvq.allocation import BITS
+from pykvq import gguf_metadata, kv_types
+from pykvq.calibration import attention_sensitivity, window_choice
+from pykvq.calibration.allocation import BITS
 from pykvq.commands import calibrate as calibrate_command
 
 import device

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pykvq import KvConfig, gguf_metadata, kv_types
-from pykvq.allocation import BITS
+from pykvq.calibration.allocation import BITS
 
 import device
 

@@ -28,7 +28,7 @@ def test_the_wheel_installs_no_top_level_package_but_pykvq() -> None:
 def test_the_package_top_holds_few_modules() -> None:
     modules = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(modules) <= MAX_TOP_MODULES, modules
-    for sub in ("api", "bindings", "commands", "convert", "devtools", "llama_cpp"):
+    for sub in ("api", "bindings", "calibration", "commands", "convert", "devtools", "llama_cpp"):
         init = PACKAGE / sub / "__init__.py"
         assert ast.get_docstring(ast.parse(init.read_text())), f"{init} says nothing of what lives there"
 

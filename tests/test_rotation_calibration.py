@@ -1,11 +1,12 @@
-"""pykvq.rotation: the per-layer rotation pykvq calibrate measures, against numpy facts and built cases."""
+"""pykvq.calibration.rotation: the per-layer rotation pykvq calibrate measures, against numpy facts and built cases."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pykvq import kv_types, rotation
+from pykvq import kv_types
+from pykvq.calibration import rotation
 from pykvq.bindings import native
 
 TOKENS, HEADS, KV_HEADS, DIM = 96, 4, 2, 64

@@ -1,7 +1,7 @@
-"""`pykvq calibrate`: choose the kivi sinks count, the rotation, SKVQ's clip ratios and the fp16 window
-(pykvq.window_choice), find each layer's K and V sensitivity on a text (from the f16 run's attention,
-pykvq.attention_sensitivity, or measured one tensor at a time), choose per-layer widths for a budget
-(pykvq.allocation), refine them by measuring mixes, and write them into a copy of the model as kvq.* metadata.
+"""`pykvq calibrate`: choose the kivi sinks count, the rotation, SKVQ's clip ratios and the fp16 window, find each
+layer's K and V sensitivity on a text (from the f16 run's attention, or measured one tensor at a time), choose
+per-layer widths for a budget, refine them by measuring mixes, and write them into a copy of the model as kvq.*
+metadata. The choices from measurements live in pykvq.calibration; the model runs here.
 
 Every choice is judged by the KL divergence against f16 KV of a probe: the text's first tokens, then (the recall
 span) a stretch of the text from its start repeated, so that those tokens are predicted by copying from further
@@ -19,10 +19,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pykvq import attention_sensitivity, clip_calibration, gguf_metadata, kv_types, rotation, window_choice
-from pykvq.allocation import BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, format_allocation, refine
-from pykvq.attention_sensitivity import WidthErrors
-from pykvq.window_choice import WindowChoice
+from pykvq import gguf_metadata, kv_types
+from pykvq.calibration import attention_sensitivity, clip_ratios, rotation, window_choice
+from pykvq.calibration.allocation import (BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, format_allocation,
+                                          refine)
+from pykvq.calibration.attention_sensitivity import WidthErrors
+from pykvq.calibration.window_choice import WindowChoice
 from pykvq.api.capture import AttentionCapture, TensorObserver
 from pykvq.api.llama import ContextConfig, KvConfig, Model
 from pykvq.bindings import native
@@ -63,7 +65,7 @@ class Probe:
         if not self.recall_clears(self.window):
             raise ValueError(f"--recall {self.recall} with -c {self.n_tokens}: the recalled tokens would lie "
                              f"{self.recall_distance} tokens back, within the {self.window}-token fp16 window and a "
-                             f"{clip_calibration.GROUP}-token tile; lower --recall or raise -c")
+                             f"{clip_ratios.GROUP}-token tile; lower --recall or raise -c")
 
     @property
     def recall_distance(self) -> int:
@@ -72,12 +74,12 @@ class Probe:
 
     def recall_clears(self, window: int) -> bool:
         """Whether the recall span (if any) reads past a window of ``window`` tokens and the query's tile."""
-        return not self.recall or self.recall_distance >= window + clip_calibration.GROUP
+        return not self.recall or self.recall_distance >= window + clip_ratios.GROUP
 
     def window_candidates(self) -> list[int]:
-        """The windows pykvq.window_choice weighs that this probe can judge: the recall span reads past them, and
+        """The windows window_choice weighs that this probe can judge: the recall span reads past them, and
         some tokens lie past the longest and its tile; ValueError when none."""
-        group = clip_calibration.GROUP
+        group = clip_ratios.GROUP
         out = [w for w in window_choice.CANDIDATES if self.recall_clears(w) and w + group < self.n_tokens]
         if not out:
             raise ValueError(f"-c {self.n_tokens} is too short to choose a window among "
@@ -148,7 +150,7 @@ class Calibrator:
 
     def rotation_klds(self) -> dict[str, float]:
         """KL divergence of kivi2 everywhere (the probe's clip ratios) without rotation, with the per-layer rotation
-        of least attention-output error (pykvq.rotation), and with every layer rotated."""
+        of least attention-output error (pykvq.calibration.rotation), and with every layer rotated."""
         with tqdm(total=self.model.n_layer, unit="layer", desc="rotation") as progress:
             per_layer = rotation.per_layer_rotation(self.capture.layer, self.model.n_layer, self.probe.window,
                                                     self.probe.sinks, progress.update)
@@ -160,9 +162,9 @@ class Calibrator:
 
     def window_choice(self, target_ctx: int) -> WindowChoice:
         """kivi2 everywhere at each candidate window the probe allows, and the price of a bit per element (kivi4
-        everywhere, unclipped, at the probe's window), over the tokens past every candidate (pykvq.window_choice)."""
+        everywhere, unclipped, at the probe's window), over the tokens past every candidate (window_choice)."""
         candidates = self.probe.window_candidates()
-        weights = window_choice.scored_from(self.weights, max(candidates) + clip_calibration.GROUP)
+        weights = window_choice.scored_from(self.weights, max(candidates) + clip_ratios.GROUP)
         n_layer = self.model.n_layer
         dearer = Allocation(uniform_types(n_layer, k=window_choice.DEARER, v=window_choice.DEARER), n_layer, 0.0)
         with tqdm(total=len(candidates) + 1, unit="run", desc="window") as progress:
@@ -180,9 +182,9 @@ class Calibrator:
                             window_choice.kld_per_bit(cheaper, kld_dearer, self.probe.window, sinks, target_ctx))
 
     def per_layer_clip(self) -> str:
-        """SKVQ's ratios per layer from the f16 run's Q, K and V (pykvq.clip_calibration)."""
+        """SKVQ's ratios per layer from the f16 run's Q, K and V (pykvq.calibration.clip_ratios)."""
         with tqdm(total=self.model.n_layer, unit="layer", desc="clip ratios") as progress:
-            return clip_calibration.per_layer_clip(self.layer_qkv, self.model.n_layer, self.probe.window,
+            return clip_ratios.per_layer_clip(self.layer_qkv, self.model.n_layer, self.probe.window,
                                                    self.probe.sinks, progress=progress.update)
 
     def uniform_clip(self) -> tuple[str, dict[str, dict[float, float]]]:
@@ -194,15 +196,15 @@ class Calibrator:
         klds: dict[str, dict[float, float]] = {}
         for part in ("v", "k"):
             klds[part] = {}
-            for r in tqdm(clip_calibration.RATIOS, unit="ratio", desc=f"clip {part.upper()}"):
+            for r in tqdm(clip_ratios.RATIOS, unit="ratio", desc=f"clip {part.upper()}"):
                 klds[part][r] = self.kld("none", clip=uniform_clip_spec({**chosen, part: r}))
                 if klds[part][r] > min(klds[part].values()):
                     break
             chosen[part] = min(klds[part], key=klds[part].__getitem__)
         return uniform_clip_spec(chosen), klds
 
-    def width_errors(self, ratios: tuple[float, ...] | None = clip_calibration.RATIOS) -> list[WidthErrors]:
-        """Each layer's K and V attention-output error and clip ratio per width (pykvq.attention_sensitivity):
+    def width_errors(self, ratios: tuple[float, ...] | None = clip_ratios.RATIOS) -> list[WidthErrors]:
+        """Each layer's K and V attention-output error and clip ratio per width (attention_sensitivity):
         kivi2 at the probe's ratios, the other widths at their best among ``ratios`` (None: the probe's too)."""
         n_layer = self.model.n_layer
         k_clip, v_clip = native.resolve_clip(self.probe.clip, n_layer)
@@ -284,7 +286,7 @@ def choose_sinks(klds: dict[int, float]) -> int:
 
 def refined(calibrator: Calibrator, start: Allocation, sensitivities: list[Sensitivity], budget: float,
             max_evaluations: int, widths: list[WidthErrors]) -> Refinement:
-    """The additive choice, then up to ``max_evaluations`` mixes measured from it (pykvq.allocation.refine)."""
+    """The additive choice, then up to ``max_evaluations`` mixes measured from it (allocation.refine)."""
     with tqdm(total=1 + max_evaluations, unit="mix", desc="refine") as progress:
         return refine(start, sensitivities, budget, lambda a: calibrator.mix_kld(a.types, widths),
                       1 + max_evaluations, progress.update)
@@ -369,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
             probe = calibrator.probe = replace(probe, window=windows.chosen)
             print(format_window_choice(windows, len(calibrator.tokens)) + f" -> --kv-window {probe.window}")
         # ratios the user gave hold at every width; chosen ones are chosen per width
-        widths = calibrator.width_errors(clip_calibration.RATIOS if args.kv_clip == "auto" else None)
+        widths = calibrator.width_errors(clip_ratios.RATIOS if args.kv_clip == "auto" else None)
         if args.sensitivity == "attention":
             sensitivities = calibrator.attention_sensitivities(widths)
         else:
@@ -394,7 +396,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_window_choice(choice: WindowChoice, n_tokens: int) -> str:
-    first = max(choice.klds) + clip_calibration.GROUP
+    first = max(choice.klds) + clip_ratios.GROUP
     return (f"kivi2 everywhere, KL divergence against f16 KV over tokens {first}-{n_tokens - 1} by window (bits per "
             f"element at {choice.target_ctx} tokens): "
             + ", ".join(f"{w}: {kld:.4f} ({choice.bits[w]:.2f})" for w, kld in choice.klds.items())
@@ -452,7 +454,7 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-clip", default="auto", metavar="auto|none|SPEC",
                    help="SKVQ's clipping: auto measures, by the cache's KL divergence against f16 KV, no clipping, "
                         "the per-layer K and V ratios among "
-                        f"{', '.join(map(str, clip_calibration.RATIOS))} with the least attention-output error on the "
+                        f"{', '.join(map(str, clip_ratios.RATIOS))} with the least attention-output error on the "
                         "text, and one ratio per part searched by that KL divergence, and keeps the lowest; or give a "
                         "--kv-clip spec or none (default %(default)s); written as the model's kvq.kv_clip and used "
                         "while measuring")

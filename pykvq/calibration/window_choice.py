@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pykvq import kv_types
-from pykvq.attention_sensitivity import REFERENCE
+from pykvq.calibration.attention_sensitivity import REFERENCE
 
 CANDIDATES = (32, 64, 128, 256)
 # the calibration's reference width everywhere is priced against two bits per element more of code

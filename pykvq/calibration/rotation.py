@@ -4,7 +4,7 @@ A rotation spreads each head's outlier channels over the others before quantizat
 quantized KV so by default). For kivi's per-channel K groups that mixes apart what the groups keep apart, so whether
 it pays depends on the layer: on SmolLM2 it lowers the attention-output error of K in 24 of 30 layers and of V in
 all of them, on a qwen2 model with bias outlier channels in K it hurts (bench/recipe.py). Each layer's K and V are
-judged like the clip ratios (pykvq.clip_calibration): the output error at kivi2 with and without the rotation, each
+judged like the clip ratios (clip_ratios): the output error at kivi2 with and without the rotation, each
 at its best clip ratio, the other part in fp16. The rotations match the cache's (llama_kv_cache::build_input_k_rot):
 K by the largest power-of-two block of at least 64 that divides the head, V by blocks of 64; a head size that 64
 does not divide is never rotated.
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pykvq import kv_types
-from pykvq.clip_calibration import BITS, MAX_TOKENS, RATIOS, Contract, LayerAttention
+from pykvq.calibration.clip_ratios import BITS, MAX_TOKENS, RATIOS, Contract, LayerAttention
 
 SMALLEST = 64
 

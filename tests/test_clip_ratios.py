@@ -1,5 +1,5 @@
-"""pykvq.clip_calibration: SKVQ's per-layer clip ratios from captured Q, K and V (numpy), against the kernels' format
-(tests/kvq_oracle.py) and on data built to need or not need clipping."""
+"""pykvq.calibration.clip_ratios: SKVQ's per-layer clip ratios from captured Q, K and V (numpy), against the kernels'
+format (tests/kvq_oracle.py) and on data built to need or not need clipping."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import kvq_oracle as oracle
 import numpy as np
 import pytest
 
-from pykvq import clip_calibration as cc
+from pykvq.calibration import clip_ratios as cc
 
 
 @pytest.mark.parametrize("clip", [1.0, 0.85, 0.6])

@@ -3,7 +3,7 @@
 Measuring every tensor at two other widths with the real cache takes 4 x n_layer model runs: most of a calibration
 (42 of 43 minutes on SmolLM2 on 2 cores, about an hour on a 1.5B model). The f16 run's captured Q, K and V give the
 same ranking in one numpy pass: how far each layer's attention output moves, relative to its size, with its K or
-its V alone at kivi4, kivi2 or kivi1 under the cache's contract (clip_calibration.LayerAttention). On SmolLM2 these
+its V alone at kivi4, kivi2 or kivi1 under the cache's contract (clip_ratios.LayerAttention). On SmolLM2 these
 relative errors rank the measured costs of the 1-bit tensors with a Spearman correlation of 0.62 (K) and 0.82 (V);
 the 4-bit gains they predict are smaller than what one measurement can resolve, as the measured ones are.
 
@@ -11,7 +11,7 @@ A unit of K error does not weigh like a unit of V error (on SmolLM2 the measured
 each part's errors are turned into KL divergence by one measured run: that part at kivi2 everywhere and the other at
 kivi4 (a kivi K needs a kivi V; kivi4's errors are a few percent of kivi2's), whose divergence is divided among the
 layers in proportion to their kivi2 errors. What the additive costs miss, the
-measured refinement (pykvq.allocation.refine) corrects.
+measured refinement (pykvq.calibration.allocation.refine) corrects.
 
 Each width gets its own clip ratio, the one of least error at that width: a ratio chosen for 2 bits over-clips at 4
 (SmolLM2's K ratios down to 0.7 made some layers worse at kivi4 than at kivi2). kivi2 keeps the ratio calibrated
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pykvq.allocation import BITS, PARTS, Sensitivity
-from pykvq.clip_calibration import MAX_TOKENS, RATIOS, Contract, LayerAttention, clip_spec_per_layer
+from pykvq.calibration.allocation import BITS, PARTS, Sensitivity
+from pykvq.calibration.clip_ratios import MAX_TOKENS, RATIOS, Contract, LayerAttention, clip_spec_per_layer
 
 REFERENCE = "kivi2"
 
@@ -79,7 +79,7 @@ def kld_scale(errors: list[WidthErrors], part: str, kld: float) -> float:
 
 
 def sensitivities(errors: list[WidthErrors], scale: dict[str, float]) -> list[Sensitivity]:
-    """The errors as costs relative to kivi2 (what pykvq.allocation takes), each part's in KL divergence."""
+    """The errors as costs relative to kivi2 (what pykvq.calibration.allocation takes), each part's in KL divergence."""
     return [Sensitivity(e.part, e.layer, {name: scale[e.part] * (x - e.error[REFERENCE])
                                           for name, x in e.error.items()})
             for e in errors]
