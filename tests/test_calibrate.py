@@ -138,21 +138,6 @@ def test_the_fewest_sinks_within_the_tolerance_of_the_best_are_chosen() -> None:
     assert calibrate_command.choose_sinks({0: 0.0, 1: 0.0}) == 0
 
 
-def test_the_clip_ratios_that_measure_lowest_are_kept() -> None:
-    def choice(klds: dict[str, float]) -> str:
-        return calibrate_command.ClipChoice("k:0=0.9,1-=1", "v:*=0.8", {}, klds).chosen
-
-    assert choice({"none": 0.2, "k:0=0.9,1-=1": 0.15, "v:*=0.8": 0.16}) == "k:0=0.9,1-=1"
-    assert choice({"none": 0.2, "k:0=0.9,1-=1": 0.17, "v:*=0.8": 0.16}) == "v:*=0.8"
-    assert choice({"none": 0.2, "k:0=0.9,1-=1": 0.2, "v:*=0.8": 0.2}) == "none"
-
-
-def test_one_ratio_per_part_is_spelled_for_every_layer() -> None:
-    assert calibrate_command.uniform_clip_spec({"v": 0.85, "k": 0.9}) == "k:*=0.9;v:*=0.85"
-    assert calibrate_command.uniform_clip_spec({"k": 1.0, "v": 0.8}) == "v:*=0.8"
-    assert calibrate_command.uniform_clip_spec({"k": 1.0, "v": 1.0}) == "none"
-
-
 @pytest.mark.parametrize("text, wanted", [("auto", "auto"), ("0", 0), ("4", 4)])
 def test_sinks_and_window_take_a_count_or_auto(text: str, wanted: int | str) -> None:
     assert calibrate_command.count_or_auto(text) == wanted
@@ -199,19 +184,6 @@ def test_measured_sensitivities_move_one_tensor_at_a_time_at_its_widths_ratio() 
     assert costs["v", 2] == pytest.approx({"kivi2": 0.0, "kivi4": -0.02, "kivi1": 0.2})
     assert len(calibrator.calls) == 1 + 2 * 2 * n_layer
     assert ("k:0-2=kivi2;v:0=kivi1,1-2=kivi2", "k:0-2=0.9;v:0=0.7,1-2=0.9") in calibrator.calls
-
-
-def test_the_uniform_clip_search_stops_past_the_best_ratio() -> None:
-    def kld(layers: str, clip: str | None) -> float:
-        ratios = dict(rule.split(":*=") for rule in clip.split(";")) if clip != "none" else {}
-        return (float(ratios.get("k", 1)) - 0.8) ** 2 + (float(ratios.get("v", 1)) - 0.85) ** 2
-
-    calibrator = ScriptedCalibrator(2, kld)
-    spec, klds = calibrator.uniform_clip()
-    assert spec == "k:*=0.8;v:*=0.85"
-    # each part stops at the first ratio that measures worse than the best so far
-    assert list(klds["v"]) == [1.0, 0.95, 0.9, 0.85, 0.8]
-    assert list(klds["k"]) == [1.0, 0.95, 0.9, 0.85, 0.8, 0.75]
 
 
 def test_the_window_is_judged_past_every_candidate_and_priced_by_what_bits_buy() -> None:

@@ -51,7 +51,7 @@ def test_the_spec_spells_runs_as_ranges() -> None:
 
 def test_per_layer_ratios_cover_every_layer() -> None:
     layers = [qkv(128, il % 2 == 0, il) for il in range(4)]
-    spec = cc.per_layer_clip(lambda il: layers[il], 4, window=16, sinks=0)
+    spec = cc.clip_spec_per_layer(cc.per_layer_ratios(lambda il: layers[il], 4, window=16, sinks=0))
     assert spec.startswith("k:0") or spec.startswith("v:0")
     for part in spec.split(";"):
         covered = []
@@ -65,5 +65,5 @@ def test_per_layer_ratios_cover_every_layer() -> None:
 def test_a_long_text_is_judged_on_its_first_tokens() -> None:
     long = qkv(cc.MAX_TOKENS + 64, True, 5)
     head = tuple(x[:cc.MAX_TOKENS] for x in long)
-    assert cc.per_layer_clip(lambda il: long, 1, window=16, sinks=0) == \
-        cc.per_layer_clip(lambda il: head, 1, window=16, sinks=0)
+    assert cc.per_layer_ratios(lambda il: long, 1, window=16, sinks=0) == \
+        cc.per_layer_ratios(lambda il: head, 1, window=16, sinks=0)

@@ -117,9 +117,10 @@ def layer_errors(q: np.ndarray, k: np.ndarray, v: np.ndarray, contract: Contract
                        tuple(attention.v_error(BITS, r) for r in ratios))
 
 
-def per_layer_clip(layer_qkv: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]], n_layer: int, window: int,
-                   sinks: int, ratios: Sequence[float] = RATIOS, progress: Callable[[], None] | None = None) -> str:
-    """The --kv-clip spec of each layer's least-error K and V ratio; "none" when no layer gains by clipping."""
+def per_layer_ratios(layer_qkv: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]], n_layer: int,
+                     window: int, sinks: int, ratios: Sequence[float] = RATIOS,
+                     progress: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Each layer's least-error K and V ratio, per part."""
     contract = None
     chosen: dict[str, list[float]] = {"k": [], "v": []}
     for il in range(n_layer):
@@ -131,7 +132,7 @@ def per_layer_clip(layer_qkv: Callable[[int], tuple[np.ndarray, np.ndarray, np.n
         chosen["v"].append(ratios[int(np.argmin(errors.v))])
         if progress is not None:
             progress()
-    return clip_spec_per_layer(chosen)
+    return chosen
 
 
 def clip_spec_per_layer(ratios: dict[str, list[float]]) -> str:

@@ -24,6 +24,7 @@ from pykvq.calibration import attention_sensitivity, clip_ratios, rotation, wind
 from pykvq.calibration.allocation import (BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, format_allocation,
                                           refine)
 from pykvq.calibration.attention_sensitivity import WidthErrors
+from pykvq.calibration.clip_choice import ClipChoice, choose_clip
 from pykvq.calibration.window_choice import WindowChoice
 from pykvq.api.capture import AttentionCapture, TensorObserver
 from pykvq.api.llama import ContextConfig, KvConfig, Model
@@ -181,27 +182,15 @@ class Calibrator:
         return WindowChoice(target_ctx, klds, window_choice.window_bits(candidates, sinks, target_ctx),
                             window_choice.kld_per_bit(cheaper, kld_dearer, self.probe.window, sinks, target_ctx))
 
-    def per_layer_clip(self) -> str:
-        """SKVQ's ratios per layer from the f16 run's Q, K and V (pykvq.calibration.clip_ratios)."""
+    def clip_choice(self) -> ClipChoice:
+        """kivi2's clip ratios per part, each candidate measured by the cache's KL divergence (clip_choice): the
+        per-layer ones from the f16 run's Q, K and V (clip_ratios) among them."""
         with tqdm(total=self.model.n_layer, unit="layer", desc="clip ratios") as progress:
-            return clip_ratios.per_layer_clip(self.layer_qkv, self.model.n_layer, self.probe.window,
-                                                   self.probe.sinks, progress=progress.update)
-
-    def uniform_clip(self) -> tuple[str, dict[str, dict[float, float]]]:
-        """One ratio per part for every layer, by the cache's KL divergence: V's with K unclipped, then K's with
-        V's in place (the two interact); the spec and every divergence measured, per part and ratio. Ratios are
-        tried from 1 down until one measures worse than the best so far: the divergence falls as clipping spares
-        the groups' bulk a coarser step, then rises as it cuts their extremes."""
-        chosen: dict[str, float] = {}
-        klds: dict[str, dict[float, float]] = {}
-        for part in ("v", "k"):
-            klds[part] = {}
-            for r in tqdm(clip_ratios.RATIOS, unit="ratio", desc=f"clip {part.upper()}"):
-                klds[part][r] = self.kld("none", clip=uniform_clip_spec({**chosen, part: r}))
-                if klds[part][r] > min(klds[part].values()):
-                    break
-            chosen[part] = min(klds[part], key=klds[part].__getitem__)
-        return uniform_clip_spec(chosen), klds
+            per_layer = clip_ratios.per_layer_ratios(self.layer_qkv, self.model.n_layer, self.probe.window,
+                                                     self.probe.sinks, progress=progress.update)
+        with tqdm(unit="run", desc="clip") as progress:
+            return choose_clip(lambda ratios: self.kld("none", clip=clip_ratios.clip_spec_per_layer(ratios)),
+                               per_layer, progress=progress.update)
 
     def width_errors(self, ratios: tuple[float, ...] | None = clip_ratios.RATIOS) -> list[WidthErrors]:
         """Each layer's K and V attention-output error and clip ratio per width (attention_sensitivity):
@@ -244,38 +233,6 @@ class Calibrator:
                         progress.update()
                     out.append(Sensitivity(part, layer, cost))
         return out
-
-
-@dataclass(frozen=True)
-class ClipChoice:
-    """Two candidates, each measured by the real cache (kivi2 everywhere, KL divergence against f16 KV): the
-    per-layer ratios of the least attention-output error, and one ratio per part found by that KL divergence."""
-
-    per_layer: str
-    uniform: str
-    uniform_klds: dict[str, dict[float, float]]
-    klds: dict[str, float]     # spec -> KL divergence, "none" first
-
-    @property
-    def chosen(self) -> str:
-        """The candidate that measured lowest; none on a tie: the measurement decides, not the model."""
-        return min(self.klds, key=self.klds.__getitem__)
-
-
-def uniform_clip_spec(ratios: dict[str, float]) -> str:
-    """The --kv-clip form of one ratio per part (k, v) for every layer; "none" when nothing clips."""
-    return ";".join(f"{part}:*={r:g}" for part, r in sorted(ratios.items()) if r != 1.0) or "none"
-
-
-def calibrated_clip(calibrator: Calibrator) -> ClipChoice:
-    klds = {"none": calibrator.kld("none", clip="none")}
-    per_layer = calibrator.per_layer_clip()
-    if per_layer not in klds:
-        klds[per_layer] = calibrator.kld("none", clip=per_layer)
-    uniform, uniform_klds = calibrator.uniform_clip()
-    # its search measured it last: K's ratio with V's in place
-    klds.setdefault(uniform, min(uniform_klds["k"].values()))
-    return ClipChoice(per_layer, uniform, uniform_klds, klds)
 
 
 def choose_sinks(klds: dict[int, float]) -> int:
@@ -361,11 +318,9 @@ def run(args: argparse.Namespace) -> int:
             print("kivi2 everywhere, KL divergence against f16 KV by rotation: "
                   + ", ".join(f"{spec}: {kld:.4f}" for spec, kld in klds.items()) + f" -> --kv-rotate '{probe.rotate}'")
         if args.kv_clip == "auto":
-            choice = calibrated_clip(calibrator)
-            probe = calibrator.probe = replace(probe, clip=choice.chosen)
-            print("kivi2 everywhere, KL divergence against f16 KV by clip ratios: "
-                  + ", ".join(f"{spec}: {kld:.4f}" for spec, kld in choice.klds.items())
-                  + f" -> --kv-clip '{probe.clip}'")
+            choice = calibrator.clip_choice()
+            probe = calibrator.probe = replace(probe, clip=choice.spec)
+            print(format_clip_choice(choice) + f" -> --kv-clip '{probe.clip}'")
         if args.kv_window == "auto":
             windows = calibrator.window_choice(args.kv_window_ctx or model.n_ctx_train)
             probe = calibrator.probe = replace(probe, window=windows.chosen)
@@ -393,6 +348,12 @@ def run(args: argparse.Namespace) -> int:
     gguf_metadata.write_copy(args.model, args.output, recorded)
     print(f"wrote {args.output}")
     return 0
+
+
+def format_clip_choice(choice: ClipChoice) -> str:
+    by_part = "; ".join(f"{part.upper()} " + ", ".join(f"{label}: {kld:.4f}" for label, kld in klds.items())
+                        for part, klds in choice.klds.items())
+    return f"kivi2 everywhere, KL divergence against f16 KV by clip ratio (V's with K unclipped, then K's): {by_part}"
 
 
 def format_window_choice(choice: WindowChoice, n_tokens: int) -> str:

@@ -1,0 +1,83 @@
+"""kivi2's clip ratios as pykvq calibrate keeps them: each part's candidates measured by the real cache.
+
+The per-layer ratios of least attention-output error (clip_ratios) are judged per layer with the other part in
+fp16; as a whole, one part's ratios can help the model while the other's hurt it. On Qwen2.5-Coder-1.5B, K's
+per-layer ratios lower the probe's KL divergence on both the text and the recall span, V's raise it on the span
+(0.0130 against 0.0083 unclipped), and a choice between "both parts per layer" and "one ratio per part" kept the
+one that costs two points of perplexity on another text (README, the Qwen recipe). So each part chooses on its
+own: V first with K unclipped, then K with V's choice in place (the two interact), among unclipped, one ratio for
+every layer (tried from 1 down until one measures worse than the best ratio so far: the divergence falls as
+clipping spares the groups' bulk a coarser step, then rises as it cuts their extremes) and the per-layer ratios.
+The lowest measured wins; a tie keeps the earlier candidate, unclipped first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pykvq.calibration.clip_ratios import RATIOS, clip_spec_per_layer
+
+PER_LAYER = "per-layer"
+ORDER = ("v", "k")
+
+Ratios = dict[str, list[float]]
+
+
+@dataclass(frozen=True)
+class ClipChoice:
+    """Each part's ratios per layer, the per-layer candidate, and every divergence measured: part -> candidate ->
+    KL divergence, where a candidate is one ratio for every layer ("1": unclipped) or PER_LAYER."""
+
+    chosen: Ratios
+    per_layer: Ratios
+    klds: dict[str, dict[str, float]]
+
+    @property
+    def spec(self) -> str:
+        return clip_spec_per_layer(self.chosen)
+
+    @property
+    def per_layer_spec(self) -> str:
+        return clip_spec_per_layer(self.per_layer)
+
+
+def _part_candidates(measure: Callable[[list[float]], float], n_layer: int, per_layer: list[float],
+                     ratios: Sequence[float]) -> dict[str, tuple[list[float], float]]:
+    """One part's candidates, each with its ratios and measured divergence, in the order they were measured."""
+    out: dict[str, tuple[list[float], float]] = {}
+    for r in ratios:
+        values = [r] * n_layer
+        out[f"{r:g}"] = (values, measure(values))
+        if out[f"{r:g}"][1] > min(kld for _, kld in out.values()):
+            break
+    if all(values != per_layer for values, _ in out.values()):
+        out[PER_LAYER] = (per_layer, measure(per_layer))
+    return out
+
+
+def choose_clip(measure: Callable[[Ratios], float], per_layer: Ratios, ratios: Sequence[float] = RATIOS,
+                progress: Callable[[], None] | None = None) -> ClipChoice:
+    """The ratios per part of least measured divergence (see the module); ``measure`` takes both parts' ratios,
+    ``ratios`` start at 1 (unclipped) and fall."""
+    n_layer = len(per_layer["k"])
+    chosen: Ratios = {part: [1.0] * n_layer for part in per_layer}
+    klds: dict[str, dict[str, float]] = {}
+    # K's first candidate (unclipped) is V's choice, measured already
+    memo: dict[tuple[tuple[float, ...], ...], float] = {}
+
+    def measured(part: str, values: list[float]) -> float:
+        ratios = {**chosen, part: values}
+        key = tuple(tuple(ratios[p]) for p in ORDER)
+        if key not in memo:
+            memo[key] = measure(ratios)
+            if progress is not None:
+                progress()
+        return memo[key]
+
+    for part in ORDER:
+        candidates = _part_candidates(lambda values, p=part: measured(p, values), n_layer, per_layer[part], ratios)
+        best = min(candidates, key=lambda label: candidates[label][1])
+        chosen[part] = candidates[best][0]
+        klds[part] = {label: kld for label, (_, kld) in candidates.items()}
+    return ClipChoice(chosen, per_layer, klds)

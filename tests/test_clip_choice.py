@@ -1,0 +1,67 @@
+"""pykvq.calibration.clip_choice: each part's clip ratios kept by a measured divergence, on scripted divergences."""
+
+from __future__ import annotations
+
+from pykvq.calibration.clip_choice import PER_LAYER, ClipChoice, choose_clip
+from pykvq.calibration.clip_ratios import RATIOS
+
+N_LAYER = 3
+# per-layer ratios of least attention-output error, as clip_ratios would give them
+PER_LAYER_RATIOS = {"k": [1.0, 0.85, 0.9], "v": [0.8, 0.75, 0.8]}
+
+
+def scripted(kld_of, calls: list | None = None):  # noqa: ANN001, ANN201
+    def measure(ratios: dict[str, list[float]]) -> float:
+        if calls is not None:
+            calls.append({part: list(values) for part, values in ratios.items()})
+        return kld_of(ratios)
+    return measure
+
+
+def test_each_part_keeps_its_own_best_candidate() -> None:
+    """The Qwen case: K's per-layer ratios help, V's hurt, one ratio for V helps a little. Choosing between "both
+    per layer" and "one ratio per part" would lose one of the two; per part, both gains are kept."""
+    def kld(ratios: dict[str, list[float]]) -> float:
+        k_gain = 0.004 if ratios["k"] == PER_LAYER_RATIOS["k"] else 0.0
+        v = ratios["v"]
+        v_cost = 0.005 if v == PER_LAYER_RATIOS["v"] else 0.01 * (v[0] - 0.9) ** 2 if len(set(v)) == 1 else 0.0
+        return 0.010 - k_gain + v_cost
+
+    choice = choose_clip(scripted(kld), PER_LAYER_RATIOS)
+    assert choice.chosen == {"k": PER_LAYER_RATIOS["k"], "v": [0.9] * N_LAYER}
+    assert choice.spec == "k:0=1,1=0.85,2=0.9;v:0-2=0.9"
+    assert min(choice.klds["k"], key=choice.klds["k"].__getitem__) == PER_LAYER
+    assert choice.klds["v"][PER_LAYER] > choice.klds["v"]["1"]
+
+
+def test_v_is_chosen_first_with_k_unclipped_then_k_with_v_in_place() -> None:
+    calls: list[dict[str, list[float]]] = []
+    choose_clip(scripted(lambda r: abs(r["v"][0] - 0.9) + abs(r["k"][0] - 0.95), calls), PER_LAYER_RATIOS)
+    v_calls = [c for c in calls if c["k"] == [1.0] * N_LAYER]
+    assert calls[:len(v_calls)] == v_calls
+    assert all(c["v"] == [0.9] * N_LAYER for c in calls[len(v_calls):])
+
+
+def test_the_ratio_search_stops_past_the_best_and_ties_stay_unclipped() -> None:
+    choice = choose_clip(scripted(lambda r: (r["k"][-1] - 0.8) ** 2 + (r["v"][-1] - 0.85) ** 2), PER_LAYER_RATIOS)
+    # each part stops at the first ratio that measures worse than the best so far; per-layer measured last
+    assert list(choice.klds["v"]) == ["1", "0.95", "0.9", "0.85", "0.8", PER_LAYER]
+    assert list(choice.klds["k"]) == ["1", "0.95", "0.9", "0.85", "0.8", "0.75", PER_LAYER]
+    assert choice.chosen == {"k": [0.8] * N_LAYER, "v": [0.85] * N_LAYER}
+    flat = choose_clip(scripted(lambda r: 0.5), PER_LAYER_RATIOS)
+    # nothing measures worse, so every ratio is measured, and unclipped stays
+    assert flat.spec == "none" and list(flat.klds["v"]) == [f"{r:g}" for r in RATIOS] + [PER_LAYER]
+
+
+def test_per_layer_ratios_already_measured_as_one_ratio_are_not_measured_again() -> None:
+    calls: list[dict[str, list[float]]] = []
+    uniform = {"k": [1.0] * N_LAYER, "v": [0.95] * N_LAYER}
+    choice = choose_clip(scripted(lambda r: r["v"][0], calls), uniform)
+    assert PER_LAYER not in choice.klds["k"] and PER_LAYER not in choice.klds["v"]
+    assert len(calls) == len({str(c) for c in calls})
+
+
+def test_the_specs_spell_the_chosen_and_the_per_layer_ratios() -> None:
+    choice = ClipChoice({"k": [1.0, 1.0], "v": [0.9, 0.9]}, {"k": [0.9, 1.0], "v": [1.0, 1.0]}, {})
+    assert choice.spec == "v:0-1=0.9"
+    assert choice.per_layer_spec == "k:0=0.9,1=1"
