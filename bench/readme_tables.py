@@ -226,6 +226,25 @@ def clip_search_words(c: dict) -> str:
             "searched by that divergence)")
 
 
+def v_reorder_rotation_table(path: Path) -> str:
+    return v_reorder_rotation_record_table(json.loads(path.read_text()))
+
+
+def v_reorder_rotation_record_table(record: dict) -> str:
+    first = record["models"][0]
+    lines = [f"V's attention-output error at kivi2 by channel order, unrotated and rotated (relative to the output's "
+             f"energy, summed over layers; order from {first['calibration_text']}, judged on {first['tokens']} tokens "
+             f"of {first['text']}, window {first['window']}, {first['sinks']} sinks, K fp16, outside the kernels: "
+             "bench/v_reorder_rotation.py):", "",
+             "| model | order | unrotated | rotated |", "| --- | --- | ---: | ---: |"]
+    for m in record["models"]:
+        errors = m["v_error"]
+        for order in dict.fromkeys(label.split(", ")[0] for label in errors):
+            lines.append(f"| {m['model']} | {order} | {errors[f'{order}, unrotated']:.4f} | "
+                         f"{errors[f'{order}, rotated']:.4f} |")
+    return "\n".join(lines)
+
+
 def minikv_table(path: Path) -> str:
     record = json.loads(path.read_text())
     lines = [f"MiniKV prompt selection ({record['model']}, a {record['prompt']}-token prompt of {record['text']} in "
@@ -310,7 +329,8 @@ def render() -> str:
     parts += [passkey_table(p) for p in sorted(RESULTS.glob("passkey-*.json"))]
     parts += [pre_rope_table(p) for p in sorted(RESULTS.glob("pre-rope-k*.json"))]
     parts += [skvq_clip_table(p) for p in sorted(RESULTS.glob("skvq-clip*.json"))]
-    parts += [v_reorder_table(p) for p in sorted(RESULTS.glob("v-reorder*.json"))]
+    parts += [v_reorder_table(p) for p in sorted(RESULTS.glob("v-reorder.json"))]
+    parts += [v_reorder_rotation_table(p) for p in sorted(RESULTS.glob("v-reorder-rotation.json"))]
     parts += [scale_format_table(p) for p in sorted(RESULTS.glob("scale-format*.json"))]
     parts += [minikv_table(p) for p in sorted(RESULTS.glob("minikv-*.json"))]
     parts += [kv_clip_table(p) for p in sorted(RESULTS.glob("kv-clip-*.json"))]
