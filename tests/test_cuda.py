@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ import pytest
 from pykvq import llama_tools
 from pykvq.bindings import native
 from pykvq.devtools import random_model
+
+import device
 
 if "CUDA" not in native.backends():
     pytest.skip("this pykvq build has no CUDA backend (PYKVQ_CUDA=ON)", allow_module_level=True)
@@ -71,13 +74,28 @@ def test_nothing_falls_back_to_the_cpu(kv_type: str, model: Path, text: Path, pr
     assert splits(perplexity(model, text, kv_type, "-ngl", "99", "-lv", "4")) <= f16
 
 
-def kl_divergence(model: Path, text: Path, kv_type: str, base: Path, base_args: list[str], args: list[str]) -> float:
-    """Mean KL divergence of a run's token distributions from a base run's; asserts the top tokens agree."""
-    perplexity(model, text, kv_type, "--kl-divergence-base", str(base), *base_args)
+@dataclass(frozen=True)
+class Change:
+    """How far a run's token distributions are from a base run's (llama-perplexity --kl-divergence)."""
+
+    kld: float  # mean KL divergence
+    flipped: float  # percent of tokens whose top token differs
+
+    @property
+    def within_rounding(self) -> bool:
+        return self.flipped < 1.0
+
+
+def measure(model: Path, text: Path, kv_type: str, base: Path, args: list[str]) -> Change:
     out = perplexity(model, text, kv_type, "--kl-divergence-base", str(base), "--kl-divergence", *args)
     same_top = float(re.search(r"Same top p:\s+([0-9.]+)", out).group(1))
-    assert same_top > 99.0
-    return float(re.search(r"Mean\s+KLD:\s+([-0-9.e]+)", out).group(1))
+    return Change(float(re.search(r"Mean\s+KLD:\s+([-0-9.e]+)", out).group(1)), 100.0 - same_top)
+
+
+def kl_divergence(model: Path, text: Path, kv_type: str, base: Path, base_args: list[str], args: list[str]) -> Change:
+    """A run's change from a base run of the same type (base_args), written to `base` first."""
+    perplexity(model, text, kv_type, "--kl-divergence-base", str(base), *base_args)
+    return measure(model, text, kv_type, base, args)
 
 
 @pytest.mark.parametrize("kv_type", KIVI)
@@ -85,8 +103,8 @@ def test_gpu_logits_match_the_cpu(kv_type: str, model: Path, text: Path, tmp_pat
     """Same model, same chunks, same prefill path, CPU against GPU: KL divergence of the GPU's token
     distributions from the CPU's must be at the level of float summation order (fp16 for flash attention),
     far below what quantization itself costs."""
-    kld = kl_divergence(model, text, kv_type, tmp_path / "cpu.bin", ["-ngl", "0"], ["-ngl", "99"])
-    assert kld < (1e-4 if prefill == "fused" else 1e-3)
+    change = kl_divergence(model, text, kv_type, tmp_path / "cpu.bin", ["-ngl", "0"], ["-ngl", "99"])
+    assert change.within_rounding and change.kld < (1e-4 if prefill == "fused" else 1e-3), change
 
 
 def within_f16s_own_change(model: Path, text: Path, kv_type: str, tmp_path: Path, base_args: list[str],
@@ -94,11 +112,17 @@ def within_f16s_own_change(model: Path, text: Path, kv_type: str, tmp_path: Path
     """cuBLAS picks its matmul kernels by shape, so on a GPU no KV type, f16 included, keeps bit-equal logits when
     the batches change shape; a kivi type may add the codes that those roundings flip, and nothing of its own:
     its KL divergence between the two shapes stays at rounding level (1e-3, the flash prefill's bar) or within
-    10x f16's between the same two shapes."""
+    10x f16's between the same two shapes. A flipped code moves a near-tie's top token, more often the fewer the
+    bits: the tokens whose top changes stay under 1%, 10x f16's share, or device.QUANTIZATION_SHARE times the
+    share the quantization itself changes (the kivi run against the f16 base; the H200 measured kivi1's 1.8%)."""
     tmp_path.mkdir(exist_ok=True)
-    f16 = kl_divergence(model, text, "f16", tmp_path / "f16.bin", base_args, args)
+    f16_base = tmp_path / "f16.bin"
+    f16 = kl_divergence(model, text, "f16", f16_base, base_args, args)
     kivi = kl_divergence(model, text, kv_type, tmp_path / f"{kv_type}.bin", base_args, args)
-    assert kivi < max(1e-3, 10 * f16), f"{kv_type}: KL divergence {kivi:.2e} between the shapes, f16's {f16:.2e}"
+    quantization = measure(model, text, kv_type, f16_base, base_args)
+    detail = f"{kv_type} between the shapes {kivi}, f16's {f16}, the quantization's own {quantization}"
+    assert kivi.kld < max(1e-3, 10 * f16.kld), detail
+    assert kivi.flipped < max(1.0, 10 * f16.flipped, device.QUANTIZATION_SHARE * quantization.flipped), detail
 
 
 @pytest.mark.parametrize("kv_type", KIVI)
@@ -117,9 +141,9 @@ def test_flash_prefill_batching_changes_gpu_logits_by_rounding_only(kv_type: str
     """Flash attention's fp16 values depend on the batch layout only through rounding: -ub 512 against -ub 128
     (both flash attention), and two sequences per batch against one."""
     monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL["flash"])
-    assert kl_divergence(model, text, kv_type, tmp_path / "ub.bin", ["-ngl", "99"], ["-ngl", "99", "-ub", "128"]) < 1e-3
-    assert kl_divergence(model, text, kv_type, tmp_path / "seq.bin", ["-ngl", "99"],
-                         ["-ngl", "99", "-b", str(2 * CTX)]) < 1e-3
+    for name, args in (("ub", ["-ub", "128"]), ("seq", ["-b", str(2 * CTX)])):
+        change = kl_divergence(model, text, kv_type, tmp_path / f"{name}.bin", ["-ngl", "99"], ["-ngl", "99", *args])
+        assert change.within_rounding and change.kld < 1e-3, (name, change)
 
 
 @pytest.mark.parametrize("kv_type", KIVI)

@@ -34,3 +34,22 @@ def test_on_a_gpu_another_sequence_s_logits_fail(logits: np.ndarray, monkeypatch
     monkeypatch.setattr(device, "ON_GPU", True)
     with pytest.raises(AssertionError, match="top-1 agreement"):
         device.assert_same_logits(np.roll(logits, 1, axis=0), logits)
+
+
+def flip_rows(logits: np.ndarray, rows: int) -> np.ndarray:
+    """The first `rows` rows with their top token pushed below the runner-up: a small move that flips top-1."""
+    moved = logits.copy()
+    for row in moved[:rows]:
+        first, second = np.argsort(row)[-2:][::-1]
+        row[first], row[second] = row[second], row[first]
+    return moved
+
+
+def test_on_a_gpu_the_f16_twin_sets_how_many_rows_may_flip(logits: np.ndarray,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The quantization itself flips 10 of 64 rows' top tokens: the batching may flip up to twice as many."""
+    monkeypatch.setattr(device, "ON_GPU", True)
+    twin = flip_rows(logits, 10)
+    device.assert_same_logits(flip_rows(logits, 19), logits, lambda: twin)
+    with pytest.raises(AssertionError, match="top-1 agreement"):
+        device.assert_same_logits(flip_rows(logits, 24), logits, lambda: twin)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import KvConfig, KvMemory, LlamaError, Model, assets, llama_tools
+from pykvq import KvConfig, KvMemory, LlamaError, Model, llama_tools
 from pykvq.devtools import random_model
 from pykvq.kv_types import bits_per_element
 
@@ -393,11 +393,11 @@ def test_prompt_selection_keeps_its_share_of_the_global_cache(gemma3: Model, tok
 
 
 @pytest.mark.slow
-def test_the_real_gemma3_answers_as_f16_does_while_its_prompt_is_in_the_window() -> None:
+def test_the_real_gemma3_answers_as_f16_does_while_its_prompt_is_in_the_window(gemma3_270m: Path) -> None:
     """Gemma 3 270M (15 of 18 layers sliding-window, head size 256: a real iSWA model, fetched once):
     `pykvq run` with kivi2 in both caches, and with q8_0 in the sliding-window one, greedy over a prompt and answer
     that stay within the fp16 window, writes f16's text, and reports each cache's memory."""
-    model = assets.gemma3_model()
+    model = gemma3_270m
     texts, reports = {}, {}
     for label, args in {"f16": [], "kivi2": ["--kv-type", "kivi2"],
                         "kivi2, SWA q8_0": ["--kv-type", "kivi2", "--kv-type-swa", "q8_0"]}.items():

@@ -75,6 +75,8 @@ step_build() {
     CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90-real" \
         python3 -m pip install --no-build-isolation --no-deps -Cbuild-dir="$WORK/build" . || return 1
     (cd /tmp && pykvq info) || return 1
+    # the image's own packages (transformers, torch, ...) decide what the converter tests meet there
+    python3 -m pip list --format=json > "$WORK/packages.json"
     printf '{"gpu": "%s", "build_seconds": %d}\n' "$(gpu_name)" $((SECONDS - start)) > "$WORK/build.json"
 }
 
