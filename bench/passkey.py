@@ -8,7 +8,9 @@
 
 Each prompt is filler text of about `length` tokens with "The pass key is NNNNN. Remember it." at `depth`
 percent of it, then "What is the pass key? The pass key is"; the answer is decoded greedily and counts when
-its first number is the key. --kv-select adds, for each kivi type, a run per MiniKV selection (heavy-hitter and
+its first number is the key; each answer also records the probability of the key's first token where the answer
+starts and its margin over the likeliest other token (a near-tie in f16 itself makes that prompt a coin toss for any
+perturbation of the cache). --kv-select adds, for each kivi type, a run per MiniKV selection (heavy-hitter and
 recent shares of the prompt; the prompt then goes in as one ubatch). --kv-rotate and --kv-clip set the kivi runs'
 rotation and clip ratios over the model's kvq.kv_rotate / kvq.kv_clip (e.g. to take a calibrated recipe apart).
 Every type sees the same prompts (the same
@@ -43,6 +45,7 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\nWhat is the pass key? The pass key is"
 N_ANSWER = 8  # tokens decoded: a five-digit key and some slack
+DEPTHS = [0, 25, 50, 75, 100]  # percent of the filler before the key
 _NUMBER = re.compile(r"\d+")
 
 
@@ -105,18 +108,41 @@ def settings_of(specs: list[KvSpec], selects: list[kv_types.Selection], sinks: i
     return plain + [setting(spec, select) for select in selects for spec in specs if spec.is_kivi]
 
 
-def answer(model: Model, config: ContextConfig, prompt: Prompt) -> str:
-    """The greedy continuation of the prompt."""
+@dataclass(frozen=True)
+class Answer:
+    text: str       # the greedy continuation
+    p_key: float    # probability of the key's first token where the answer starts
+    p_other: float  # the highest probability of any other token there
+
+    @property
+    def margin(self) -> float:
+        """How far the key's first token leads (negative: another token is decoded instead)."""
+        return self.p_key - self.p_other
+
+
+def first_token_odds(model: Model, logits: np.ndarray, key: str) -> tuple[float, float]:
+    """The probability of the key's first token (as f16 writes the answer: a space, then the key) and the highest
+    of every other token's."""
+    logits = np.asarray(logits, np.float64)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    first = model.tokenize(f" {key}", add_special=False)[0]
+    return float(probs[first]), float(np.delete(probs, first).max())
+
+
+def answer(model: Model, config: ContextConfig, prompt: Prompt) -> Answer:
+    """The greedy continuation of the prompt, and the odds of its first token."""
     out: list[int] = []
     with model.context(config) as ctx:
         logits = ctx.eval(prompt.tokens)
+        odds = first_token_odds(model, logits, prompt.key)
         for _ in range(N_ANSWER):
             token = int(np.argmax(logits))
             if model.is_eog(token):
                 break
             out.append(token)
             logits = ctx.eval([token])
-    return model.detokenize(out)
+    return Answer(model.detokenize(out), *odds)
 
 
 def found(text: str, key: str) -> bool:
@@ -133,9 +159,10 @@ def run(model: Model, settings: list[Setting], prompts: list[Prompt], threads: i
                 n_batch = prompt.length if setting.select else 512
                 config = ContextConfig(n_ctx=prompt.length, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
                                        flash_attn="on", kv=kv_config(setting))
-                text = answer(model, config, prompt)
+                got = answer(model, config, prompt)
                 rows.append({"kv_type": setting.label, "length": prompt.length, "depth": prompt.depth,
-                             "key": prompt.key, "answer": text, "correct": found(text, prompt.key)})
+                             "key": prompt.key, "answer": got.text, "correct": found(got.text, prompt.key),
+                             "p_key": got.p_key, "margin": got.margin})
                 bar.update()
     return rows
 
@@ -154,7 +181,11 @@ def summary(record: dict) -> list[dict]:
         misses = [f"{n}@{d}%" for n, d in cells
                   if accuracy(rows, "f16", n, d) == 1.0 and accuracy(rows, kv_type, n, d) < 1.0]
         mean = sum(accuracy(rows, kv_type, n, d) for n, d in cells) / len(cells)
-        out.append({"kv_type": kv_type, "accuracy": mean, "below_f16": misses})
+        entry = {"kv_type": kv_type, "accuracy": mean, "below_f16": misses}
+        margins = [r["margin"] for r in rows if r["kv_type"] == kv_type and "margin" in r]
+        if margins:  # records before the margin was kept have none
+            entry["mean_margin"] = float(np.mean(margins))
+        out.append(entry)
     return out
 
 
@@ -169,7 +200,9 @@ def table(record: dict) -> str:
     lines.append("")
     for s in record["summary"]:
         missed = ", ".join(s["below_f16"]) or "none"
-        lines.append(f"{s['kv_type']:<16} mean accuracy {s['accuracy']:.2f}; below f16 where f16 is right: {missed}")
+        margin = f", mean margin of the key's first token {s['mean_margin']:+.3f}" if "mean_margin" in s else ""
+        lines.append(f"{s['kv_type']:<16} mean accuracy {s['accuracy']:.2f}{margin}; below f16 where f16 is right: "
+                     f"{missed}")
     return "\n".join(lines)
 
 
@@ -211,7 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-clip", metavar="none|SPEC",
                    help="SKVQ's clip ratios of the kivi types (default: the model's kvq.kv_clip, else none)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    p.add_argument("--depths", type=int, nargs="+", default=[0, 25, 50, 75, 100])
+    p.add_argument("--depths", type=int, nargs="+", default=DEPTHS)
     p.add_argument("--trials", type=int, default=3, help="keys per length and depth")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ngl", type=int, default=0, help="layers on the GPU (99: all)")
@@ -247,7 +280,9 @@ def main(argv: list[str] | None = None) -> None:
               "kv_clip": args.kv_clip,
               "kv_types": [s.label for s in args.settings], "rows": rows}
     record["summary"] = summary(record)
-    variant = ("-select" if args.kv_select else "") + (f"-sinks{args.kv_sinks}" if args.kv_sinks else "")
+    # a run at some depths only must not overwrite the record of every depth
+    variant = "" if args.depths == DEPTHS else "-at-" + "-".join(map(str, args.depths))
+    variant += ("-select" if args.kv_select else "") + (f"-sinks{args.kv_sinks}" if args.kv_sinks else "")
     variant += "".join(f"-{what}-{value if value in ('on', 'off', 'none') else 'spec'}"
                        for what, value in (("rot", args.kv_rotate), ("clip", args.kv_clip)) if value is not None)
     save_results(RESULTS / f"passkey-{model_tag(name)}-{'-'.join(map(str, args.lengths))}{variant}", record, plot,

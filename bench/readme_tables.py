@@ -120,8 +120,14 @@ def passkey_table(path: Path) -> str:
     lines = [f"Pass-key retrieval ({record['model']}, lengths {lengths}, key at {depths} of the filler, "
              f"{record['trials']} keys each, bench/passkey.py):", "",
              "| KV type | accuracy | below f16 where f16 is right (length@depth) |", "| --- | ---: | --- |"]
+    # records since the margin was kept: the key's first token's mean lead over the likeliest other token
+    margins = all("mean_margin" in s for s in record["summary"])
+    if margins:
+        lines[-2:] = ["| KV type | accuracy | mean lead of the key's first token | below f16 where f16 is right "
+                      "(length@depth) |", "| --- | ---: | ---: | --- |"]
     for s in record["summary"]:
-        lines.append(f"| {s['kv_type']} | {s['accuracy']:.2f} | {', '.join(s['below_f16']) or 'none'} |")
+        lead = f" {s['mean_margin']:+.3f} |" if margins else ""
+        lines.append(f"| {s['kv_type']} | {s['accuracy']:.2f} |{lead} {', '.join(s['below_f16']) or 'none'} |")
     return "\n".join(lines)
 
 

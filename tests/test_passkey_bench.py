@@ -38,7 +38,12 @@ def test_f16_finds_the_key_and_the_record_is_written(monkeypatch: pytest.MonkeyP
                   "--ngl", str(device.NGL)])
     record = json.loads(next(tmp_path.glob("passkey-*.json")).read_text())
     assert record["kv_types"] == ["f16", "q8_0"] and len(record["rows"]) == 4
-    assert record["summary"][0] == {"kv_type": "f16", "accuracy": 1.0, "below_f16": []}
+    f16 = record["summary"][0]
+    assert {k: f16[k] for k in ("kv_type", "accuracy", "below_f16")} == {"kv_type": "f16", "accuracy": 1.0,
+                                                                         "below_f16": []}
+    # the key was decoded, so its first token led: by the margin each row records
+    assert all(0.0 < r["margin"] <= r["p_key"] <= 1.0 for r in record["rows"] if r["kv_type"] == "f16")
+    assert f16["mean_margin"] > 0.0
     assert next(tmp_path.glob("passkey-*.png")).stat().st_size > 0
 
 
@@ -82,3 +87,10 @@ def test_rotation_and_clip_go_to_the_kivi_settings_only() -> None:
     # without the options: +rot rotates, a plain kivi type takes the model's
     plain = passkey.parse_args(["--kv-types", "f16,kivi2,kivi2+rot"])
     assert [passkey.kv_config(s).rotate for s in plain.settings] == [None, None, True]
+
+
+def test_a_run_at_some_depths_keeps_its_own_record(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(passkey, "RESULTS", tmp_path)
+    passkey.main(["--lengths", "256", "--depths", "100", "--trials", "1", "--kv-types", "f16", "-t", "2",
+                  "--ngl", str(device.NGL)])
+    assert [p.name for p in tmp_path.glob("passkey-*.json")] == ["passkey-smollm2-135m-instruct-q4-1-256-at-100.json"]
