@@ -128,9 +128,18 @@ def reason(case):
     found = case.find("failure") if case.find("failure") is not None else case.find("error")
     return None if found is None else (found.get("message") or found.text or "").strip()[:1500]
 failed = {f"{c.get('classname')}::{c.get('name')}": reason(c) for c in cases if reason(c) is not None}
-skipped = sum(c.find("skipped") is not None for c in cases)
-json.dump({"gpu": sys.argv[3], "settings": sys.argv[4], "tests": len(cases), "passed": len(cases) - len(failed) - skipped,
-           "failed": len(failed), "skipped": skipped, "seconds": float(suite.get("time", 0)), "failures": failed},
+skips = {f"{c.get('classname')}::{c.get('name')}": (c.find("skipped").get("message") or "")[:300]
+         for c in cases if c.find("skipped") is not None}
+# per test file: what a run cut short by the lease, or a log's tail, cannot say
+per_file = {}
+for c in cases:
+    name = f"{c.get('classname')}::{c.get('name')}"
+    outcome = "failed" if name in failed else "skipped" if name in skips else "passed"
+    counts = per_file.setdefault(c.get("classname"), {"passed": 0, "failed": 0, "skipped": 0})
+    counts[outcome] += 1
+json.dump({"gpu": sys.argv[3], "settings": sys.argv[4], "tests": len(cases),
+           "passed": len(cases) - len(failed) - len(skips), "failed": len(failed), "skipped": len(skips),
+           "seconds": float(suite.get("time", 0)), "failures": failed, "skips": skips, "per_file": per_file},
           open(sys.argv[2], "w"), indent=1)
 EOF
     return $rc
