@@ -121,6 +121,7 @@ def within_f16s_own_change(model: Path, text: Path, kv_type: str, tmp_path: Path
     kivi = kl_divergence(model, text, kv_type, tmp_path / f"{kv_type}.bin", base_args, args)
     quantization = measure(model, text, kv_type, f16_base, base_args)
     detail = f"{kv_type} between the shapes {kivi}, f16's {f16}, the quantization's own {quantization}"
+    assert f16.within_rounding, detail
     assert kivi.kld < max(1e-3, 10 * f16.kld), detail
     assert kivi.flipped < max(1.0, 10 * f16.flipped, device.QUANTIZATION_SHARE * quantization.flipped), detail
 
