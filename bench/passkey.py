@@ -250,6 +250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ngl", type=int, default=0, help="layers on the GPU (99: all)")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
+    p.add_argument("--study", metavar="NAME",
+                   help="what this run takes apart, e.g. v-halves: its record is kept apart under that name and its "
+                        "table is captioned with it")
     args = p.parse_args(argv)
     specs = [KvSpec.parse(t) for t in args.kv_types.split(",") if t.strip()]
     specs += [KvSpec.per_layer(spec) for spec in args.kv_layers]
@@ -259,6 +262,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("depths are percentages 0..100, trials at least 1, lengths at least 128 tokens")
     if args.kv_sinks is not None and args.kv_sinks < 0:
         p.error("--kv-sinks is a count of 0 or more")
+    if args.study is not None and not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", args.study):
+        p.error(f"--study {args.study!r}: lower-case letters, digits and single hyphens (it names a file)")
     args.settings = settings_of(specs, args.kv_select, args.kv_sinks, args.kv_rotate, args.kv_clip)
     return args
 
@@ -277,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = run(model, args.settings, prompts, args.threads)
     record = {"model": name, "lengths": args.lengths, "depths": args.depths, "trials": args.trials,
               "seed": args.seed, "ngl": args.ngl, "kv_sinks": args.kv_sinks, "kv_rotate": args.kv_rotate,
-              "kv_clip": args.kv_clip,
+              "kv_clip": args.kv_clip, "study": args.study,
               "kv_types": [s.label for s in args.settings], "rows": rows}
     record["summary"] = summary(record)
     # a run at some depths only must not overwrite the record of every depth
@@ -285,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     variant += ("-select" if args.kv_select else "") + (f"-sinks{args.kv_sinks}" if args.kv_sinks else "")
     variant += "".join(f"-{what}-{value if value in ('on', 'off', 'none') else 'spec'}"
                        for what, value in (("rot", args.kv_rotate), ("clip", args.kv_clip)) if value is not None)
+    variant += f"-{args.study}" if args.study else ""
     save_results(RESULTS / f"passkey-{model_tag(name)}-{'-'.join(map(str, args.lengths))}{variant}", record, plot,
                  table)
 

@@ -12,6 +12,7 @@ from pykvq import Model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import passkey  # noqa: E402
+import readme_tables  # noqa: E402
 
 import device  # noqa: E402
 
@@ -94,3 +95,18 @@ def test_a_run_at_some_depths_keeps_its_own_record(monkeypatch: pytest.MonkeyPat
     passkey.main(["--lengths", "256", "--depths", "100", "--trials", "1", "--kv-types", "f16", "-t", "2",
                   "--ngl", str(device.NGL)])
     assert [p.name for p in tmp_path.glob("passkey-*.json")] == ["passkey-smollm2-135m-instruct-q4-1-256-at-100.json"]
+
+
+def test_a_study_keeps_its_own_record_and_names_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(passkey, "RESULTS", tmp_path)
+    passkey.main(["--lengths", "256", "--depths", "100", "--trials", "1", "--kv-types", "f16", "-t", "2",
+                  "--ngl", str(device.NGL), "--study", "v-halves"])
+    record = tmp_path / "passkey-smollm2-135m-instruct-q4-1-256-at-100-v-halves.json"
+    assert [p.name for p in tmp_path.glob("passkey-*.json")] == [record.name]
+    assert "bench/passkey.py --study v-halves)" in readme_tables.passkey_table(record)
+
+
+@pytest.mark.parametrize("study", ["V halves", "../x", "a--b", "-a", ""])
+def test_a_study_name_that_cannot_name_a_file_is_refused(study: str) -> None:
+    with pytest.raises(SystemExit):
+        passkey.parse_args(["--study", study])
