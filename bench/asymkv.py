@@ -51,7 +51,7 @@ def allocator_specs(model_path: Path, budgets: list[float], n_tokens: int, windo
         widths = calibrator.width_errors(ratios=None)
         sensitivities = calibrator.measured_sensitivities(widths)
         allocations = {b: allocate(sensitivities, model.n_layer, b) for b in budgets}
-        refinements = {b: refined(calibrator, a, sensitivities, b, n_refine, widths) for b, a in allocations.items()}
+        refinements = {b: refined(calibrator, a, sensitivities, b, n_refine, widths)[0] for b, a in allocations.items()}
     record = {"calibration": {"text": "macbeth_gut.txt[20000:]", "n_tokens": n_tokens, "window": window,
                               "refine": n_refine},
               "sensitivities": [asdict(s) for s in sensitivities],

@@ -288,9 +288,15 @@ def recipe_table(path: Path) -> str:
 
 
 def recall_words(calibration: dict) -> str:
-    """How many of the calibration's tokens were its recall span (none recorded before it had one)."""
+    """How many of the calibration's tokens were its recall span (none recorded before it had one), and its pass-key
+    prompts (none recorded before it had them)."""
     recall = calibration.get("kvq.calibration.recall")
-    return f"(the last {recall} its recall span) " if recall else "(no recall span) "
+    words = f"the last {recall} its recall span" if recall else "no recall span"
+    keys = calibration.get("kvq.calibration.retrieval")
+    if keys:
+        words += f"; the refined mixes also judged on {keys} pass-key prompts of " \
+                 f"{calibration['kvq.calibration.retrieval_ctx']} tokens"
+    return f"({words}) "
 
 
 def window_words(calibration: dict) -> str:

