@@ -3,9 +3,10 @@
 The probe's KL divergence (prose, and a recall span that copies distant tokens) cannot tell apart mixes that
 keep a pass key from mixes that lose it: on SmolLM2, 1-bit V in the lower layers loses the key at 1024 tokens
 while 1-bit V in as many upper layers keeps it, at nearly the same probe divergence (0.0235 against 0.0219).
-What does tell them apart is the divergence at the first token of the answer to a question about a number
-stated in a long context (0.025 against 0.014), so the refinement adds it to what it measures. The wording is
-our own, not bench/passkey.py's, and the filler is the calibration text, so the bench stays a held-out test.
+The divergence at the first token of the answer to a question about a number stated in a long context can
+(0.025 against 0.014 in a first measurement), so the refinement may add it to what it measures. At 4 prompts it
+proved too noisy to steer (the README, under Results): a study option, off by default. The wording is our own,
+not bench/passkey.py's, and the filler is the calibration text, so the bench stays a held-out test.
 """
 
 from __future__ import annotations
