@@ -85,6 +85,7 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     ("retrieval-negative", "--retrieval -1: the number of pass-key prompts is 0 or more"),
     ("retrieval-short", "--retrieval-ctx 100: the pass-key prompts need more than the 128-token fp16 window"),
     ("retrieval-long", "--retrieval-ctx 100000 is longer than the model's training context"),
+    ("retrieval-ctx-alone", "--retrieval-ctx sizes the pass-key prompts of --retrieval N"),
 ])
 def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     short = tmp_path / "short.txt"
@@ -109,8 +110,11 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, ha
                          "--kv-window", "auto"],
         "window-ctx-fixed": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-window-ctx", "4096"],
         "retrieval-negative": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--retrieval", "-1"],
-        "retrieval-short": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--retrieval-ctx", "100"],
-        "retrieval-long": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--retrieval-ctx", "100000"],
+        "retrieval-short": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--retrieval", "2",
+                            "--retrieval-ctx", "100"],
+        "retrieval-long": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--retrieval", "2",
+                           "--retrieval-ctx", "100000"],
+        "retrieval-ctx-alone": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--retrieval-ctx", "2048"],
     }[case]
     proc = calibrate(*args, cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr

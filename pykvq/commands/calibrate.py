@@ -45,6 +45,8 @@ SINK_CANDIDATES = (0, 1, 2, 4, 8)
 SINKS_TOLERANCE = 0.02
 # the recalled stretch starts past every sinks candidate, so that the cache holds all of it quantized
 RECALL_START = max(SINK_CANDIDATES)
+# SmolLM2's pass-key loss shows in the answer's divergence after 1024 tokens, not after 512
+RETRIEVAL_CTX = 1024
 
 
 @dataclass(frozen=True)
@@ -329,6 +331,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--refine {args.refine}: the number of mixes to measure is 0 or more")
     if args.retrieval < 0:
         raise ValueError(f"--retrieval {args.retrieval}: the number of pass-key prompts is 0 or more")
+    if args.retrieval_ctx is not None and not args.retrieval:
+        raise ValueError("--retrieval-ctx sizes the pass-key prompts of --retrieval N: give --retrieval with it")
     if args.kv_budget < min(BITS.values()):
         raise ValueError(f"--kv-budget {args.kv_budget:g} is below what any mix reaches (1 bit: kivi1 everywhere)")
     if args.kv_window_ctx is not None and args.kv_window_ctx < 1:
@@ -355,10 +359,10 @@ def run(args: argparse.Namespace) -> int:
         retrieval_probe = None
         prompts = None
         if args.retrieval and args.refine:
-            retrieval_probe = retrieval.RetrievalProbe(args.retrieval_ctx, args.retrieval)
-            if args.retrieval_ctx > model.n_ctx_train:
-                raise ValueError(f"--retrieval-ctx {args.retrieval_ctx} is longer than the model's training context "
-                                 f"({model.n_ctx_train})")
+            retrieval_probe = retrieval.RetrievalProbe(args.retrieval_ctx or RETRIEVAL_CTX, args.retrieval)
+            if retrieval_probe.n_tokens > model.n_ctx_train:
+                raise ValueError(f"--retrieval-ctx {retrieval_probe.n_tokens} is longer than the model's training "
+                                 f"context ({model.n_ctx_train})")
             prompts = retrieval_probe.prompts(tokens, model.tokenize, probe.window)
         calibrator = Calibrator(model, tokens, probe, prompts)
         if args.kv_sinks == "auto":
@@ -500,8 +504,8 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                         "added to the probe's (a mix can lose a pass key at the same probe divergence); a study "
                         "option, 4x the calibration time with 4 prompts, and on SmolLM2 it did not keep the key (see "
                         "the README); 0: none (default %(default)s)")
-    p.add_argument("--retrieval-ctx", type=int, default=1024, metavar="N",
-                   help="each pass-key prompt's length in tokens: the loss shows only past a long context (default "
-                        "%(default)s)")
+    p.add_argument("--retrieval-ctx", type=int, metavar="N",
+                   help="with --retrieval, each pass-key prompt's length in tokens: the loss shows only past a long "
+                        f"context (default {RETRIEVAL_CTX})")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")
     p.set_defaults(handler=run)
