@@ -167,11 +167,12 @@ def _block_moves(types: dict[tuple[str, int], str], n_layer: int,
     """Per part and pair of adjacent widths, every tensor of one depth block at the lower width up to the higher,
     and as many tensors of another block at the higher width (those whose step down costs least) down: the same
     code bits, spent at another depth."""
-    order = sorted(BITS, key=BITS.get)
     moves: list[Move] = []
     blocks = _depth_blocks(n_layer)
     for part in PARTS:
-        for lower, higher in zip(order, order[1:], strict=False):
+        for lower, higher in ((name, _neighbour(name, 1)) for name in BITS):
+            if higher is None:
+                continue
             for raised in blocks:
                 ups = [((part, il), higher) for il in raised if types[part, il] == lower]
                 if not ups:

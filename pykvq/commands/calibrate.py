@@ -221,16 +221,19 @@ class Calibrator:
             return attention_sensitivity.width_errors(self.layer_qkv, n_layer, self.probe.window, self.probe.sinks,
                                                       {"k": k_clip, "v": v_clip}, ratios, progress.update)
 
+    def _mix(self, types: dict[tuple[str, int], str], widths: list[WidthErrors]) -> tuple[str, str]:
+        """A mix's --kv-layers spec and its --kv-clip, each tensor clipped at its width's ratio."""
+        return Allocation(types, self.model.n_layer, 0.0).spec(), attention_sensitivity.clip_spec(widths, types)
+
     def mix_kld(self, types: dict[tuple[str, int], str], widths: list[WidthErrors]) -> float:
         """KL divergence of a mix, each tensor clipped at its width's ratio."""
-        return self.kld(Allocation(types, self.model.n_layer, 0.0).spec(),
-                        clip=attention_sensitivity.clip_spec(widths, types))
+        layers, clip = self._mix(types, widths)
+        return self.kld(layers, clip=clip)
 
     def mix_cost(self, types: dict[tuple[str, int], str], widths: list[WidthErrors]) -> MixCost:
         """What the refinement weighs: a mix's KL divergence on the probe and at the pass-key answers."""
-        clip = attention_sensitivity.clip_spec(widths, types)
-        spec = Allocation(types, self.model.n_layer, 0.0).spec()
-        return MixCost(self.kld(spec, clip=clip), self.retrieval_kld(spec, clip))
+        layers, clip = self._mix(types, widths)
+        return MixCost(self.kld(layers, clip=clip), self.retrieval_kld(layers, clip))
 
     def attention_sensitivities(self, widths: list[WidthErrors]) -> list[Sensitivity]:
         """The attention errors in KL divergence: each part's scale from one measured mix, that part kivi2 and the
