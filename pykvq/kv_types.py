@@ -72,10 +72,13 @@ def parse_list(text: str) -> list[KvSpec]:
     return specs
 
 
-# MiniKV's prompt selection: (heavy-hitter share, recent share) of a prompt, and optionally the number of the
-# prompt's last tokens whose attention picks the heavy hitters (0: all of them)
-Selection = tuple[float, float] | tuple[float, float, int]
+# MiniKV's prompt selection: (heavy-hitter share, recent share) of a prompt, optionally the number of the prompt's
+# last tokens whose attention picks the heavy hitters (0: all of them), and optionally the pyramid depth (1: every
+# layer keeps the same share; D: the share falls linearly from HH*(2 - 1/D) in the bottom layer to HH/D in the top)
+Selection = tuple[float, float] | tuple[float, float, int] | tuple[float, float, int, float]
 SELECT_OFF: Selection = (0.0, 0.0)  # none, whatever the model's kvq.select says
+
+_SELECT_FORM = "HH,RW[,N[,D]]"
 
 
 def selects(select: Selection | None) -> bool:
@@ -84,20 +87,22 @@ def selects(select: Selection | None) -> bool:
 
 
 def parse_select(text: str) -> Selection:
-    """``HH,RW[,N]`` of --kv-select: the heavy-hitter and recent shares of a prompt, each in (0, 1], at most 1
-    together, and the observation window N (a count of tokens, 0: the whole prompt); ``off``: none (over a model's
-    kvq.select)."""
+    """``HH,RW[,N[,D]]`` of --kv-select: the heavy-hitter and recent shares of a prompt, each in (0, 1], at most 1
+    together, the observation window N (a count of tokens, 0: the whole prompt) and the pyramid depth D (1 or
+    more); ``off``: none (over a model's kvq.select)."""
     if text == "off":
         return SELECT_OFF
     parts = text.split(",")
     try:
-        if len(parts) not in (2, 3):
+        if len(parts) not in (2, 3, 4):
             raise ValueError
         hh, recent = float(parts[0]), float(parts[1])
-        observe = int(parts[2]) if len(parts) == 3 else None
+        observe = int(parts[2]) if len(parts) >= 3 else None
+        depth = float(parts[3]) if len(parts) == 4 else None
     except ValueError:
-        raise KvTypeError(f"--kv-select takes HH,RW[,N], two shares of the prompt and optionally how many of its last "
-                          f"tokens pick the heavy hitters, such as 0.25,0.25 or 0.25,0.25,32; got {text!r}") from None
+        raise KvTypeError(f"--kv-select takes {_SELECT_FORM}, two shares of the prompt, optionally how many of its "
+                          f"last tokens pick the heavy hitters and the pyramid depth, such as 0.25,0.25 or "
+                          f"0.25,0.25,32 or 0.25,0.25,0,3; got {text!r}") from None
     if not (0.0 < hh <= 1.0 and 0.0 < recent <= 1.0):
         raise KvTypeError(f"--kv-select shares must each be in (0, 1]; got {text!r}")
     if hh + recent > 1.0 + 1e-6:
@@ -107,34 +112,53 @@ def parse_select(text: str) -> Selection:
     if observe < 0:
         raise KvTypeError(f"--kv-select's observation window N must be 0 (the whole prompt) or more tokens; "
                           f"got {text!r}")
-    return hh, recent, observe
+    if depth is None:
+        return hh, recent, observe
+    if not (math.isfinite(depth) and depth >= 1.0):
+        raise KvTypeError(f"--kv-select's pyramid depth D must be 1 (every layer alike) or more; got {text!r}")
+    return hh, recent, observe, depth
+
+
+def selection_depth(select: Selection) -> float:
+    """The pyramid depth of a selection (1: every layer alike)."""
+    return float(select[3]) if len(select) == 4 else 1.0
 
 
 def selection_spec(select: Selection) -> str:
-    """``HH,RW[,N]``, as --kv-select spells it."""
+    """``HH,RW[,N[,D]]``, as --kv-select spells it."""
     return ",".join(f"{x:g}" for x in select) if selects(select) else "off"
 
 
 def selection_label(select: Selection) -> str:
-    """``0.25/0.25``, or ``0.25/0.25 obs 32`` with an observation window (``obs all`` for 0)."""
-    shares = f"{select[0]:g}/{select[1]:g}"
-    if len(select) == 2:
-        return shares
-    return f"{shares} obs {select[2] or 'all'}"
+    """``0.25/0.25``, ``0.25/0.25 obs 32`` with an observation window (``obs all`` for 0), ``... pyramid 3`` with a
+    pyramid depth over 1."""
+    label = f"{select[0]:g}/{select[1]:g}"
+    if len(select) >= 3:
+        label += f" obs {select[2] or 'all'}"
+    depth = selection_depth(select)
+    return label + (f" pyramid {depth:g}" if depth != 1.0 else "")
+
+
+def _f32(x: float) -> float:
+    """x rounded to a C float, as the C API holds shares."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def kept_cells(select: Selection, n_prompt: int, window: int, n_sink: int) -> int:
-    """Cells a prompt of n_prompt tokens keeps under a selection (llama_kvq_select_for): its sinks, heavy hitters
-    and recent tokens; all of it when it is no longer than the window."""
+    """Cells a prompt of n_prompt tokens keeps under a selection (llama_kvq_select_for): its sinks, the heavy hitters
+    of the bottom layer (the most of any layer under a pyramid) and its recent tokens; all of it when it is no
+    longer than the window."""
     if n_prompt <= max(window, n_sink):
         return n_prompt
 
     def count(share: float) -> int:
         # as the C API counts: the share as a float, rounded half away from zero
-        return math.floor(struct.unpack("f", struct.pack("f", share))[0] * n_prompt + 0.5)
+        return math.floor(share * n_prompt + 0.5)
 
-    n_recent = min(max(count(select[1]), 1), n_prompt - n_sink)
-    n_hh = min(count(select[0]), n_prompt - n_sink - n_recent)
+    n_recent = min(max(count(_f32(select[1])), 1), n_prompt - n_sink)
+    depth = _f32(selection_depth(select))
+    bottom = _f32(_f32(select[0]) * _f32(2.0 - _f32(1.0 / depth)))
+    n_hh = min(count(bottom), n_prompt - n_sink - n_recent)
     return n_sink + n_hh + n_recent
 
 

@@ -3,8 +3,9 @@
 A whole state (llama_state_get_data, llama_context::state_write_data): the model's architecture string, then
 the KV cache (llama_kv_cache::state_write): the stream count, and per stream its cell count, each cell's
 position and sequence ids, then the cells' data. A cache with kivi layers writes its data as one block per
-sequence part (kvq_state_write_part): the KVQ4 header (magic, n_layer, window, n_sink, n_fp16, n_cells, rotate)
-and per layer the saved K/V type ids, what the layer rotates (not in KVQ3) and the layer's bytes (a kivi layer:
+sequence part (kvq_state_write_part): the KVQ5 header (magic, n_layer, window, n_sink, n_fp16, n_cells, rotate)
+and per layer the saved K/V type ids, what the layer rotates (not in KVQ3), the cells a pyramid selection left
+dead after the sinks (not in KVQ3 or KVQ4) and the layer's bytes (a kivi layer:
 sealed K tiles, V rows, fp16 sinks and ring; another type: the part's K and V rows). A cache without kivi layers
 writes upstream's v_trans, n_layer, and per layer K then V: type, row size, rows.
 
@@ -27,8 +28,9 @@ from pykvq.bindings import native
 
 SEQ_STATE_MAGIC = 0xAF143CD8  # llama-context.cpp's io_magic
 SESSION_MAGIC, SESSION_VERSION = 0x6767736E, 10  # 'ggsn', LLAMA_SESSION_VERSION
-KVQ_MAGIC = 0x3451564B  # "KVQ4"
-KVQ3_MAGIC = 0x3351564B  # "KVQ3": no per-layer rotation
+KVQ_MAGIC = 0x3551564B  # "KVQ5"
+KVQ4_MAGIC = 0x3451564B  # "KVQ4": no dead cells per layer
+KVQ3_MAGIC = 0x3351564B  # "KVQ3": no per-layer rotation either
 QK_KIVI = 32  # cells per sealed K tile
 KIVI_TYPE_IDS = {43, 44, 45}
 
@@ -118,6 +120,8 @@ def _kvq_part(r: _Reader, n_embd_k: Sequence[int], n_embd_v: Sequence[int], tag:
         type_v = r.field("<i", f"{lt}.type_v")
         if magic != KVQ3_MAGIC:
             r.field("<i", f"{lt}.rotate")
+        if magic not in (KVQ3_MAGIC, KVQ4_MAGIC):
+            r.field("<i", f"{lt}.dead")
         if type_k in KIVI_TYPE_IDS:
             r.region(n_cells // QK_KIVI * row_size(type_k, n_embd_k[il] * QK_KIVI), f"{lt}.k_tiles")
             r.region(n_cells * row_size(type_v, n_embd_v[il]), f"{lt}.v_rows")
@@ -198,3 +202,16 @@ def parse(blob: bytes, geometry: Geometry, kind: str = "state") -> Layout:
     _memory(r, geometry.n_embd_k, geometry.n_embd_v, geometry.kivi)
     layout.check_covers(len(blob))
     return layout
+
+
+def without_layer_fields(state: bytes, layout: Layout, suffixes: Sequence[str]) -> bytes:
+    """The state with the per-layer fields whose names end in ``suffixes`` cut out (what an older format lacks)."""
+    dropped = [f for f in layout.fields if f.name.endswith(tuple(suffixes)) and ".l" in f.name]
+    if not dropped:
+        raise StateFormatError(f"no per-layer field ends in {suffixes}")
+    out, at = bytearray(), 0
+    for f in dropped:
+        out += state[at:f.offset]
+        at = f.offset + f.size
+    out += state[at:]
+    return bytes(out)

@@ -94,16 +94,9 @@ def test_a_state_records_each_layers_rotation(model: Model, tokens: list[int]) -
 
 
 def as_kvq3(state: bytes, model: Model) -> bytes:
-    """The state as the format before per-layer rotation wrote it: no rotation field per layer."""
+    """The state as the format before per-layer rotation wrote it: no rotation (or dead-cell) field per layer."""
     layout = state_format.parse(state, state_format.Geometry.of(model, kivi=True))
-    dropped = [f for f in layout.fields if f.name.endswith(".rotate") and ".l" in f.name]
-    assert dropped
-    out, at = bytearray(), 0
-    for f in dropped:
-        out += state[at:f.offset]
-        at = f.offset + f.size
-    out += state[at:]
-    return bytes(out).replace(b"KVQ4", b"KVQ3")
+    return state_format.without_layer_fields(state, layout, (".rotate", ".dead")).replace(b"KVQ5", b"KVQ3")
 
 
 @pytest.mark.parametrize("rotate", ["on", "off"])

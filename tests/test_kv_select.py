@@ -21,6 +21,7 @@ from pykvq.llama_tools import run_tool
 from pykvq.kv_types import SELECT_OFF, Selection
 
 import device
+import state_format
 
 N_PROMPT = 600
 N_CONT = 40
@@ -117,6 +118,57 @@ def test_state_after_selection_continues_exactly(model: Model, tokens: list[int]
         device.assert_same_logits(ctx.eval(tokens[N_PROMPT:], all_logits=True), expected)
 
 
+# MiniKV's pyramid at depth 3: the bottom layer keeps 0.25*(2 - 1/3) of the prompt as heavy hitters (250 of 600
+# tokens), the top one 0.25/3 (50), every layer the same 150 recent tokens
+PYRAMID = (0.25, 0.25, 0, 3.0)
+PYRAMID_CELLS = 400
+
+
+def test_a_pyramid_holds_its_bottom_layers_cells_and_continues(model: Model, tokens: list[int], f16) -> None:
+    uniform = prompt_then_continuation(model, tokens, (0.25, 0.25))
+    # depth 1 is the uniform selection
+    device.assert_same_logits(prompt_then_continuation(model, tokens, (0.25, 0.25, 0, 1.0))[1], uniform[1])
+    last, cont, held = prompt_then_continuation(model, tokens, PYRAMID)
+    assert held == PYRAMID_CELLS
+    device.assert_same_logits(last, uniform[0], lambda: f16()[0])
+    assert not np.array_equal(cont, uniform[1])
+    plain = prompt_then_continuation(model, tokens, None)
+    targets = tokens[N_PROMPT + 1:]
+    assert nll(cont[:-1], targets) < nll(plain[1][:-1], targets) + 0.5
+
+
+def test_a_pyramid_state_carries_its_dead_cells(model: Model, tokens: list[int]) -> None:
+    rest = tokens[N_PROMPT:]
+    with context(model, PYRAMID) as ctx:
+        ctx.eval(tokens[:N_PROMPT])
+        state = ctx.save_state()
+        expected = ctx.eval(rest, all_logits=True)
+    # a context that selects nothing itself: which cells each layer left dead comes with the state
+    with context(model, SELECT_OFF) as ctx:
+        ctx.load_state(state)
+        assert ctx.seq_cells(0) == PYRAMID_CELLS
+        device.assert_same_logits(ctx.eval(rest, all_logits=True), expected)
+    # the same bytes without that record (the KVQ4 layout): the upper layers read the copies their dead cells hold,
+    # which the mask kept out
+    layout = state_format.parse(state, state_format.Geometry.of(model, kivi=True))
+    unmasked = state_format.without_layer_fields(state, layout, (".dead",)).replace(b"KVQ5", b"KVQ4")
+    with context(model, SELECT_OFF) as ctx:
+        ctx.load_state(unmasked)
+        assert not np.array_equal(ctx.eval(rest, all_logits=True), expected)
+
+
+@pytest.mark.parametrize("unified", [False, True], ids=["streams", "unified"])
+def test_a_copied_pyramid_sequence_continues_as_its_source(model: Model, tokens: list[int], unified: bool) -> None:
+    config = KvConfig("kivi2", "kivi2", select=PYRAMID)
+    with model.context(ContextConfig(n_ctx=2048, n_batch=1024, n_ubatch=1024, n_threads=2, flash_attn="on",
+                                     n_seq_max=2, kv_unified=unified, kv=config)) as ctx:
+        ctx.eval_seqs({0: tokens[:N_PROMPT]})
+        ctx.seq_cp(0, 1)
+        assert ctx.seq_cells(1) == PYRAMID_CELLS
+        got = ctx.eval_seqs({0: tokens[N_PROMPT:N_PROMPT + 8], 1: tokens[N_PROMPT:N_PROMPT + 8]})
+    device.assert_same_logits(got[1], got[0])
+
+
 def test_a_later_batch_of_the_same_sequence_is_not_selected(model: Model, tokens: list[int]) -> None:
     with context(model, (0.25, 0.25)) as ctx:
         ctx.eval(tokens[:N_PROMPT])
@@ -155,6 +207,7 @@ def test_a_prompt_within_the_window_is_kept_whole(model: Model, tokens: list[int
     ((0.75, 0.5), "add up to 1.25"),
     ((float("nan"), 0.5), "must each be in (0, 1]"),
     ((0.25, 0.25, -1), "observation window must be 0"),
+    ((0.25, 0.25, 0, 0.5), "pyramid depth must be 1"),
 ])
 def test_bad_shares_are_refused_before_the_context(model: Model, select, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("]", r"\]")):
@@ -206,7 +259,8 @@ def test_pykvq_run_on_an_rpc_device_selects_as_the_cpu(rpc_server: str, smollm2:
     (["-p", "x", "--kv-select", "0.8,0.3"], "add up to 1.1"),
     (["-p", "x", "--kv-select", "half"], "takes HH,RW"),
     (["-p", "x", "--kv-select", "0.25,0.25,-4"], "observation window N must be 0"),
-    (["-p", "x", "--kv-select", "0.25,0.25,4,4"], "takes HH,RW[,N]"),
+    (["-p", "x", "--kv-select", "0.25,0.25,4,0.5"], "pyramid depth D must be 1"),
+    (["-p", "x", "--kv-select", "0.25,0.25,4,2,1"], "takes HH,RW[,N[,D]]"),
 ])
 def test_pykvq_run_refuses_bad_selection_before_any_work(smollm2: Path, args: list[str], message: str) -> None:
     out = subprocess.run(["pykvq", "run", "-m", str(smollm2), "--kv-type", "kivi2", "--kv-select", "0.25,0.25",
@@ -214,7 +268,7 @@ def test_pykvq_run_refuses_bad_selection_before_any_work(smollm2: Path, args: li
     assert out.returncode != 0 and message in out.stderr
 
 
-@pytest.mark.parametrize("select, sinks", [((0.25, 0.25), 0), ((0.3, 0.1, 32), 4)])
+@pytest.mark.parametrize("select, sinks", [((0.25, 0.25), 0), ((0.3, 0.1, 32), 4), ((0.3, 0.2, 0, 2.5), 4)])
 def test_pykvq_inspect_counts_the_cells_a_context_keeps(model: Model, smollm2: Path, tokens: list[int], select,
                                                         sinks: int) -> None:
     with context(model, select, sinks=sinks) as ctx:

@@ -131,7 +131,7 @@ def test_after_a_refused_load_the_positions_follow_the_cache(model: Model, token
     assert_fresh(got, model, other, tokens[:held + 10], (held,) if held else (), slice(held, None))
 
 
-# where the first layer's saved K/V type ids sit: after the kivi block header ("KVQ4", n_layer, window, sinks,
+# where the first layer's saved K/V type ids sit: after the kivi block header ("KVQ5", n_layer, window, sinks,
 # n_fp16 as int64, n_cells, what is rotated: 32 bytes)
 KVQ_HEADER_BYTES = 32
 
@@ -142,7 +142,7 @@ def test_a_state_of_a_format_before_rotation_was_recorded_is_refused(model: Mode
     kv = KvConfig.preset("kivi2", window=64)
     with context(model, kv) as first:
         first.eval(tokens[:100])
-        state = first.save_state().replace(b"KVQ4", older)
+        state = first.save_state().replace(b"KVQ5", older)
     with context(model, kv) as second, pytest.raises(LlamaError, match="saved by an older pykvq"):
         second.load_state(state)
 
@@ -174,7 +174,7 @@ def test_a_corrupt_type_id_in_a_state_is_named_not_looked_up(model: Model, token
     with context(model, kv) as first:
         first.eval(tokens[:100])
         state = bytearray(first.save_state())
-    at = state.index(b"KVQ4") + KVQ_HEADER_BYTES
+    at = state.index(b"KVQ5") + KVQ_HEADER_BYTES
     state[at:at + 4] = bad_id.to_bytes(4, "little", signed=True)
     with context(model, kv) as second, pytest.raises(LlamaError) as refused:
         second.load_state(bytes(state))

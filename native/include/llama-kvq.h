@@ -35,8 +35,8 @@ struct llama_kvq_params {
     // kept tokens fill the sequence's first cells, quantized as a prompt of that length would be, and keep their
     // meaning (RoPE is applied before they are stored); generation appends as usual. The prompt must reach the
     // cache in one ubatch (-ub at least its length), one sequence per ubatch, and every layer of the cache must be
-    // kivi. A prompt no longer than the window is kept whole. All three LLAMA_KVQ_FROM_MODEL (what the process-wide
-    // settings hold until set): the model's kvq.select ("HH,RW[,N]"), if it has one; a prompt that such a setting
+    // kivi. A prompt no longer than the window is kept whole. All four LLAMA_KVQ_FROM_MODEL (what the process-wide
+    // settings hold until set): the model's kvq.select ("HH,RW[,N[,D]]"), if it has one; a prompt that such a setting
     // cannot select (spanning ubatches, sharing one with another sequence's) is kept whole, with a log line.
     float   select_hh;
     float   select_recent;
@@ -45,6 +45,11 @@ struct llama_kvq_params {
     // question, looks at, and what surrounds it); 0: all of the prompt's queries, no pooling (MiniKV's
     // accumulated score). Default 0.
     int32_t select_observe;
+    // MiniKV's pyramid (PyramidKV's policy): the heavy-hitter share falls linearly from the cache's bottom layer
+    // to its top one, select_hh * (2 - 1/depth) down to select_hh / depth, select_hh on average; 1: every layer
+    // alike (the default). Cells are shared by all layers, so a sequence holds what its bottom layer keeps; an
+    // upper layer's surplus cells are masked out of its attention.
+    float   select_depth;
 };
 
 // the defaults: what a window or sink count LLAMA_KVQ_FROM_MODEL becomes for a model without kvq.window/kvq.sinks

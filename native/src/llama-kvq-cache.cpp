@@ -151,11 +151,12 @@ static int32_t kvq_setting_for(const llama_model & model, int32_t value, const c
 }
 
 // the process-wide settings, the window and sinks LLAMA_KVQ_FROM_MODEL resolved for this model
-// MiniKV's selection left to the model: its kvq.select ("HH,RW[,N]"), else none
+// MiniKV's selection left to the model: its kvq.select ("HH,RW[,N[,D]]"), else none
 static void kvq_select_for(const llama_model & model, llama_kvq_params & params) {
     params.select_hh      = 0.0f;
     params.select_recent  = 0.0f;
     params.select_observe = 0;
+    params.select_depth   = 1.0f;
     char buf[64];
     const int32_t n = llama_model_meta_val_str(&model, "kvq.select", buf, sizeof(buf));
     if (n < 0) {
@@ -164,16 +165,19 @@ static void kvq_select_for(const llama_model & model, llama_kvq_params & params)
     float hh = 0.0f;
     float recent = 0.0f;
     int32_t observe = 0;
-    const bool parsed = n < (int32_t) sizeof(buf) && llama_kvq_parse_select(buf, hh, recent, observe);
-    const std::string problem = parsed ? llama_kvq_check_select(hh, recent, observe) : "it does not read as HH,RW[,N]";
+    float depth = 1.0f;
+    const bool parsed = n < (int32_t) sizeof(buf) && llama_kvq_parse_select(buf, hh, recent, observe, depth);
+    const std::string problem = parsed ? llama_kvq_check_select(hh, recent, observe, depth) :
+                                         "it does not read as HH,RW[,N[,D]]";
     if (!parsed || !problem.empty() || observe == LLAMA_KVQ_FROM_MODEL) {
         throw std::runtime_error(std::string("the model's kvq.select metadata '") + buf + "' is not a prompt selection: " +
                                  (problem.empty() ? "no value to take from the model" : problem) +
-                                 " (--kv-select HH,RW[,N] or --kv-select off overrides it)");
+                                 " (--kv-select HH,RW[,N[,D]] or --kv-select off overrides it)");
     }
     params.select_hh      = hh;
     params.select_recent  = recent;
     params.select_observe = observe;
+    params.select_depth   = depth;
 }
 
 // the settings a cache of this model takes; select_from_model says whether the selection came from kvq.select
@@ -204,7 +208,7 @@ uint32_t llama_kvq_swa_part_cells(const llama_model & model, uint32_t n_ubatch, 
 }
 
 // the mask, mass, kept set and reseal of a selecting layer (llama_kv_cache::kvq_build_attn), with room to spare
-static constexpr uint32_t KVQ_SELECT_NODES_PER_LAYER = 96;
+static constexpr uint32_t KVQ_SELECT_NODES_PER_LAYER = 112;
 
 // Whatever the process-wide settings say now: a context reserves its graphs again later (LoRA, backend samplers),
 // when they may have changed, and its cache keeps the settings it was made with
@@ -252,6 +256,7 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
     const bool unified = n_stream_wanted == 1;
     kvq_n_part     = unified ? n_seq_max : n_stream_wanted;
     kvq_part_cells = unified ? kv_size / n_seq_max / QK_KIVI * QK_KIVI : kv_size;
+    kvq_dead.assign(kvq_n_part, {});
     if (kvq_part_cells == 0 || kv_size % QK_KIVI != 0) {
         throw std::runtime_error("KV cache " + types + ": " + std::to_string(kv_size) + " cells for " +
                                  std::to_string(n_seq_max) + " sequences: kivi types need a multiple of 32 cells " +
@@ -539,6 +544,7 @@ bool llama_kv_cache::kvq_check_select(const std::vector<llama_ubatch> & ubatches
 // the kept tokens (the graph writes them there), at the prompt's last n_keep positions, consecutive as the kivi
 // layout reads them; a cell stands in for a position by distance only, and every later query sees them all
 void llama_kv_cache::kvq_apply_select(const slot_info & sinfo, const llama_ubatch & ubatch) {
+    kvq_forget_dead(sinfo);
     const llama_kvq_select & sel = sinfo.kvq_select;
     if (sel.n_prompt == 0) {
         return;
@@ -554,6 +560,91 @@ void llama_kv_cache::kvq_apply_select(const slot_info & sinfo, const llama_ubatc
         cells.pos_set(idxs[c], ubatch.pos[sel.n_prompt - n_keep + c]);
         cells.seq_add(idxs[c], seq);
     }
+    std::vector<uint32_t> & dead = kvq_dead[sel.part];
+    dead.assign(layers.size(), 0);
+    for (uint32_t ikv = 0; ikv < layers.size(); ++ikv) {
+        dead[ikv] = sel.n_dead(ikv, (uint32_t) layers.size());
+    }
+    if (std::all_of(dead.begin(), dead.end(), [](uint32_t n) { return n == 0; })) {
+        dead.clear();
+    }
+}
+
+// MiniKV's pyramid: a part's cells fill in order, so a token placed at or before a dead cell means the cells from
+// there on were freed (seq_rm) and are written again: they are no longer dead
+void llama_kv_cache::kvq_forget_dead(const slot_info & sinfo) {
+    if (!kvq_masks_dead()) {
+        return;
+    }
+    const uint32_t n_sink = (uint32_t) kvq_params.n_sink;
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        for (uint32_t idx : sinfo.idxs[s]) {
+            uint32_t part;
+            uint32_t k;
+            kvq_part_of(sinfo.strm[s], idx, part, k);
+            for (uint32_t & n : kvq_dead[part]) {
+                n = std::min(n, k > n_sink ? k - n_sink : 0);
+            }
+        }
+    }
+}
+
+void llama_kv_cache::kvq_copy_dead(uint32_t part_src, uint32_t part_dst) {
+    if (kvq_active()) {
+        kvq_dead[part_dst] = kvq_dead[part_src];
+    }
+}
+
+bool llama_kv_cache::kvq_masks_dead() const {
+    return std::any_of(kvq_dead.begin(), kvq_dead.end(), [](const std::vector<uint32_t> & d) { return !d.empty(); });
+}
+
+// what each cache layer masks of each of the ubatch's streams, F32 [n_kv, 1, 1, n_stream*n_layer], while some
+// part holds dead cells (kvq_masks_dead): a graph built without it is not reused once one does
+ggml_tensor * llama_kv_cache::kvq_build_input_dead(ggml_context * ctx, uint32_t n_kv, const llama_ubatch & ubatch,
+        bool unified) const {
+    if (!kvq_masks_dead()) {
+        return nullptr;
+    }
+    const int64_t n_stream = unified ? 1 : ubatch.n_seqs_unq;
+    ggml_tensor * dead = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, n_kv, 1, 1, n_stream*(int64_t) layers.size());
+    ggml_set_input(dead);
+    ggml_set_name(dead, "kvq_dead");
+    return dead;
+}
+
+void llama_kv_cache::kvq_set_input_dead(ggml_tensor * dst, const slot_info & sinfo) const {
+    GGML_ASSERT(ggml_backend_buffer_is_host(dst->buffer));
+    const int64_t  n_kv     = dst->ne[0];
+    const int64_t  n_stream = dst->ne[3] / (int64_t) layers.size();
+    const uint32_t n_sink   = (uint32_t) kvq_params.n_sink;
+    float * data = (float *) dst->data;
+    std::fill(data, data + ggml_nelements(dst), 0.0f);
+    for (int64_t s = 0; s < n_stream; ++s) {
+        const uint32_t strm = sinfo.strm[n_stream > 1 ? s : 0];
+        for (int64_t cell = 0; cell < n_kv; ++cell) {
+            uint32_t part;
+            uint32_t k;
+            kvq_part_of(strm, (uint32_t) cell, part, k);
+            if (part >= kvq_n_part) {
+                break;  // the cells past the last region of a unified cache
+            }
+            const std::vector<uint32_t> & dead = kvq_dead[part];
+            for (size_t ikv = 0; ikv < dead.size(); ++ikv) {
+                if (k >= n_sink && k < n_sink + dead[ikv]) {
+                    data[((int64_t) ikv*n_stream + s)*n_kv + cell] = -INFINITY;
+                }
+            }
+        }
+    }
+}
+
+// the mask of layer ikv: the ubatch's, with the cells its selected prompts left dead masked out
+static ggml_tensor * kvq_mask_dead(ggml_context * ctx, ggml_tensor * kq_mask, ggml_tensor * dead, int32_t ikv) {
+    const int64_t n_stream = kq_mask->ne[3];
+    ggml_tensor * row = ggml_view_4d(ctx, dead, dead->ne[0], 1, 1, n_stream, dead->nb[1], dead->nb[2], dead->nb[3],
+                                     ikv*n_stream*dead->nb[3]);
+    return ggml_add(ctx, kq_mask, row);
 }
 
 static void kvq_build_move_rows(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * t, size_t src, size_t dst,
@@ -639,6 +730,7 @@ void llama_kv_cache::kvq_seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst
         cells.seq_add(idx, seq_id_dst);
         cells.seq_rm(idx, seq_id_src);
     }
+    kvq_copy_dead(seq_id_src, seq_id_dst);
     // the data follows in update(), once the graph that may still be writing it is done; copies run in order
     sc_info.ssrc.push_back(seq_id_src);
     sc_info.sdst.push_back(seq_id_dst);
@@ -714,8 +806,10 @@ bool llama_kv_cache::kvq_active() const {
 
 // Saved state of a kivi cache, after upstream's cell metadata: every setting that changes what the bytes mean
 // (checked on load: data of another type, window or sink count would be read into the wrong layout, rotated
-// codes would be read as plain ones), then per layer the sealed K tiles, the V rows and the fp16 sinks and ring.
-static constexpr uint32_t KVQ_STATE_MAGIC    = 0x3451564b; // "KVQ4"
+// codes would be read as plain ones), then per layer the dead cells a pyramid selection left after the sinks, the
+// sealed K tiles, the V rows and the fp16 sinks and ring.
+static constexpr uint32_t KVQ_STATE_MAGIC    = 0x3551564b; // "KVQ5"
+static constexpr uint32_t KVQ_STATE_MAGIC_V4 = 0x3451564b; // "KVQ4": before a layer's dead cells were recorded
 static constexpr uint32_t KVQ_STATE_MAGIC_V1 = 0x3151564b; // "KVQ1": before the rotation was recorded
 static constexpr uint32_t KVQ_STATE_MAGIC_V2 = 0x3251564b; // "KVQ2": the rotation setting, not what was rotated
 static constexpr uint32_t KVQ_STATE_MAGIC_V3 = 0x3351564b; // "KVQ3": what the whole cache rotates, not each layer
@@ -728,7 +822,7 @@ struct kvq_state_header {
     int64_t  n_fp16;
     uint32_t n_cells;
     int32_t  rotate;   // KVQ_ROT_K | KVQ_ROT_V: what any layer rotates, whatever made it (type or setting); then
-                       // per layer its K and V type ids and (from KVQ4) what it rotates
+                       // per layer its K and V type ids, (from KVQ4) what it rotates and (from KVQ5) its dead cells
 };
 
 enum { KVQ_ROT_K = 1, KVQ_ROT_V = 2 };
@@ -751,8 +845,11 @@ void llama_kv_cache::kvq_state_write_part(llama_io_write_i & io, uint32_t part, 
     const kvq_state_header header = { KVQ_STATE_MAGIC, (uint32_t) layers.size(), kvq_params.window, kvq_params.n_sink,
                                       kvq_n_fp16(layers), n_cells, kvq_rotation_bits(attn_rot_k, attn_rot_v) };
     io.write(&header, sizeof(header));
-    for (const kv_layer & layer : layers) {
-        const int32_t types[3] = { (int32_t) layer.k->type, (int32_t) layer.v->type, kvq_layer_rotation(layer.il) };
+    const std::vector<uint32_t> & dead = kvq_dead[part];
+    for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
+        const kv_layer & layer = layers[ikv];
+        const int32_t types[4] = { (int32_t) layer.k->type, (int32_t) layer.v->type, kvq_layer_rotation(layer.il),
+                                   dead.empty() ? 0 : (int32_t) dead[ikv] };
         io.write(types, sizeof(types));
         if (layer.k_fp16 == nullptr) {
             // a layer of another type (per-layer types): the part's rows, one per cell
@@ -912,9 +1009,9 @@ bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, ui
         std::vector<uint32_t> & from, std::vector<uint32_t> & to, uint32_t & part, uint32_t & n_cells) {
     kvq_state_header header = {};
     io.read(&header, sizeof(header));
-    // KVQ3 rotated every layer as its header says
-    const bool per_layer_rotation = header.magic != KVQ_STATE_MAGIC_V3;
-    if (!per_layer_rotation) {
+    // KVQ3 rotated every layer as its header says; KVQ4 selected no pyramid
+    const size_t n_layer_fields = header.magic == KVQ_STATE_MAGIC_V3 ? 2 : header.magic == KVQ_STATE_MAGIC_V4 ? 3 : 4;
+    if (header.magic == KVQ_STATE_MAGIC_V3 || header.magic == KVQ_STATE_MAGIC_V4) {
         header.magic = KVQ_STATE_MAGIC;
     }
     if (header.magic == KVQ_STATE_MAGIC_V1 || header.magic == KVQ_STATE_MAGIC_V2) {
@@ -959,9 +1056,11 @@ bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, ui
         from.push_back(idxs[k]);
         to.push_back(cell);
     }
-    for (const kv_layer & layer : layers) {
-        int32_t types[3] = { 0, 0, header.rotate };
-        io.read(types, per_layer_rotation ? sizeof(types) : 2*sizeof(int32_t));
+    std::vector<uint32_t> dead(layers.size(), 0);
+    for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
+        const kv_layer & layer = layers[ikv];
+        int32_t types[4] = { 0, 0, header.rotate, 0 };
+        io.read(types, n_layer_fields*sizeof(int32_t));
         if (types[0] != (int32_t) layer.k->type || types[1] != (int32_t) layer.v->type) {
             return kvq_state_fail("layer " + std::to_string(layer.il) + " was saved as " +
                                   kvq_saved_type_name(types[0]) + "/" + kvq_saved_type_name(types[1]) + ", this cache holds " +
@@ -972,6 +1071,14 @@ bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, ui
                                   kvq_rotation_text(types[2]) + ", this cache's is " +
                                   kvq_rotation_text(kvq_layer_rotation(layer.il)));
         }
+        // dead cells lie between the sinks and the last cell, which holds a token every layer reads
+        if (types[3] < 0 || (types[3] > 0 && (layer.k_fp16 == nullptr ||
+                                              (int64_t) kvq_params.n_sink + types[3] >= (int64_t) n_cells))) {
+            return kvq_state_fail("layer " + std::to_string(layer.il) + " has " + std::to_string(types[3]) +
+                                  " dead cells of " + std::to_string(n_cells) + " (sinks " +
+                                  std::to_string(kvq_params.n_sink) + ")");
+        }
+        dead[ikv] = (uint32_t) types[3];
         if (layer.k_fp16 == nullptr) {
             for (ggml_tensor * t : { layer.k, layer.v }) {
                 io.read_tensor(t, kvq_plain_part_offset(t, part, kvq_in_regions(), kvq_part_cells), (size_t) n_cells*t->nb[1]);
@@ -983,6 +1090,8 @@ bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, ui
         io.read_tensor(layer.k_fp16, part*layer.k_fp16->nb[2], layer.k_fp16->nb[2]);
         io.read_tensor(layer.v_fp16, part*layer.v_fp16->nb[2], layer.v_fp16->nb[2]);
     }
+    const bool any_dead = std::any_of(dead.begin(), dead.end(), [](uint32_t n) { return n > 0; });
+    kvq_dead[part] = any_dead ? std::move(dead) : std::vector<uint32_t>();
     return true;
 }
 
@@ -1199,7 +1308,7 @@ static int32_t kvq_last_reader(const std::unordered_map<int32_t, int32_t> & map_
 
 ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * gf, ggml_tensor * q_cur, ggml_tensor * k_cur,
         ggml_tensor * v_cur, ggml_tensor * kq_mask, ggml_tensor * k_idxs, ggml_tensor * v_idxs, ggml_tensor * sinks,
-        const llama_ubatch & ubatch, const llama_kvq_select & select, float kq_scale, int32_t il) const {
+        ggml_tensor * dead, const llama_ubatch & ubatch, const llama_kvq_select & select, float kq_scale, int32_t il) const {
     const int32_t ikv = map_layer_ids.at(il);
     const kv_layer & layer = layers[ikv];
     const int32_t window = kvq_params.window;
@@ -1222,6 +1331,8 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
         kq_mask = kvq_graph_shared(gf, "kvq_select_mask", [&] {
             return llama_kvq_causal_mask(ctx, select.n_prompt);
         });
+    } else if (dead != nullptr) {
+        kq_mask = kvq_mask_dead(ctx, kq_mask, dead, ikv);
     }
 
     // V rows of every part, indexed by the global cells of k_idxs/v_idxs
@@ -1282,7 +1393,7 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
         // MiniKV: the kept tokens, chosen by the owner's queries
         ggml_tensor * mass = llama_kvq_prompt_mass(ctx, q_cur, step.k_wide, wide_mask, k_idxs, window, n_sink, n_kv, kv_size,
                                                    layer.k->ne[2], select, kq_scale);
-        ggml_tensor * kept = llama_kvq_kept_tokens(ctx, mass, select);
+        ggml_tensor * kept = llama_kvq_kept_tokens(ctx, mass, select, (uint32_t) ikv, (uint32_t) layers.size());
         step.k_ring = llama_kvq_gather_kept(ctx, k_cur, kept);
         step.v_ring = llama_kvq_gather_kept(ctx, v_cur, kept);
     }

@@ -10,13 +10,17 @@
 
 #define KVQ_SELECT_POOL 7
 
-std::string llama_kvq_check_select(float hh, float recent, int32_t observe) {
-    if (hh == LLAMA_KVQ_FROM_MODEL && recent == LLAMA_KVQ_FROM_MODEL && observe == LLAMA_KVQ_FROM_MODEL) {
+std::string llama_kvq_check_select(float hh, float recent, int32_t observe, float depth) {
+    if (hh == LLAMA_KVQ_FROM_MODEL && recent == LLAMA_KVQ_FROM_MODEL && observe == LLAMA_KVQ_FROM_MODEL &&
+        depth == LLAMA_KVQ_FROM_MODEL) {
         return "";
     }
     if (observe < 0) {
         return "the selection's observation window must be 0 (all of the prompt) or more tokens, got " +
                std::to_string(observe);
+    }
+    if (!std::isfinite(depth) || depth < 1.0f) {
+        return "the selection's pyramid depth must be 1 (every layer alike) or more, got " + std::to_string(depth);
     }
     if (hh == 0.0f && recent == 0.0f) {
         return "";
@@ -34,11 +38,12 @@ std::string llama_kvq_check_select(float hh, float recent, int32_t observe) {
     return "";
 }
 
-bool llama_kvq_parse_select(const char * text, float & hh, float & recent, int32_t & observe) {
+bool llama_kvq_parse_select(const char * text, float & hh, float & recent, int32_t & observe, float & depth) {
     if (std::strcmp(text, "off") == 0 || text[0] == '\0') {
         hh      = 0.0f;
         recent  = 0.0f;
         observe = 0;
+        depth   = 1.0f;
         return true;
     }
     char * end = nullptr;
@@ -55,13 +60,22 @@ bool llama_kvq_parse_select(const char * text, float & hh, float & recent, int32
     if (*end == ',') {
         const char * third = end + 1;
         n = std::strtol(third, &end, 10);
-        if (end == third || *end != '\0' || n < INT32_MIN || n > INT32_MAX) {
+        if (end == third || (*end != '\0' && *end != ',') || n < INT32_MIN || n > INT32_MAX) {
+            return false;
+        }
+    }
+    float d = 1.0f;
+    if (*end == ',') {
+        const char * fourth = end + 1;
+        d = std::strtof(fourth, &end);
+        if (end == fourth || *end != '\0') {
             return false;
         }
     }
     hh      = h;
     recent  = r;
     observe = (int32_t) n;
+    depth   = d;
     return true;
 }
 
@@ -83,9 +97,21 @@ llama_kvq_select llama_kvq_select_for(const llama_kvq_params & params, uint32_t 
     sel.n_prompt  = n_prompt;
     sel.n_sink    = (uint32_t) params.n_sink;
     sel.n_recent  = std::min(std::max(count(params.select_recent), 1u), n_prompt - sel.n_sink);
-    sel.n_hh      = std::min(count(params.select_hh), n_prompt - sel.n_sink - sel.n_recent);
+    // PyramidKV's linear budget: bottom hh*(2 - 1/depth), top hh/depth
+    const uint32_t n_cand = n_prompt - sel.n_sink - sel.n_recent;
+    const float    depth  = params.select_depth;
+    sel.n_hh      = std::min(count(params.select_hh*(2.0f - 1.0f/depth)), n_cand);
+    sel.n_hh_top  = std::min(count(params.select_hh/depth), sel.n_hh);
     sel.n_observe = (uint32_t) params.select_observe;
     return sel;
+}
+
+uint32_t llama_kvq_select::n_hh_at(uint32_t ikv, uint32_t n_layer) const {
+    if (n_layer <= 1) {
+        return n_hh;
+    }
+    const double t = (double) ikv / (n_layer - 1);
+    return (uint32_t) std::lround(n_hh + ((double) n_hh_top - n_hh)*t);
 }
 
 // zeros from an op rather than a leaf: a graph's leaves hold no data unless something sets them
@@ -118,30 +144,37 @@ static ggml_tensor * kvq_pool_scores(ggml_context * ctx, ggml_tensor * mass) {
     return sum;
 }
 
-ggml_tensor * llama_kvq_kept_tokens(ggml_context * ctx, ggml_tensor * mass, const llama_kvq_select & sel) {
+ggml_tensor * llama_kvq_kept_tokens(ggml_context * ctx, ggml_tensor * mass, const llama_kvq_select & sel, uint32_t ikv,
+        uint32_t n_layer) {
     if (sel.n_observe > 0) {
         mass = kvq_pool_scores(ctx, mass);
     }
-    const int64_t n_head_kv = mass->ne[1];
-    ggml_tensor * kept = nullptr;
-    const auto append = [&](ggml_tensor * part) { kept = kept ? ggml_concat(ctx, kept, part, 0) : part; };
-    if (sel.n_sink > 0) {
-        append(kvq_token_range(ctx, 0, sel.n_sink, n_head_kv));
-    }
-    if (sel.n_hh > 0) {
+    const int64_t  n_head_kv = mass->ne[1];
+    const uint32_t n_hh      = sel.n_hh_at(ikv, n_layer);
+    // after the sinks: the heavy hitters, then the recent window
+    ggml_tensor * live = kvq_token_range(ctx, sel.n_prompt - sel.n_recent, sel.n_recent, n_head_kv);
+    if (n_hh > 0) {
         // candidates: the tokens between the sinks and the recent window
         const int64_t n_cand = sel.n_prompt - sel.n_sink - sel.n_recent;
         ggml_tensor * cand = ggml_cont(ctx, ggml_view_2d(ctx, mass, n_cand, n_head_kv, mass->nb[1],
                                                          sel.n_sink*ggml_element_size(mass)));
         // top_k gives the heaviest in no particular order: sort them by position, so that K tiles group
         // neighbouring tokens as a plain prompt's do (and keeping every token reproduces it)
-        ggml_tensor * top    = ggml_cast(ctx, ggml_top_k(ctx, cand, sel.n_hh), GGML_TYPE_F32);
+        ggml_tensor * top    = ggml_cast(ctx, ggml_top_k(ctx, cand, n_hh), GGML_TYPE_F32);
         ggml_tensor * order  = ggml_argsort(ctx, top, GGML_SORT_ORDER_ASC);
-        ggml_tensor * sorted = ggml_get_rows(ctx, ggml_reshape_3d(ctx, top, 1, sel.n_hh, n_head_kv), order);
-        append(ggml_scale_bias(ctx, ggml_reshape_2d(ctx, sorted, sel.n_hh, n_head_kv), 1.0f, (float) sel.n_sink));
+        ggml_tensor * sorted = ggml_get_rows(ctx, ggml_reshape_3d(ctx, top, 1, n_hh, n_head_kv), order);
+        ggml_tensor * hh     = ggml_scale_bias(ctx, ggml_reshape_2d(ctx, sorted, n_hh, n_head_kv), 1.0f, (float) sel.n_sink);
+        live = ggml_concat(ctx, hh, live, 0);
     }
-    append(kvq_token_range(ctx, sel.n_prompt - sel.n_recent, sel.n_recent, n_head_kv));
-    return ggml_cast(ctx, kept, GGML_TYPE_I32);
+    const uint32_t n_dead = sel.n_dead(ikv, n_layer);
+    if (n_dead > 0) {
+        ggml_tensor * next = ggml_cont(ctx, ggml_view_2d(ctx, live, 1, n_head_kv, live->nb[1], 0));
+        live = ggml_concat(ctx, ggml_repeat_4d(ctx, next, n_dead, n_head_kv, 1, 1), live, 0);
+    }
+    if (sel.n_sink > 0) {
+        live = ggml_concat(ctx, kvq_token_range(ctx, 0, sel.n_sink, n_head_kv), live, 0);
+    }
+    return ggml_cast(ctx, live, GGML_TYPE_I32);
 }
 
 ggml_tensor * llama_kvq_gather_kept(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * kept) {

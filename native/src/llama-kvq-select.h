@@ -8,27 +8,37 @@
 #include <cstdint>
 #include <string>
 
-// What a prompt of n_prompt tokens keeps (slot_info::kvq_select): its first n_sink tokens, per KV head its n_hh
-// heaviest hitters among the tokens between the sinks and the recent ones, and its last n_recent tokens, in that
-// order in the sequence's first n_keep() cells. n_prompt 0: the ubatch selects nothing.
+// What a prompt of n_prompt tokens keeps (slot_info::kvq_select): its first n_sink tokens, per KV head its
+// heaviest hitters among the tokens between the sinks and the recent ones (n_hh in the cache's bottom layer,
+// falling linearly to n_hh_top in its top one: MiniKV's pyramid) and its last n_recent tokens, in the sequence's
+// first n_keep() cells, the bottom layer's count. A layer that keeps fewer leaves the cells right after the sinks
+// dead (n_dead), so that every layer's recent tokens sit in the same cells. n_prompt 0: the ubatch selects nothing.
 struct llama_kvq_select {
     uint32_t n_prompt = 0;
     uint32_t n_sink   = 0;
     uint32_t n_hh     = 0;
+    uint32_t n_hh_top = 0;
     uint32_t n_recent = 0;
     uint32_t n_observe = 0;  // the prompt's last tokens whose attention picks the heavy hitters (0: all)
     uint32_t part     = 0;   // the sequence's part of the cache
 
     uint32_t n_keep() const { return n_sink + n_hh + n_recent; }
+
+    // heavy hitters layer ikv of a cache of n_layer layers keeps
+    uint32_t n_hh_at(uint32_t ikv, uint32_t n_layer) const;
+
+    // dead cells after the sinks in layer ikv
+    uint32_t n_dead(uint32_t ikv, uint32_t n_layer) const { return n_hh - n_hh_at(ikv, n_layer); }
 };
 
-// "" when the shares and the observation window are valid (both shares 0 is off; all three LLAMA_KVQ_FROM_MODEL:
-// the model's kvq.select), else why not
-std::string llama_kvq_check_select(float hh, float recent, int32_t observe);
+// "" when the shares, the observation window and the pyramid depth are valid (both shares 0 is off; all four
+// LLAMA_KVQ_FROM_MODEL: the model's kvq.select), else why not
+std::string llama_kvq_check_select(float hh, float recent, int32_t observe, float depth);
 
-// "HH,RW[,N]" (--kv-select, the model's kvq.select): two shares and the observation window (left out: 0); "off" or
-// "": none. False when it does not parse; llama_kvq_check_select judges the values.
-bool llama_kvq_parse_select(const char * text, float & hh, float & recent, int32_t & observe);
+// "HH,RW[,N[,D]]" (--kv-select, the model's kvq.select): two shares, the observation window (left out: 0) and the
+// pyramid depth (left out: 1); "off" or "": none. False when it does not parse; llama_kvq_check_select judges the
+// values.
+bool llama_kvq_parse_select(const char * text, float & hh, float & recent, int32_t & observe, float & depth);
 
 // whether the settings leave the selection to the model's kvq.select
 bool llama_kvq_select_from_model(const llama_kvq_params & params);
@@ -42,10 +52,12 @@ llama_kvq_select llama_kvq_select_for(const llama_kvq_params & params, uint32_t 
 // causal mask of a sequence's first n tokens at its first n cells, F16 [n, n]
 ggml_tensor * llama_kvq_causal_mask(ggml_context * ctx, int64_t n);
 
-// the kept token indices I32 [n_keep, n_head_kv] of each KV head, in prompt order, from the attention mass F32
-// [n_prompt, n_head_kv] each prompt token received (with an observation window pooled over neighbouring tokens, as
-// SnapKV does)
-ggml_tensor * llama_kvq_kept_tokens(ggml_context * ctx, ggml_tensor * mass, const llama_kvq_select & sel);
+// the kept token indices I32 [n_keep, n_head_kv] of each KV head of layer ikv of n_layer, in prompt order, from the
+// attention mass F32 [n_prompt, n_head_kv] each prompt token received (with an observation window pooled over
+// neighbouring tokens, as SnapKV does); a dead cell holds the token after it, so that K tiles span what they would
+// without it
+ggml_tensor * llama_kvq_kept_tokens(ggml_context * ctx, ggml_tensor * mass, const llama_kvq_select & sel, uint32_t ikv,
+        uint32_t n_layer);
 
 // the kept rows of a prompt's K or V, cur F32 [head_dim, n_head_kv, n_prompt] -> [head_dim, n_head_kv, n_keep]
 ggml_tensor * llama_kvq_gather_kept(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * kept);

@@ -20,7 +20,7 @@ const char * llama_kvq_version(void) {
 // change, so they cannot travel with it.
 static std::mutex       kvq_params_mutex;
 static llama_kvq_params kvq_params = { LLAMA_KVQ_FROM_MODEL, LLAMA_KVQ_FROM_MODEL, false, 0, LLAMA_KVQ_FROM_MODEL,
-                                       LLAMA_KVQ_FROM_MODEL, LLAMA_KVQ_FROM_MODEL };
+                                       LLAMA_KVQ_FROM_MODEL, LLAMA_KVQ_FROM_MODEL, LLAMA_KVQ_FROM_MODEL };
 static std::string      kvq_error;
 static std::string      kvq_layer_spec;
 static std::string      kvq_layer_spec_out;   // what llama_kvq_get_layer_types hands out
@@ -33,7 +33,7 @@ static ggml_type        kvq_swa_type_v = GGML_TYPE_COUNT;
 
 struct llama_kvq_params llama_kvq_default_params(void) {
     return { /*.window =*/ 128, /*.n_sink =*/ 0, /*.rotate =*/ false, /*.n_rollback =*/ 0, /*.select_hh =*/ 0.0f,
-             /*.select_recent =*/ 0.0f, /*.select_observe =*/ 0 };
+             /*.select_recent =*/ 0.0f, /*.select_observe =*/ 0, /*.select_depth =*/ 1.0f };
 }
 
 bool llama_kvq_set_params(struct llama_kvq_params params) {
@@ -53,7 +53,8 @@ bool llama_kvq_set_params(struct llama_kvq_params params) {
         kvq_error = "the rollback depth must be 0 to 4096 tokens, got " + std::to_string(params.n_rollback);
         return false;
     }
-    const std::string select_error = llama_kvq_check_select(params.select_hh, params.select_recent, params.select_observe);
+    const std::string select_error = llama_kvq_check_select(params.select_hh, params.select_recent, params.select_observe,
+                                                              params.select_depth);
     if (!select_error.empty()) {
         kvq_error = select_error;
         return false;
@@ -129,7 +130,8 @@ bool llama_kvq_set_param(const char * name, const char * value) {
     } else if (std::strcmp(name, "rotate") == 0) {
         return llama_kvq_set_rotation(value);
     } else if (std::strcmp(name, "select") == 0) {
-        ok = llama_kvq_parse_select(value, params.select_hh, params.select_recent, params.select_observe);
+        ok = llama_kvq_parse_select(value, params.select_hh, params.select_recent, params.select_observe,
+                                    params.select_depth);
     } else if (std::strcmp(name, "layers") == 0) {
         return llama_kvq_set_layer_types(value);
     } else if (std::strcmp(name, "clip") == 0) {
@@ -144,9 +146,9 @@ bool llama_kvq_set_param(const char * name, const char * value) {
     if (!ok) {
         std::lock_guard<std::mutex> lock(kvq_params_mutex);
         kvq_error = std::string("invalid value '") + value + "' for kivi setting " + name +
-                    (std::strcmp(name, "select") == 0   ? " (HH,RW[,N]: the heavy-hitter and recent shares of the prompt "
-                                                          "and the observation window, e.g. 0.25,0.25 or 0.25,0.25,32, "
-                                                          "or off)" :
+                    (std::strcmp(name, "select") == 0   ? " (HH,RW[,N[,D]]: the heavy-hitter and recent shares of the "
+                                                          "prompt, the observation window and the pyramid depth, e.g. "
+                                                          "0.25,0.25 or 0.25,0.25,32 or 0.25,0.25,0,3, or off)" :
                                                           " (a whole number of tokens)");
         return false;
     }

@@ -61,7 +61,9 @@ class KvConfig:
     kvq.window / kvq.sinks, else pykvq's defaults. ``select``: MiniKV's prompt selection, the heavy-hitter and
     recent shares of a prompt that its sequence keeps (e.g. ``(0.25, 0.25)``), and optionally how many of the
     prompt's last tokens pick the heavy hitters by their attention (``(0.25, 0.25, 32)``; 0: all of them; left out:
-    the default); the prompt must be decoded in one call that fits one ubatch (n_ubatch), and every layer must be
+    the default) and the pyramid depth (``(0.25, 0.25, 0, 3.0)``: the bottom layer keeps 0.25*(2 - 1/3) of the
+    prompt as heavy hitters, the top one 0.25/3; left out: 1, every layer alike); the prompt must be decoded in one
+    call that fits one ubatch (n_ubatch), and every layer must be
     kivi; None: the model's kvq.select (a prompt it cannot take is kept whole), ``kv_types.SELECT_OFF``: none.
     ``clip``: SKVQ's clipped quantization, per-layer ratios in the ``layers`` form (``"k:*=0.9;v:*=0.85"``); None
     lets a model's kvq.kv_clip metadata apply, ``"none"`` ignores it. ``rotate``: upstream's Hadamard rotation of the
@@ -105,16 +107,17 @@ class KvConfig:
                 raise ValueError(f"the {what} must be 0 or more tokens, got {value}")
         defaults = native.kvq_default_params()
         if self.select is None:
-            select_hh, select_recent, observe = (native.KVQ_FROM_MODEL,) * 3
+            select_hh, select_recent, observe, depth = (native.KVQ_FROM_MODEL,) * 4
         else:
             select_hh, select_recent, *rest = self.select
             observe = int(rest[0]) if rest else defaults.select_observe
+            depth = float(rest[1]) if len(rest) > 1 else defaults.select_depth
         return native.KvqParams(
             native.KVQ_FROM_MODEL if self.window is None else self.window,
             native.KVQ_FROM_MODEL if self.sinks is None else self.sinks,
             self.rotate if isinstance(self.rotate, bool) else defaults.rotate,
             defaults.n_rollback if self.rollback is None else self.rollback,
-            select_hh, select_recent, observe)
+            select_hh, select_recent, observe, depth)
 
 
 @dataclass(frozen=True)

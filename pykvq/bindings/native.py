@@ -15,7 +15,7 @@ from pykvq.bindings.cdef import LLAMA_CDEF
 _CDEF = """
     const char * llama_kvq_version(void);
     struct llama_kvq_params { int32_t window; int32_t n_sink; bool rotate; int32_t n_rollback; float select_hh;
-                              float select_recent; int32_t select_observe; };
+                              float select_recent; int32_t select_observe; float select_depth; };
     struct llama_kvq_params llama_kvq_default_params(void);
     size_t       llama_kvq_n_cache_types(void);
     int          llama_kvq_cache_type(size_t i);
@@ -190,6 +190,8 @@ class KvqParams:
     select_hh: float = 0.0
     select_recent: float = 0.0
     select_observe: int = 0
+    # MiniKV's pyramid depth: the heavy-hitter share falls linearly from the bottom layer to the top (1: none)
+    select_depth: float = 1.0
 
 
 def kvq_default_params() -> KvqParams:
@@ -197,7 +199,8 @@ def kvq_default_params() -> KvqParams:
 
 
 def _kvq_params(p) -> KvqParams:
-    return KvqParams(p.window, p.n_sink, bool(p.rotate), p.n_rollback, p.select_hh, p.select_recent, p.select_observe)
+    return KvqParams(p.window, p.n_sink, bool(p.rotate), p.n_rollback, p.select_hh, p.select_recent, p.select_observe,
+                     p.select_depth)
 
 
 def kvq_params() -> KvqParams:
@@ -215,7 +218,7 @@ def set_kvq_params(params: KvqParams) -> None:
     lib = libs()
     struct = lib.ffi.new("struct llama_kvq_params *", (params.window, params.n_sink, params.rotate, params.n_rollback,
                                                           params.select_hh, params.select_recent,
-                                                          params.select_observe))
+                                                          params.select_observe, params.select_depth))
     if not lib.llama.llama_kvq_set_params(struct[0]):
         raise ValueError(lib.ffi.string(lib.llama.llama_kvq_last_error()).decode())
 

@@ -29,7 +29,7 @@ def rotation(text: str) -> str:
 
 
 def selection(text: str) -> kv_types.Selection:
-    """--kv-select's HH,RW[,N]."""
+    """--kv-select's HH,RW[,N[,D]]."""
     try:
         return kv_types.parse_select(text)
     except kv_types.KvTypeError as err:

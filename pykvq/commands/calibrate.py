@@ -490,7 +490,7 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                         "against f16 KV, none, every layer, and each layer's K and V rotated where that lowers its "
                         "attention-output error on the text, and keeps the lowest; or give on, off or a --kv-rotate "
                         "spec (default %(default)s); written as the model's kvq.kv_rotate and used while measuring")
-    p.add_argument("--kv-select", metavar="HH,RW[,N]", type=arguments.selection,
+    p.add_argument("--kv-select", metavar="HH,RW[,N[,D]]", type=arguments.selection,
                    help="MiniKV's prompt selection for the copy (as `pykvq run --kv-select` takes it), written as "
                         "its kvq.select; not measured here: the calibration judges whole prompts, whose logits "
                         "selection leaves as they are")

@@ -246,7 +246,7 @@ def add_inspect_command(commands: argparse._SubParsersAction) -> None:
                                         "type (and the model's own per-layer mix).")
     p.add_argument("model", type=Path, metavar="MODEL", help="GGUF model")
     p.add_argument("-c", "--ctx-size", type=int, help="context for the totals (default: the trained context)")
-    p.add_argument("--kv-select", metavar="HH,RW[,N]", type=arguments.selection,
+    p.add_argument("--kv-select", metavar="HH,RW[,N[,D]]", type=arguments.selection,
                    help="also the memory a prompt of -c tokens holds after MiniKV's prompt selection (kivi types; "
                         "default: the model's kvq.select, if any; off: none)")
     p.add_argument("--json", action="store_true", help="print JSON")

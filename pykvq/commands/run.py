@@ -82,7 +82,7 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
                    help="kivi: first tokens kept in fp16 (default: the model's kvq.sinks, else 0)")
     p.add_argument("--kv-rollback", type=int,
                    help="kivi: the last N tokens can be removed exactly, e.g. on regeneration (default 0)")
-    p.add_argument("--kv-select", metavar="HH,RW[,N]", type=arguments.selection,
+    p.add_argument("--kv-select", metavar="HH,RW[,N[,D]]", type=arguments.selection,
                    help="kivi: MiniKV's prompt selection: the prompt keeps its heaviest hitters (by the attention "
                         "they drew from its last N tokens; 0: from all of it) and its most recent tokens, as shares "
                         "of its length, e.g. 0.25,0.25 or 0.25,0.25,32; off: none (default: the model's kvq.select, "

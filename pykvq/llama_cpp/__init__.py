@@ -115,10 +115,10 @@ def _llama_class() -> type:
         "k:*=on;v:0-3=off,4-=on"), kv_layers per-layer types (e.g. "asymkv:16/0"), kv_rollback how many last tokens
         can be removed exactly (speculative decoding's rejected drafts; default 0), kv_type_swa the type name of the
         sliding-window cache of a Gemma-2/3 or gpt-oss model (default: type_k / type_v), kv_select MiniKV's prompt
-        selection as (heavy-hitter share, recent share[, observation window]), e.g. (0.25, 0.25): n_batch and
-        n_ubatch then default to n_ctx, as a prompt must reach the cache in one ubatch; kv_clip SKVQ's per-layer clip
-        ratios (e.g. "k:*=0.9;v:*=0.85"; default: the model's kvq.kv_clip). Flash attention is switched on for kivi
-        types, which are read by the fused attention only."""
+        selection as (heavy-hitter share, recent share[, observation window[, pyramid depth]]), e.g. (0.25, 0.25):
+        n_batch and n_ubatch then default to n_ctx, as a prompt must reach the cache in one ubatch; kv_clip SKVQ's
+        per-layer clip ratios (e.g. "k:*=0.9;v:*=0.85"; default: the model's kvq.kv_clip). Flash attention is
+        switched on for kivi types, which are read by the fused attention only."""
 
         def __new__(cls, *args, **kwargs) -> Llama:
             # refused before an instance exists: upstream's __del__ fails on a half-built Llama
