@@ -1,6 +1,6 @@
 """MiniKV's prompt selection: what a long prompt's continuation costs in perplexity, memory and decode speed.
 
-    python bench/minikv.py [--prompt 4096] [--continuation 256] [--kv-select 0.25,0.25 0.125,0.125]
+    python bench/minikv.py [--prompt 4096] [--continuation 256] [--kv-select 0.25,0.25 0.125,0.125 0.25,0.25,0,3]
     python bench/minikv.py --model qwen2.5-coder-1.5b --ngl 99
 
 A prompt of --prompt tokens of a Shakespeare text goes in as one ubatch; the --continuation tokens that follow it
@@ -41,7 +41,8 @@ class Setting:
         if self.select is None:
             return self.kv_type
         kept = self.select[0] + self.select[1]
-        return f"{self.kv_type} sel {kv_types.selection_label(self.select)} ({100 * kept:.0f}% kept)"
+        average = " on average" if kv_types.selection_depth(self.select) != 1.0 else ""
+        return f"{self.kv_type} sel {kv_types.selection_label(self.select)} ({100 * kept:.0f}% kept{average})"
 
 
 def held_bytes(memory, kv_type: str, n_cells: int) -> float:
@@ -88,12 +89,13 @@ def with_deltas(rows: list[dict]) -> list[dict]:
 
 
 def table(record: dict) -> str:
-    head = (f"{'setting':<34} {'PPL':>8} {'vs unsel.':>9} {'cells':>6} {'MiB':>7} {'vs f16':>6} "
+    width = max(len(r["setting"]) for r in record["rows"])
+    head = (f"{'setting':<{width}} {'PPL':>8} {'vs unsel.':>9} {'cells':>6} {'MiB':>7} {'vs f16':>6} "
             f"{'prompt t/s':>10} {'decode t/s':>10}")
     lines = [head, "-" * len(head)]
     for r in record["rows"]:
         vs_f16 = f"{r['memory_vs_f16']:.2f}" if r["memory_vs_f16"] is not None else ""
-        lines.append(f"{r['setting']:<34} {r['ppl']:>8.3f} {r['ppl_vs_unselected_pct']:>+8.2f}% {r['cells']:>6} "
+        lines.append(f"{r['setting']:<{width}} {r['ppl']:>8.3f} {r['ppl_vs_unselected_pct']:>+8.2f}% {r['cells']:>6} "
                      f"{r['mib']:>7.2f} {vs_f16:>6} {r['prompt_tps']:>10.1f} {r['decode_tps']:>10.1f}")
     return "\n".join(lines)
 
@@ -125,7 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--text", default="hamlet_gut", help="a Shakespeare text of the test data")
     p.add_argument("--kv-types", default="f16,kivi2", help="comma-separated; each kivi one also runs selected")
     p.add_argument("--kv-select", metavar="HH,RW[,N[,D]]", nargs="*", type=kv_types.parse_select,
-                   default=[(0.25, 0.25), (0.125, 0.125)])
+                   default=[(0.25, 0.25), (0.125, 0.125), (0.25, 0.25, 32), (0.125, 0.125, 32), (0.25, 0.25, 0, 3.0),
+                            (0.125, 0.125, 0, 3.0), (0.25, 0.25, 32, 3.0)])
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     p.add_argument("--continuation", type=int, default=256, help="tokens after the prompt, scored")
     p.add_argument("--ngl", type=int, default=0, help="layers on the GPU (99: all)")

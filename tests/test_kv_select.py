@@ -239,11 +239,12 @@ def test_pykvq_run_reports_what_selection_holds(smollm2: Path, tmp_path: Path, h
 
 
 @pytest.mark.usefixtures("cpu_only")
+@pytest.mark.parametrize("select", ["0.25,0.25", "0.25,0.25,0,3"], ids=["uniform", "pyramid"])
 def test_pykvq_run_on_an_rpc_device_selects_as_the_cpu(rpc_server: str, smollm2: Path, tmp_path: Path,
-                                                         hamlet: Path) -> None:
+                                                         hamlet: Path, select: str) -> None:
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(hamlet.read_text()[20000:22500])
-    args = ["-m", str(smollm2), "-f", str(prompt), *RUN_ARGS]
+    args = ["-m", str(smollm2), "-f", str(prompt), *RUN_ARGS, "--kv-select", select]
     # a prompt on a device attends through flash attention over wide cells: the same kernels on the CPU
     env = {**os.environ, "LLAMA_KVQ_FA_PREFILL": "1"}
     on_rpc = subprocess.run(["pykvq", "run", "--rpc", rpc_server, "-ngl", "99", *args], capture_output=True,
