@@ -25,7 +25,7 @@ from pykvq import kv_types
 from pykvq.api.sampling import Sampler, SamplerSettings
 from pykvq.bindings import devices, native
 from pykvq.bindings.log import sink
-from pykvq.kv_types import KIVI_BITS, Selection
+from pykvq.kv_types import KIVI_BITS, Selection, selection_depth
 
 if TYPE_CHECKING:
     from pykvq.api.capture import TensorObserver
@@ -111,7 +111,7 @@ class KvConfig:
         else:
             select_hh, select_recent, *rest = self.select
             observe = int(rest[0]) if rest else defaults.select_observe
-            depth = float(rest[1]) if len(rest) > 1 else defaults.select_depth
+            depth = selection_depth(self.select)
         return native.KvqParams(
             native.KVQ_FROM_MODEL if self.window is None else self.window,
             native.KVQ_FROM_MODEL if self.sinks is None else self.sinks,
