@@ -111,10 +111,13 @@ def within_f16s_own_change(model: Path, text: Path, kv_type: str, tmp_path: Path
                            args: list[str]) -> None:
     """cuBLAS picks its matmul kernels by shape, so on a GPU no KV type, f16 included, keeps bit-equal logits when
     the batches change shape; a kivi type may add the codes that those roundings flip, and nothing of its own:
-    its KL divergence between the two shapes stays at rounding level (1e-3, the flash prefill's bar) or within
-    10x f16's between the same two shapes. A flipped code moves a near-tie's top token, more often the fewer the
-    bits: the tokens whose top changes stay under 1%, 10x f16's share, or device.QUANTIZATION_SHARE times the
-    share the quantization itself changes (the kivi run against the f16 base; the H200 measured kivi1's 1.8%)."""
+    its KL divergence between the two shapes stays at rounding level (1e-3, the flash prefill's bar), within 10x
+    f16's between the same two shapes, or within device.QUANTIZATION_SHARE times the quantization's own (the kivi
+    run against the f16 base): one flipped 1-bit code moves a value by its group's whole range, and the flips
+    compound layer by layer, so two shapes of kivi1 are two draws of its quantization error (the H200 measured
+    KL 0.216 between them against 0.136 from f16, 5.8e-4 for f16's own). A flipped code moves a near-tie's top
+    token, more often the fewer the bits: the tokens whose top changes stay under 1%, 10x f16's share, or
+    device.QUANTIZATION_SHARE times the share the quantization itself changes (kivi1 on the H200: 1.8%)."""
     tmp_path.mkdir(exist_ok=True)
     f16_base = tmp_path / "f16.bin"
     f16 = kl_divergence(model, text, "f16", f16_base, base_args, args)
@@ -122,7 +125,7 @@ def within_f16s_own_change(model: Path, text: Path, kv_type: str, tmp_path: Path
     quantization = measure(model, text, kv_type, f16_base, base_args)
     detail = f"{kv_type} between the shapes {kivi}, f16's {f16}, the quantization's own {quantization}"
     assert f16.within_rounding, detail
-    assert kivi.kld < max(1e-3, 10 * f16.kld), detail
+    assert kivi.kld < max(1e-3, 10 * f16.kld, device.QUANTIZATION_SHARE * quantization.kld), detail
     assert kivi.flipped < max(1.0, 10 * f16.flipped, device.QUANTIZATION_SHARE * quantization.flipped), detail
 
 

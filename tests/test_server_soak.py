@@ -6,6 +6,8 @@ prompts that share prefixes (the server reuses its cache), streams cancelled aft
 than the context. Every completed answer is the one a fresh Llama gives the same prompt alone (greedy, same
 settings), token for token up to the first near tie of the reference: the server reuses cached prefixes, so it
 decodes in other batch shapes, whose rounding may tip a near tie (upstream's f16 cache included) but nothing else.
+On a GPU, where that rounding is cuBLAS choosing its kernels by shape, a near tie is as wide as the reference itself
+moves when decoded the server's way (measured per run).
 The refused requests are HTTP errors, and the server's memory levels off."""
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ RSS_GROWTH_MAX = 32 * 2**20
 SERVER_ENV = {"MALLOC_ARENA_MAX": "1"}
 # a near tie: the reference's two best tokens this close (log-probability); batch shapes' rounding may tip it
 NEAR_TIE = 0.5
+# on a GPU: a near tie is this many times the most a reference's log-probabilities move when its prompt reuses a cached
+# prefix (one such reordering samples the server's shapes, it does not bound them); the H200 saw SmolLM2's q8_0 answer
+# part at a margin of 1.30, as f16 with flash attention on and off parts at |dlogit| 1.3 on this model
+GPU_TIE_SHARE = 2.0
 
 
 @dataclass(frozen=True)
@@ -92,32 +98,49 @@ class Answer:
         best = sorted(self.top[i].values(), reverse=True)
         return best[0] - best[1] if len(best) > 1 else float("inf")
 
+    def largest_move(self, other: Answer) -> float:
+        """The largest change of a log-probability both answers list, over the steps up to where they part."""
+        end = self.first_difference(other)
+        steps = zip(self.top[:None if end is None else end + 1], other.top, strict=False)
+        return max((abs(mine[token] - theirs[token]) for mine, theirs in steps for token in mine.keys() & theirs.keys()),
+                   default=0.0)
+
 
 # the server's request defaults differ from Llama.create_completion's (repeat_penalty 1.1): one request for both
 REQUEST = {"max_tokens": N_PREDICT, "temperature": 0, "repeat_penalty": 1.0, "logprobs": 2}
 
 
-def references(smollm2: Path, variant: Variant, texts: list[str]) -> dict[str, Answer]:
+def references(smollm2: Path, variant: Variant, texts: list[str], reuse: bool = False) -> dict[str, Answer]:
+    """Each prompt's answer from a fresh cache, or with `reuse` from the cache the previous prompt left (llama-cpp-python
+    then decodes only what follows the common prefix, as the server does)."""
     from pykvq.llama_cpp import Llama
     llm = Llama(model_path=str(smollm2), n_ctx=N_CTX, n_threads=2, verbose=False, logits_all=True,
                 **variant.llama_kwargs, **device.LLAMA_KWARGS)
     out = {}
     for prompt in texts:
-        llm.reset()
+        if not reuse:
+            llm.reset()
         out[prompt] = Answer.of(llm.create_completion(prompt, **REQUEST))
     return out
+
+
+def near_tie(smollm2: Path, variant: Variant, texts: list[str], want: dict[str, Answer]) -> float:
+    if not device.ON_GPU:
+        return NEAR_TIE
+    reused = references(smollm2, variant, texts, reuse=True)
+    return max(NEAR_TIE, GPU_TIE_SHARE * max(want[prompt].largest_move(reused[prompt]) for prompt in texts))
 
 
 def complete(server: Server, prompt: str) -> Answer:
     return Answer.of(server.post("/v1/completions", {"prompt": prompt, **REQUEST}))
 
 
-def check(name: str, prompt: str, got: Answer, want: Answer) -> None:
+def check(name: str, prompt: str, got: Answer, want: Answer, tie: float) -> None:
     i = want.first_difference(got)
-    assert i is None or i < len(want.tokens) and want.margin(i) < NEAR_TIE, (
+    assert i is None or i < len(want.tokens) and want.margin(i) < tie, (
         f"{name}: {prompt[-40:]!r} -> {''.join(got.tokens)!r}, alone {''.join(want.tokens)!r}"
-        + (f" (they part at token {i}, where the reference's margin is {want.margin(i):.3f})"
-           if i is not None and i < len(want.tokens) else ""))
+        + (f" (they part at token {i}, where the reference's margin is {want.margin(i):.3f}, a near tie below "
+           f"{tie:.3f})" if i is not None and i < len(want.tokens) else ""))
 
 
 def cancel_stream(server: Server, prompt: str) -> None:
@@ -144,6 +167,7 @@ def test_the_server_answers_every_request_as_alone(smollm2: Path, hamlet: Path, 
     text = hamlet.read_text()
     texts = prompts(text)
     want = references(smollm2, variant, texts)
+    tie = near_tie(smollm2, variant, texts, want)
     rng = random.Random(name)
     log = tmp_path / "server.log"
     with served(smollm2, [*variant.server_args, "--n_ctx", str(N_CTX), "--n_threads", "2"], log,
@@ -157,10 +181,17 @@ def test_the_server_answers_every_request_as_alone(smollm2: Path, hamlet: Path, 
                 cancelled = [pool.submit(cancel_stream, server, prompt) for prompt in order[:3]]
                 refused = pool.submit(too_long, server, text)
             for prompt, got in answers:
-                check(name, prompt, got.result(), want[prompt])
+                check(name, prompt, got.result(), want[prompt], tie)
             for f in cancelled:
                 f.result()
             assert refused.result() == 400
             assert server.proc.poll() is None, log.read_text()[-3000:]
             rss.append(server.rss_bytes())
     assert min(rss[-2:]) - max(rss[1:3]) < RSS_GROWTH_MAX, f"{name}: RSS per round {[r >> 20 for r in rss]} MiB"
+
+
+def test_the_largest_move_counts_the_steps_up_to_where_two_answers_part() -> None:
+    want = Answer(["a", "b", "c"], [{"a": -0.1, "x": -2.0}, {"b": -0.5, "y": -0.9}, {"c": -0.2, "z": -3.0}])
+    parted = Answer(["a", "y", "q"], [{"a": -0.2, "x": -1.5}, {"y": -0.6, "b": -0.8}, {"q": -0.1, "c": -9.0}])
+    assert want.largest_move(parted) == pytest.approx(0.5)  # x at step 0; step 2 comes after they part
+    assert want.largest_move(want) == 0.0
