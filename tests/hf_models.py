@@ -3,9 +3,12 @@ made from its GGUF by transformers."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 TINY_VOCAB = 512
 
@@ -57,4 +60,18 @@ def from_gguf(gguf: Path, dest: Path) -> Path:
     proc = subprocess.run([sys.executable, "-c", _FROM_GGUF, str(gguf.parent), gguf.name, str(dest)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    _skip_a_byte_fallback_byte_level_tokenizer(dest)
     return dest
+
+
+def _skip_a_byte_fallback_byte_level_tokenizer(folder: Path) -> None:
+    """transformers 5.16-5.17 write a GGUF's GPT-2 BPE vocabulary back with byte_fallback on beside its ByteLevel
+    pre-tokenizer (5.18 fixed it; measured 2026-11-28): transformers itself tokenizes such a folder as before, but
+    llama.cpp's converter takes a byte-fallback BPE for SentencePiece's and writes a vocabulary llama.cpp cannot
+    tokenize with (unordered_map::at). The folder then judges transformers, not pykvq's converter."""
+    tokenizer = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    pre = tokenizer.get("pre_tokenizer") or {}
+    if tokenizer["model"].get("byte_fallback") and pre.get("type") == "ByteLevel":
+        import transformers
+        pytest.skip(f"transformers {transformers.__version__} wrote this GGUF's GPT-2 BPE back as a byte-fallback "
+                    "tokenizer (5.16-5.17; fixed in 5.18): not a folder a model's own save gives")

@@ -102,8 +102,8 @@ class Answer:
         """The largest change of a log-probability both answers list, over the steps up to where they part."""
         end = self.first_difference(other)
         steps = zip(self.top[:None if end is None else end + 1], other.top, strict=False)
-        return max((abs(mine[token] - theirs[token]) for mine, theirs in steps for token in mine.keys() & theirs.keys()),
-                   default=0.0)
+        moves = (abs(mine[token] - theirs[token]) for mine, theirs in steps for token in mine.keys() & theirs.keys())
+        return max(moves, default=0.0)
 
 
 # the server's request defaults differ from Llama.create_completion's (repeat_penalty 1.1): one request for both
@@ -111,8 +111,8 @@ REQUEST = {"max_tokens": N_PREDICT, "temperature": 0, "repeat_penalty": 1.0, "lo
 
 
 def references(smollm2: Path, variant: Variant, texts: list[str], reuse: bool = False) -> dict[str, Answer]:
-    """Each prompt's answer from a fresh cache, or with `reuse` from the cache the previous prompt left (llama-cpp-python
-    then decodes only what follows the common prefix, as the server does)."""
+    """Each prompt's answer from a fresh cache, or with `reuse` from the cache the previous prompt left
+    (llama-cpp-python then decodes only what follows the common prefix, as the server does)."""
     from pykvq.llama_cpp import Llama
     llm = Llama(model_path=str(smollm2), n_ctx=N_CTX, n_threads=2, verbose=False, logits_all=True,
                 **variant.llama_kwargs, **device.LLAMA_KWARGS)
