@@ -37,6 +37,25 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"-o {args.output} is a folder: name the GGUF file to write")
 
 
+# plain English and digits: text any model's vocabulary must tokenize
+VOCABULARY_PROBE = "The quick brown fox jumps over the lazy dog, 0123456789 times."
+
+
+def check_vocabulary(gguf: Path) -> None:
+    """llama.cpp's converter can write a vocabulary llama.cpp cannot tokenize with (a byte-level BPE whose
+    tokenizer.json says byte_fallback is taken for SentencePiece's and written without its byte tokens): a
+    ConversionError now instead of a model that fails at its first prompt."""
+    from pykvq.api.llama import LlamaError, Model
+
+    with Model(gguf, vocab_only=True) as model:
+        try:
+            model.tokenize(VOCABULARY_PROBE, add_special=False)
+        except LlamaError as err:
+            raise hf_converter.ConversionError(f"llama.cpp's converter wrote a vocabulary that llama.cpp cannot "
+                                               f"tokenize {VOCABULARY_PROBE!r} with ({err}): check the folder's "
+                                               "tokenizer files") from err
+
+
 def calibration_tokens(gguf: Path, text: Path, n_tokens: int, window: int) -> tuple[list[int], int]:
     """The first ``n_tokens`` of the text, tokenized as llama.cpp will tokenize for this model, and its layers."""
     from pykvq.api.llama import Model
@@ -80,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         raw = work / "converted.gguf"
         hf_converter.convert(model, raw, args.outtype)
+        check_vocabulary(raw)
         metadata: dict[str, object] = {gguf_metadata.KEY_WINDOW: args.kv_window,
                                        gguf_metadata.KEY_SINKS: args.kv_sinks}
         if args.calibrate is not None:

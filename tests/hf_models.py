@@ -13,9 +13,10 @@ import pytest
 TINY_VOCAB = 512
 
 
-def tiny_llama(dest: Path, text: Path, n_layer: int = 3) -> Path:
-    """A random Llama (head size 32, GQA 2) with a sentencepiece tokenizer trained on ``text``; the weights
-    are fp16-representable, so an f16 GGUF holds exactly the same model."""
+def tiny_llama(dest: Path, text: Path, n_layer: int = 3, byte_fallback: bool = True) -> Path:
+    """A random Llama (head size 32, GQA 2) with a sentencepiece tokenizer trained on ``text`` (with byte tokens
+    for what it lacks, unless byte_fallback is off); the weights are fp16-representable, so an f16 GGUF holds
+    exactly the same model."""
     import sentencepiece as spm
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -23,7 +24,7 @@ def tiny_llama(dest: Path, text: Path, n_layer: int = 3) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     lines = [line for line in text.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines[:4000]), model_prefix=str(dest / "tokenizer"),
-                                   vocab_size=TINY_VOCAB, model_type="bpe", byte_fallback=True,
+                                   vocab_size=TINY_VOCAB, model_type="bpe", byte_fallback=byte_fallback,
                                    minloglevel=2)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=n_layer,

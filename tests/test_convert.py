@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -226,6 +227,17 @@ def test_a_failing_conversion_leaves_nothing_and_keeps_what_was_there(tiny_hf: P
     assert_clean_error(proc, "converter failed")
     assert out.read_bytes() == b"the user's own file"
     assert leftovers(tmp_path) == []
+
+
+def test_a_vocabulary_llama_cpp_cannot_tokenize_with_is_refused(tmp_path: Path, hamlet: Path) -> None:
+    """SentencePiece without byte tokens, trained on text with no digits: llama.cpp's tokenizer needs a byte token
+    for any character outside the vocabulary, so the converted model could not read a digit."""
+    text = tmp_path / "no-digits.txt"
+    text.write_text(re.sub(r"[0-9]", "", hamlet.read_text(encoding="utf-8")), encoding="utf-8")
+    hf = hf_models.tiny_llama(tmp_path / "no-byte-tokens", text, n_layer=1, byte_fallback=False)
+    out = tmp_path / "model.gguf"
+    assert_clean_error(pykvq("convert", str(hf), "-o", str(out), cwd=tmp_path), "cannot tokenize", "tokenizer files")
+    assert not out.exists() and leftovers(tmp_path) == []
 
 
 @pytest.mark.parametrize("args, needle", [

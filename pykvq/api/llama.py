@@ -265,8 +265,10 @@ class _Handle:
 class Model(_Handle):
     """A GGUF model loaded by libllama."""
 
-    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, rpc: str | None = None) -> None:
-        """n_gpu_layers: layers on the GPU (-ngl); rpc: RPC servers as extra devices, HOST:PORT[,...] (--rpc)."""
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, rpc: str | None = None,
+                 vocab_only: bool = False) -> None:
+        """n_gpu_layers: layers on the GPU (-ngl); rpc: RPC servers as extra devices, HOST:PORT[,...] (--rpc);
+        vocab_only: load the vocabulary alone (to tokenize; no context can be made)."""
         self.path = Path(path)
         if self.path.is_dir():
             raise IsADirectoryError(f"model path is a folder, not a GGUF file: {self.path}")
@@ -282,6 +284,7 @@ class Model(_Handle):
         sink()
         params = self._lib.llama.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.vocab_only = vocab_only
         self._ptr = _call(self._lib.llama.llama_model_load_from_file, str(self.path).encode(), params)
         if self._ptr == self._lib.ffi.NULL:
             raise _fail(f"cannot load model {self.path}")
