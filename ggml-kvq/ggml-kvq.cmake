@@ -25,6 +25,7 @@ if (TARGET ggml-cuda)
     target_link_options(ggml-cuda PRIVATE "LINKER:--exclude-libs,ALL")
     target_sources(ggml-cuda PRIVATE
         ${PYKVQ_GGML_KVQ_DIR}/src/cuda/kvq-cuda.cu
+        ${PYKVQ_GGML_KVQ_DIR}/src/cuda/kvq-cuda-mma.cu
         ${PYKVQ_GGML_KVQ_DIR}/src/cuda/kvq-cuda-wide.cu
         ${PYKVQ_GGML_KVQ_DIR}/src/cuda/kvq-cuda-score.cu
     )

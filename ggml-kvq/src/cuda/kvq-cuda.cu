@@ -2,7 +2,8 @@
 // every cell is read through the same value (fp16 or quantized) as there, and quantized blocks are
 // bit-identical to kvq-quants.c's.
 
-#include "kvq-cuda-source.cuh"
+#include "kvq-cuda-attn.cuh"
+#include "kvq-cuda-mma.cuh"
 
 static __device__ __forceinline__ float2 kvq_load2(const half * row, int c) {
     return __half22float2(*(const half2 *) (row + c));
@@ -214,49 +215,13 @@ static __global__ void kvq_set_rows_kernel(
 //      quantized row or the fp16 one.
 // The warps' states are merged in shared memory; with n_splits > 1 each split writes its (max, sum,
 // unnormalised output) and the block that finishes last for its (token, heads) merges them all.
-// A split is KVQ_TILES_PER_SPLIT tiles at fixed cells, whatever the batch, the context's length or the GPU:
+// A split is tiles_per_split tiles (a constant of the kernel) at fixed cells, whatever the batch, the context's
+// length or the GPU:
 // a query's output then depends on its own cells only (splits past them merge in as exact zeros), so the same
 // tokens decoded in other batches, or after a state load, attend bit for bit alike. Prefill runs the same
 // kernel, one query per block.
 //
 
-struct kvq_attn_params {
-    const char    * q;
-    const char    * k_tiles;
-    const char    * v_rows;
-    const char    * mask;       // [n_kv, n_tps, 1, n_seq] per stream, or [n_kv, n_tokens, 1, 1] over all cells
-    const int64_t * cells;
-    char          * dst;
-    float         * part;     // split-K: [token*n_head + head][split][head_dim_v] unnormalised outputs
-    float         * part_ms;  // split-K: [token*n_head + head][split] (max, sum)
-    int           * arrived;  // split-K: [token][n_head_kv*n_groups] splits done, zero at the launch
-    kvq_source      k;
-    kvq_source      v;
-    size_t q_nb1;
-    size_t q_nb2;
-    size_t k_tiles_nb1;
-    size_t v_rows_nb1;
-    size_t mask_nb1;
-    size_t mask_nb3;
-    int64_t mask_ne0;
-    int64_t mask_ne1;
-    int64_t mask_stream_cols; // mask column of a stream's cell 0 = stream*mask_stream_cols
-    size_t dst_nb1;
-    size_t dst_nb2;
-    int    n_head;
-    int    n_gqa;            // query heads per KV head
-    int    n_groups;         // blocks per KV head and token (ncols query heads each)
-    int    n_kv;             // cells of one stream the mask may cover
-    int    k_bits;
-    int    v_bits;
-    int    window;
-    int    n_splits;
-    int    t0;               // the launch's first token (launches take the batch in chunks)
-    float  scale;
-    float  softcap;
-    const float * sinks;    // [n_head] learned sink logits, or nullptr
-    bool   mask_f16;
-};
 
 // shared memory of one warp: q*d of its K tile, at the end its output accumulators
 static __host__ __device__ int kvq_attn_slice(int ncols, int head_dim, int head_dim_v) {
@@ -312,11 +277,6 @@ static __device__ __forceinline__ void kvq_load_cols(const float * src, float (&
     }
 }
 
-// the mask has one row per batch token, in planes of mask_ne1 rows (one plane per stream, or one for all)
-static __device__ __forceinline__ float kvq_mask_value(const kvq_attn_params & p, int64_t t, int64_t col) {
-    const char * row = p.mask + (t / p.mask_ne1)*p.mask_nb3 + (t % p.mask_ne1)*p.mask_nb1;
-    return p.mask_f16 ? __half2float(((const half *) row)[col]) : ((const float *) row)[col];
-}
 
 // Scores of the ncols query heads against the 32 cells of a quantized K tile (the head's head_dim
 // channel blocks), from the codes directly: score_u = sum_c (q_c d_c) code_{c,u} + sum_c q_c m_c.
@@ -421,81 +381,6 @@ static __device__ void kvq_load_v(const T * row, const int n_quad, float4 (&v)[n
     }
 }
 
-// online softmax state of a part of the context, for one output channel
-struct kvq_partial {
-    float max;
-    float sum;
-    float acc;  // unnormalised output
-};
-
-// loads of the warps' states in shared memory, and of other blocks' partials in global memory past L1, which
-// may hold lines of them read before they were written
-struct kvq_load_shared {
-    __device__ float operator()(const float * x) const { return *x; }
-};
-struct kvq_load_global {
-    __device__ float operator()(const float * x) const { return __ldcg(x); }
-};
-
-// merges the states of n disjoint parts: max at ms[k*ms_stride], sum right after it, acc at acc[k*acc_stride]
-template <typename load_t>
-static __device__ kvq_partial kvq_fold(const float * ms, const int ms_stride, const float * acc, const int acc_stride,
-                                       const int n, const load_t load) {
-    kvq_partial r = { -INFINITY, 0.0f, 0.0f };
-    for (int k = 0; k < n; ++k) {
-        r.max = fmaxf(r.max, load(ms + k*ms_stride));
-    }
-    if (r.max == -INFINITY) {
-        return r; // nothing attended
-    }
-    for (int k = 0; k < n; ++k) {
-        const float f = expf(load(ms + k*ms_stride) - r.max);
-        r.sum += f*load(ms + k*ms_stride + 1);
-        r.acc += f*load(acc + k*acc_stride);
-    }
-    return r;
-}
-
-static __device__ __forceinline__ float kvq_normalize(const kvq_partial & r) {
-    return r.sum > 0.0f ? r.acc/r.sum : 0.0f;
-}
-
-// the output of head h: with a learned sink, one more logit in its softmax, whose value is zero
-static __device__ __forceinline__ float kvq_head_output(kvq_partial r, const float * sinks, int h) {
-    if (sinks != nullptr) {
-        const float m = fmaxf(r.max, sinks[h]);
-        const float f = expf(r.max - m);
-        r = { m, r.sum*f + expf(sinks[h] - m), r.acc*f };
-    }
-    return kvq_normalize(r);
-}
-
-// Split-K: the block that finishes last among the splits of its (token, query heads) merges their partials, in
-// split order, into the output: no second launch. Every thread's partials are made visible before the block counts
-// itself in (the threadFenceReduction pattern); the whole block must call it.
-static __device__ void kvq_merge_if_last(const kvq_attn_params & p, const int t, const int h0, const int nh) {
-    __shared__ bool last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(p.arrived + blockIdx.z*gridDim.y + blockIdx.y, 1) == p.n_splits - 1;
-    }
-    __syncthreads();
-    if (!last) {
-        return;
-    }
-    __threadfence();
-    const int Dv = p.v.head_dim;
-    for (int idx = threadIdx.x; idx < nh*Dv; idx += blockDim.x) {
-        const int     g   = idx / Dv;
-        const int     c   = idx % Dv;
-        const int64_t row = (int64_t) blockIdx.z*p.n_head + h0 + g;
-        const kvq_partial r = kvq_fold(p.part_ms + 2*row*p.n_splits, 2, p.part + row*p.n_splits*Dv + c, Dv, p.n_splits,
-                                       kvq_load_global());
-        ((float *) (p.dst + t*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, h0 + g);
-    }
-}
-
 // ncols: query heads per block; nvq: 4-channel V quads per lane (head_dim_v <= 128*nvq)
 template <int ncols, int nvq>
 static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(const kvq_attn_params p) {
@@ -523,22 +408,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
     float * my_slice_s = slice_s + warp*slice;
     float * my_w_s     = w_s + warp*WARP_SIZE*ncols;
 
-    // what query i reads how: V below lim_v and K below lim_k (also fp16: the query's own tile) are
-    // quantized unless sinks; cells from `end` on have no value (the batch ends there)
-    // the query's segment: its stream's tiles, V rows and fp16 rows
-    kvq_source    ks    = p.k;
-    kvq_source    vs    = p.v;
-    int64_t       strm;
-    const int64_t first = kvq_segment(ks, p.cells, t, &strm);
-    kvq_segment(vs, p.cells, t, &strm);
-    const int     tl    = t % p.k.n_tps;                  // the query's token within its segment
-    const char  * k_tiles = p.k_tiles + strm*(p.k.kv_size/QK_KIVI)*p.k_tiles_nb1;
-    const char  * v_rows  = p.v_rows + strm*p.k.kv_size*p.v_rows_nb1;
-    const int64_t i     = first + tl;
-    const int64_t col0  = strm*p.mask_stream_cols;
-    const int64_t end   = min(min((int64_t) p.n_kv, p.mask_ne0 - col0), first + ks.n_tokens);
-    const int64_t lim_v = ggml_kvq_lim_v(i, p.window);
-    const int64_t lim_k = ggml_kvq_lim_k(i, p.window);
+    const kvq_query qr = kvq_query_at(p, t);
 
     // Q in fp16, as upstream's flash attention takes it for f16 K
     for (int idx = threadIdx.x; idx < ncols*D; idx += blockDim.x) {
@@ -567,11 +437,11 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
     }
 
     const int n_tiles  = (p.n_kv + QK_KIVI - 1)/QK_KIVI;
-    const int tile_end = min(n_tiles, (split + 1)*KVQ_TILES_PER_SPLIT);
-    for (int tile = split*KVQ_TILES_PER_SPLIT + warp; tile < tile_end; tile += KVQ_NWARPS) {
+    const int tile_end = min(n_tiles, (split + 1)*p.tiles_per_split);
+    for (int tile = split*p.tiles_per_split + warp; tile < tile_end; tile += KVQ_NWARPS) {
         const int64_t  j0             = (int64_t) tile*QK_KIVI;
         const int64_t  j              = j0 + lane;
-        const float    mv             = j < end ? kvq_mask_value(p, t, col0 + j) : -INFINITY;
+        const float    mv             = j < qr.end ? kvq_mask_value(p, t, qr.col0 + j) : -INFINITY;
         const bool     attended       = mv != -INFINITY;
         const uint32_t attended_cells = __ballot_sync(0xFFFFFFFF, attended);
         if (attended_cells == 0) {
@@ -579,12 +449,12 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
         }
 
         float score[ncols];
-        const bool quant_k = attended && j >= n_sink && j < lim_k;
+        const bool quant_k = attended && j >= n_sink && j < qr.lim_k;
         if (__any_sync(0xFFFFFFFF, quant_k)) {
-            kvq_tile_scores(k_tiles + tile*p.k_tiles_nb1 + (size_t) hk*D*k_bb, p.k_bits, D, k_quad, q_s, my_slice_s, score);
+            kvq_tile_scores(qr.k_tiles + tile*p.k_tiles_nb1 + (size_t) hk*D*k_bb, p.k_bits, D, k_quad, q_s, my_slice_s, score);
         }
         if (attended && !quant_k) {
-            kvq_with_fp16_row(ks, first, j, hk, [&](const auto * row) { kvq_dot_fp16(row, q_s, D, score); });
+            kvq_with_fp16_row(qr.k, qr.first, j, hk, [&](const auto * row) { kvq_dot_fp16(row, q_s, D, score); });
         }
 
 #pragma unroll
@@ -612,10 +482,10 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
             }
             const int64_t cell = j0 + u;
             float4 v[nvq];
-            if (cell >= n_sink && cell < lim_v) {
-                kvq_dequant_v(v_rows + cell*p.v_rows_nb1 + (size_t) hk*(Dv/QK_KIVI)*v_bb, v_bb, v_quad, n_quad, v);
+            if (cell >= n_sink && cell < qr.lim_v) {
+                kvq_dequant_v(qr.v_rows + cell*p.v_rows_nb1 + (size_t) hk*(Dv/QK_KIVI)*v_bb, v_bb, v_quad, n_quad, v);
             } else {
-                kvq_with_fp16_row(vs, first, cell, hk, [&](const auto * row) { kvq_load_v(row, n_quad, v); });
+                kvq_with_fp16_row(qr.v, qr.first, cell, hk, [&](const auto * row) { kvq_load_v(row, n_quad, v); });
             }
             float w[ncols];
             kvq_load_cols(my_w_s + u*ncols, w);
@@ -650,33 +520,13 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
     }
     __syncthreads();
 
-    for (int idx = threadIdx.x; idx < nh*Dv; idx += blockDim.x) {
-        const int g = idx / Dv;
-        const int c = idx % Dv;
-        const kvq_partial r = kvq_fold(w_s + 2*g, WARP_SIZE*ncols, slice_s + g*Dv + c, slice, KVQ_NWARPS, kvq_load_shared());
-        if (p.n_splits == 1) {
-            ((float *) (p.dst + t*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, h0 + g);
-        } else {
-            const int64_t ps = ((int64_t) blockIdx.z*p.n_head + h0 + g)*p.n_splits + split;
-            p.part[ps*Dv + c] = r.acc;
-            if (c == 0) {
-                p.part_ms[2*ps + 0] = r.max;
-                p.part_ms[2*ps + 1] = r.sum;
-            }
-        }
-    }
-    if (p.n_splits > 1) {
-        kvq_merge_if_last(p, t, h0, nh);
-    }
+    kvq_attn_write_block(p, w_s, WARP_SIZE*ncols, slice_s, slice, nh, h0, t, split);
 }
 
 //
 // host side
 //
 
-static bool kvq_head_dim_ok(int64_t n) {
-    return n > 0 && n % QK_KIVI == 0 && n <= KVQ_MAX_HEAD;
-}
 
 
 static void kvq_seal_k(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -746,72 +596,18 @@ static void kvq_attn_launch_cols(const kvq_attn_params & p, const int ncols, con
 }
 
 static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    const ggml_tensor * q       = dst->src[0];
-    const ggml_tensor * k_tiles = dst->src[1];
-    const ggml_tensor * v_rows  = dst->src[2];
-    const ggml_tensor * k_cur   = dst->src[5];
-    const ggml_tensor * mask    = dst->src[7];
-
-    kvq_attn_params p = {};
-    p.k = kvq_make_source(dst, dst->src[3], k_cur);
-    p.v = kvq_make_source(dst, dst->src[4], dst->src[6]);
-    p.cells = kvq_cells(dst->src[8], k_cur);
-
-    const int n_head    = (int) q->ne[1];
-    const int n_head_kv = (int) k_cur->ne[1];
+    kvq_attn_params p = kvq_attn_make_params(dst);
+    const int n_head    = p.n_head;
+    const int n_head_kv = p.n_head/p.n_gqa;
     const int n_tokens  = p.k.n_tokens;
-    GGML_ASSERT(q->type == GGML_TYPE_F32 && q->nb[0] == sizeof(float) && q->ne[2] == n_tokens);
-    GGML_ASSERT(n_head % n_head_kv == 0 && dst->src[6]->ne[1] == n_head_kv && p.v.n_tokens == n_tokens);
-    GGML_ASSERT(kvq_head_dim_ok(p.k.head_dim) && kvq_head_dim_ok(p.v.head_dim) && q->ne[0] == p.k.head_dim);
-    GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_kvq_is_kivi(v_rows->type));
-    GGML_ASSERT(k_tiles->ne[0] == (int64_t) p.k.head_dim*n_head_kv*QK_KIVI && v_rows->ne[0] == (int64_t) p.v.head_dim*n_head_kv);
-    GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
-    const bool mask_all_streams = ggml_get_op_params_i32(dst, 6) != 0;
-    GGML_ASSERT(mask->ne[0] > 0 && mask->ne[1]*mask->ne[3] == n_tokens && k_tiles->ne[1]*QK_KIVI == p.k.kv_size);
-    // a unified cache's mask may be wider than its regions (see ggml_kvq_attn)
-    GGML_ASSERT(mask_all_streams || mask->ne[0] <= p.k.kv_size);
-    GGML_ASSERT(ggml_is_contiguous(v_rows) && ggml_is_contiguous(k_tiles));
-    GGML_ASSERT(p.k.n_ring == p.v.n_ring && p.k.n_ring >= ggml_kvq_ring_size(ggml_get_op_params_i32(dst, 1)));
-    GGML_ASSERT(dst->type == GGML_TYPE_F32 && dst->nb[0] == sizeof(float));
-    kvq_assert_words(k_tiles);
-    kvq_assert_words(v_rows);
 
-    p.q           = (const char *) q->data;
-    p.k_tiles     = (const char *) k_tiles->data;
-    p.v_rows      = (const char *) v_rows->data;
-    p.mask        = (const char *) mask->data;
-    p.dst         = (char *) dst->data;
-    p.q_nb1       = q->nb[1];
-    p.q_nb2       = q->nb[2];
-    p.k_tiles_nb1 = k_tiles->nb[1];
-    p.v_rows_nb1  = v_rows->nb[1];
-    p.mask_nb1    = mask->nb[1];
-    p.mask_nb3    = mask->nb[3];
-    p.mask_ne0    = mask->ne[0];
-    p.mask_ne1    = mask->ne[1];
-    p.mask_stream_cols = mask_all_streams ? p.k.kv_size : 0;
-    p.dst_nb1     = dst->nb[1];
-    p.dst_nb2     = dst->nb[2];
-    p.n_head      = n_head;
-    p.n_gqa       = n_head/n_head_kv;
-    p.n_kv        = (int) std::min<int64_t>(mask->ne[0], p.k.kv_size);
-    p.k_bits      = ggml_kvq_bits(k_tiles->type);
-    p.v_bits      = ggml_kvq_bits(v_rows->type);
-    p.window      = ggml_get_op_params_i32(dst, 1);
-    p.scale       = ggml_get_op_params_f32(dst, 3);
-    p.softcap     = ggml_get_op_params_f32(dst, GGML_KVQ_SOFTCAP_PARAM);
-    p.sinks       = dst->src[9] != nullptr ? (const float *) dst->src[9]->data : nullptr;
-    p.mask_f16    = mask->type == GGML_TYPE_F16;
+    const bool mma   = kvq_attn_mma_wanted(ctx.device, p);
+    const int  ncols = mma ? KVQ_MMA_COLS : kvq_attn_ncols(p.n_gqa, p.k.head_dim, p.v.head_dim);
+    const int  nvq   = p.v.head_dim <= 128 ? 1 : (p.v.head_dim <= 256 ? 2 : 4);
+    kvq_attn_plan(p, ncols, mma ? KVQ_MMA_TILES_PER_SPLIT : KVQ_TILES_PER_SPLIT);
 
-    const int ncols = kvq_attn_ncols(p.n_gqa, p.k.head_dim, p.v.head_dim);
-    const int nvq   = p.v.head_dim <= 128 ? 1 : (p.v.head_dim <= 256 ? 2 : 4);
-    p.n_groups = (p.n_gqa + ncols - 1)/ncols;
-    GGML_ASSERT(n_head_kv*p.n_groups <= KVQ_MAX_GRID_YZ);
-
-    // splits at fixed cells (see ATTN above); the partials of a long context over a large batch would not fit,
-    // so launches take the batch in chunks of tokens
-    const int     n_tiles   = (p.n_kv + QK_KIVI - 1)/QK_KIVI;
-    p.n_splits = (n_tiles + KVQ_TILES_PER_SPLIT - 1)/KVQ_TILES_PER_SPLIT;
+    // the partials of a long context over a large batch would not fit, so launches take the batch in chunks of
+    // tokens
     const int64_t per_token = (int64_t) n_head*p.n_splits*(p.v.head_dim + 2);
     const int     chunk     = p.n_splits == 1 ? n_tokens : (int) std::clamp<int64_t>(KVQ_MAX_PARTIALS/per_token, 1, n_tokens);
     const int     n_rows    = n_head_kv*p.n_groups;
@@ -833,10 +629,14 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
             CUDA_CHECK(cudaMemsetAsync(p.arrived, 0, sizeof(int)*n*n_rows, stream));
         }
         const dim3 grid(p.n_splits, n_rows, n);
-        switch (nvq) {
-            case 1:  kvq_attn_launch_cols<1>(p, ncols, grid, stream); break;
-            case 2:  kvq_attn_launch_cols<2>(p, ncols, grid, stream); break;
-            default: kvq_attn_launch_cols<4>(p, ncols, grid, stream); break;
+        if (mma) {
+            kvq_attn_mma_launch(p, grid, stream);
+        } else {
+            switch (nvq) {
+                case 1:  kvq_attn_launch_cols<1>(p, ncols, grid, stream); break;
+                case 2:  kvq_attn_launch_cols<2>(p, ncols, grid, stream); break;
+                default: kvq_attn_launch_cols<4>(p, ncols, grid, stream); break;
+            }
         }
         CUDA_CHECK(cudaGetLastError());
     }

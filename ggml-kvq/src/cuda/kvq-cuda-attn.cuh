@@ -1,0 +1,260 @@
+// The attention kernels' common parts (ATTN: kvq-cuda.cu on CUDA cores, kvq-cuda-mma.cu on tensor cores): their
+// parameters, the query's view of the cache, and the split-K merge of their online-softmax states.
+#pragma once
+
+#include "kvq-cuda-source.cuh"
+
+struct kvq_attn_params {
+    const char    * q;
+    const char    * k_tiles;
+    const char    * v_rows;
+    const char    * mask;       // [n_kv, n_tps, 1, n_seq] per stream, or [n_kv, n_tokens, 1, 1] over all cells
+    const int64_t * cells;
+    char          * dst;
+    float         * part;     // split-K: [token*n_head + head][split][head_dim_v] unnormalised outputs
+    float         * part_ms;  // split-K: [token*n_head + head][split] (max, sum)
+    int           * arrived;  // split-K: [token][n_head_kv*n_groups] splits done, zero at the launch
+    kvq_source      k;
+    kvq_source      v;
+    size_t q_nb1;
+    size_t q_nb2;
+    size_t k_tiles_nb1;
+    size_t v_rows_nb1;
+    size_t mask_nb1;
+    size_t mask_nb3;
+    int64_t mask_ne0;
+    int64_t mask_ne1;
+    int64_t mask_stream_cols; // mask column of a stream's cell 0 = stream*mask_stream_cols
+    size_t dst_nb1;
+    size_t dst_nb2;
+    int    n_head;
+    int    n_gqa;            // query heads per KV head
+    int    n_groups;         // blocks per KV head and token (ncols query heads each)
+    int    n_kv;             // cells of one stream the mask may cover
+    int    k_bits;
+    int    v_bits;
+    int    window;
+    int    n_splits;
+    int    tiles_per_split;  // context tiles per split, at fixed cells (see ATTN in kvq-cuda.cu)
+    int    t0;               // the launch's first token (launches take the batch in chunks)
+    float  scale;
+    float  softcap;
+    const float * sinks;    // [n_head] learned sink logits, or nullptr
+    bool   mask_f16;
+    bool   copy16;           // tensor cores: K tiles and V rows copy to shared memory in 16-byte pieces
+};
+
+// the mask has one row per batch token, in planes of mask_ne1 rows (one plane per stream, or one for all)
+static __device__ __forceinline__ float kvq_mask_value(const kvq_attn_params & p, int64_t t, int64_t col) {
+    const char * row = p.mask + (t / p.mask_ne1)*p.mask_nb3 + (t % p.mask_ne1)*p.mask_nb1;
+    return p.mask_f16 ? __half2float(((const half *) row)[col]) : ((const float *) row)[col];
+}
+
+// online softmax state of a part of the context, for one output channel
+struct kvq_partial {
+    float max;
+    float sum;
+    float acc;  // unnormalised output
+};
+
+// loads of the warps' states in shared memory, and of other blocks' partials in global memory past L1, which
+// may hold lines of them read before they were written
+struct kvq_load_shared {
+    __device__ float operator()(const float * x) const { return *x; }
+};
+struct kvq_load_global {
+    __device__ float operator()(const float * x) const { return __ldcg(x); }
+};
+
+// merges the states of n disjoint parts: max at ms[k*ms_stride], sum right after it, acc at acc[k*acc_stride]
+template <typename load_t>
+static __device__ kvq_partial kvq_fold(const float * ms, const int ms_stride, const float * acc, const int acc_stride,
+                                       const int n, const load_t load) {
+    kvq_partial r = { -INFINITY, 0.0f, 0.0f };
+    for (int k = 0; k < n; ++k) {
+        r.max = fmaxf(r.max, load(ms + k*ms_stride));
+    }
+    if (r.max == -INFINITY) {
+        return r; // nothing attended
+    }
+    for (int k = 0; k < n; ++k) {
+        const float f = expf(load(ms + k*ms_stride) - r.max);
+        r.sum += f*load(ms + k*ms_stride + 1);
+        r.acc += f*load(acc + k*acc_stride);
+    }
+    return r;
+}
+
+static __device__ __forceinline__ float kvq_normalize(const kvq_partial & r) {
+    return r.sum > 0.0f ? r.acc/r.sum : 0.0f;
+}
+
+// the output of head h: with a learned sink, one more logit in its softmax, whose value is zero
+static __device__ __forceinline__ float kvq_head_output(kvq_partial r, const float * sinks, int h) {
+    if (sinks != nullptr) {
+        const float m = fmaxf(r.max, sinks[h]);
+        const float f = expf(r.max - m);
+        r = { m, r.sum*f + expf(sinks[h] - m), r.acc*f };
+    }
+    return kvq_normalize(r);
+}
+
+// Split-K: the block that finishes last among the splits of its (token, query heads) merges their partials, in
+// split order, into the output: no second launch. Every thread's partials are made visible before the block counts
+// itself in (the threadFenceReduction pattern); the whole block must call it.
+static __device__ void kvq_merge_if_last(const kvq_attn_params & p, const int t, const int h0, const int nh) {
+    __threadfence();
+    __syncthreads();
+    const bool last = __syncthreads_or(threadIdx.x == 0 &&
+                                       atomicAdd(p.arrived + blockIdx.z*gridDim.y + blockIdx.y, 1) == p.n_splits - 1);
+    if (!last) {
+        return;
+    }
+    __threadfence();
+    const int Dv = p.v.head_dim;
+    for (int idx = threadIdx.x; idx < nh*Dv; idx += blockDim.x) {
+        const int     g   = idx / Dv;
+        const int     c   = idx % Dv;
+        const int64_t row = (int64_t) blockIdx.z*p.n_head + h0 + g;
+        const kvq_partial r = kvq_fold(p.part_ms + 2*row*p.n_splits, 2, p.part + row*p.n_splits*Dv + c, Dv, p.n_splits,
+                                       kvq_load_global());
+        ((float *) (p.dst + t*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, h0 + g);
+    }
+}
+
+// where a query reads: its segment's tiles, V rows and fp16 rows, and the cells it reads quantized
+struct kvq_query {
+    kvq_source    k;
+    kvq_source    v;
+    const char  * k_tiles;  // its stream's
+    const char  * v_rows;
+    int64_t       first;    // its segment's first cell
+    int64_t       col0;     // mask column of its stream's cell 0
+    int64_t       end;      // cells from here on have no value (the batch ends there)
+    int64_t       lim_v;    // V below lim_v and K below lim_k are quantized, unless sinks
+    int64_t       lim_k;
+};
+
+static __device__ __forceinline__ kvq_query kvq_query_at(const kvq_attn_params & p, const int t) {
+    kvq_query     r;
+    int64_t       strm;
+    r.k     = p.k;
+    r.v     = p.v;
+    r.first = kvq_segment(r.k, p.cells, t, &strm);
+    kvq_segment(r.v, p.cells, t, &strm);
+    const int64_t i = r.first + t % p.k.n_tps;
+    r.k_tiles = p.k_tiles + strm*(p.k.kv_size/QK_KIVI)*p.k_tiles_nb1;
+    r.v_rows  = p.v_rows + strm*p.k.kv_size*p.v_rows_nb1;
+    r.col0    = strm*p.mask_stream_cols;
+    r.end     = min(min((int64_t) p.n_kv, p.mask_ne0 - r.col0), r.first + r.k.n_tokens);
+    r.lim_v   = ggml_kvq_lim_v(i, p.window);
+    r.lim_k   = ggml_kvq_lim_k(i, p.window);
+    return r;
+}
+
+// The block's result for its nh query heads from h0 on, token t, split `split`: the warps' states (max and sum
+// of head g at w_s[warp*w_stride + 2*g], its unnormalised output at slice_s[warp*slice + g*Dv]) folded per
+// channel into the output, or into the split's partial and merged by the last split. The whole block calls it,
+// after a barrier that makes the states visible.
+static __device__ void kvq_attn_write_block(const kvq_attn_params & p, const float * w_s, const int w_stride,
+                                            const float * slice_s, const int slice, const int nh, const int h0,
+                                            const int t, const int split) {
+    const int Dv = p.v.head_dim;
+    for (int idx = threadIdx.x; idx < nh*Dv; idx += blockDim.x) {
+        const int g = idx / Dv;
+        const int c = idx % Dv;
+        const kvq_partial r = kvq_fold(w_s + 2*g, w_stride, slice_s + g*Dv + c, slice, KVQ_NWARPS, kvq_load_shared());
+        if (p.n_splits == 1) {
+            ((float *) (p.dst + t*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, h0 + g);
+        } else {
+            const int64_t ps = ((int64_t) blockIdx.z*p.n_head + h0 + g)*p.n_splits + split;
+            p.part[ps*Dv + c] = r.acc;
+            if (c == 0) {
+                p.part_ms[2*ps + 0] = r.max;
+                p.part_ms[2*ps + 1] = r.sum;
+            }
+        }
+    }
+    if (p.n_splits > 1) {
+        kvq_merge_if_last(p, t, h0, nh);
+    }
+}
+
+//
+// host side
+//
+
+static bool kvq_head_dim_ok(int64_t n) {
+    return n > 0 && n % QK_KIVI == 0 && n <= KVQ_MAX_HEAD;
+}
+
+// the attention's parameters from its op (ggml_kvq_attn), all but its plan of blocks and splits
+static kvq_attn_params kvq_attn_make_params(const ggml_tensor * dst) {
+    const ggml_tensor * q       = dst->src[0];
+    const ggml_tensor * k_tiles = dst->src[1];
+    const ggml_tensor * v_rows  = dst->src[2];
+    const ggml_tensor * k_cur   = dst->src[5];
+    const ggml_tensor * mask    = dst->src[7];
+
+    kvq_attn_params p = {};
+    p.k = kvq_make_source(dst, dst->src[3], k_cur);
+    p.v = kvq_make_source(dst, dst->src[4], dst->src[6]);
+    p.cells = kvq_cells(dst->src[8], k_cur);
+
+    const int n_head    = (int) q->ne[1];
+    const int n_head_kv = (int) k_cur->ne[1];
+    const int n_tokens  = p.k.n_tokens;
+    GGML_ASSERT(q->type == GGML_TYPE_F32 && q->nb[0] == sizeof(float) && q->ne[2] == n_tokens);
+    GGML_ASSERT(n_head % n_head_kv == 0 && dst->src[6]->ne[1] == n_head_kv && p.v.n_tokens == n_tokens);
+    GGML_ASSERT(kvq_head_dim_ok(p.k.head_dim) && kvq_head_dim_ok(p.v.head_dim) && q->ne[0] == p.k.head_dim);
+    GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_kvq_is_kivi(v_rows->type));
+    GGML_ASSERT(k_tiles->ne[0] == (int64_t) p.k.head_dim*n_head_kv*QK_KIVI && v_rows->ne[0] == (int64_t) p.v.head_dim*n_head_kv);
+    GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
+    const bool mask_all_streams = ggml_get_op_params_i32(dst, 6) != 0;
+    GGML_ASSERT(mask->ne[0] > 0 && mask->ne[1]*mask->ne[3] == n_tokens && k_tiles->ne[1]*QK_KIVI == p.k.kv_size);
+    // a unified cache's mask may be wider than its regions (see ggml_kvq_attn)
+    GGML_ASSERT(mask_all_streams || mask->ne[0] <= p.k.kv_size);
+    GGML_ASSERT(ggml_is_contiguous(v_rows) && ggml_is_contiguous(k_tiles));
+    GGML_ASSERT(p.k.n_ring == p.v.n_ring && p.k.n_ring >= ggml_kvq_ring_size(ggml_get_op_params_i32(dst, 1)));
+    GGML_ASSERT(dst->type == GGML_TYPE_F32 && dst->nb[0] == sizeof(float));
+    kvq_assert_words(k_tiles);
+    kvq_assert_words(v_rows);
+
+    p.q           = (const char *) q->data;
+    p.k_tiles     = (const char *) k_tiles->data;
+    p.v_rows      = (const char *) v_rows->data;
+    p.mask        = (const char *) mask->data;
+    p.dst         = (char *) dst->data;
+    p.q_nb1       = q->nb[1];
+    p.q_nb2       = q->nb[2];
+    p.k_tiles_nb1 = k_tiles->nb[1];
+    p.v_rows_nb1  = v_rows->nb[1];
+    p.mask_nb1    = mask->nb[1];
+    p.mask_nb3    = mask->nb[3];
+    p.mask_ne0    = mask->ne[0];
+    p.mask_ne1    = mask->ne[1];
+    p.mask_stream_cols = mask_all_streams ? p.k.kv_size : 0;
+    p.dst_nb1     = dst->nb[1];
+    p.dst_nb2     = dst->nb[2];
+    p.n_head      = n_head;
+    p.n_gqa       = n_head/n_head_kv;
+    p.n_kv        = (int) std::min<int64_t>(mask->ne[0], p.k.kv_size);
+    p.k_bits      = ggml_kvq_bits(k_tiles->type);
+    p.v_bits      = ggml_kvq_bits(v_rows->type);
+    p.window      = ggml_get_op_params_i32(dst, 1);
+    p.scale       = ggml_get_op_params_f32(dst, 3);
+    p.softcap     = ggml_get_op_params_f32(dst, GGML_KVQ_SOFTCAP_PARAM);
+    p.sinks       = dst->src[9] != nullptr ? (const float *) dst->src[9]->data : nullptr;
+    p.mask_f16    = mask->type == GGML_TYPE_F16;
+    const size_t v_head_bytes = (size_t) (p.v.head_dim/QK_KIVI)*ggml_kvq_block_bytes(p.v_bits);
+    p.copy16 = ((uintptr_t) p.k_tiles | (uintptr_t) p.v_rows | p.k_tiles_nb1 | p.v_rows_nb1 | v_head_bytes) % 16 == 0;
+    return p;
+}
+
+// ncols query heads per block, splits of tiles_per_split tiles at fixed cells (see ATTN in kvq-cuda.cu)
+static void kvq_attn_plan(kvq_attn_params & p, const int ncols, const int tiles_per_split) {
+    p.n_groups = (p.n_gqa + ncols - 1)/ncols;
+    GGML_ASSERT((int64_t) p.n_head/p.n_gqa*p.n_groups <= KVQ_MAX_GRID_YZ);
+    p.tiles_per_split = tiles_per_split;
+    p.n_splits = ((p.n_kv + QK_KIVI - 1)/QK_KIVI + tiles_per_split - 1)/tiles_per_split;
+}

@@ -1,0 +1,506 @@
+// ATTN on tensor cores, the kernel (kvq-cuda-mma.cu launches it): the decode attention of kvq-cuda.cu (same grid, splits and merge, same contract:
+// kvq_attn_row in kvq-cpu.c) with its two products on mma.m16n8k16 (fp16 operands, fp32 accumulators), the
+// shape of BitDecoding (arXiv 2503.18773).
+//
+// KIVI's factorisation keeps the codes raw. A quantized K tile is codes[c][u]*d_c + m_c per channel c, so
+//   S^T[u][g] = sum_c codes^T[u][c] * (q_g,c d_c) + sum_c m_c q_g,c
+// with A = the tile's codes (16 cells x 16 channels per step) and B = Q scaled by the tile's d (16 channels x
+// the 8 query heads of the KV head), and the offset as one more product whose A repeats m in every row;
+// quantized V rows are codes[u][c]*d_u,b + m_u,b per 32-channel block b, so
+//   O^T[c][g] += sum_u codes^T[c][u] * (p_g,u d_u,b) + sum_u m_u,b p_g,u
+// with A = the codes (16 channels x 16 cells) and B = the softmax weights scaled per cell and block. Codes
+// become fp16 exactly (0x6400 | code is 1024 + code); Q is scaled before it is rounded to fp16, as upstream's
+// flash attention does, so that q*d stays far from fp16's range. Tiles that hold fp16 cells (sinks, the window,
+// the query's own tile, the batch) run the same products on the values themselves.
+//
+// A warp owns whole 32-cell tiles; each streams the K blocks and V rows of its tiles into shared memory through
+// a KVQ_MMA_STAGES-deep cp.async ring, and never waits for another warp inside the loop.
+//
+// Fragments (PTX ISA, mma.m16n8k16): lane = 4*gid + tq; A holds rows gid and gid+8, columns 2tq, 2tq+1 and
+// the same + 8; B holds rows 2tq, 2tq+1 and + 8, column gid; C holds rows gid and gid+8, columns 2tq, 2tq+1.
+// In a kivi block, element e sits in byte e % nb (nb code bytes) at bit (e / nb)*bits: the elements gid,
+// gid+8, gid+16 and gid+24 that a lane needs as the rows of both 16-row halves share one or two 32-bit words.
+
+#pragma once
+
+#include "kvq-cuda-mma.cuh"
+#include "kvq-cuda-ptx.cuh"
+
+// ATTN's cells per tile, as the rows of two m16 halves
+static_assert(QK_KIVI == 32, "a tile is two 16-row halves");
+
+// the elements gid + 8r (r = 0..3) of a kivi block, which a lane reads as rows of A
+struct kvq_lane_codes {
+    int      w_lo;   // 32-bit word (of the codes) holding elements gid and gid+16
+    int      w_hi;   // ... gid+8 and gid+24
+    int      shift[4];
+    uint32_t mask;
+};
+
+static __device__ __forceinline__ kvq_lane_codes kvq_lane_codes_at(const int gid, const int bits) {
+    const int nb = QK_KIVI*bits/8;
+    kvq_lane_codes r;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int e    = gid + 8*k;
+        const int byte = e % nb;
+        r.shift[k] = 8*(byte % 4) + e/nb*bits;
+    }
+    r.w_lo = gid % nb/4;
+    r.w_hi = (gid + 8) % nb/4;
+    r.mask = (1u << bits) - 1;
+    return r;
+}
+
+// codes of elements gid, gid+8, gid+16, gid+24 of a block (4-byte aligned, in shared memory)
+static __device__ __forceinline__ void kvq_block_codes(const char * block, const kvq_lane_codes & lc, uint32_t (&c)[4]) {
+    const uint32_t * qs = (const uint32_t *) (block + 2*sizeof(half));
+    const uint32_t   lo = qs[lc.w_lo];
+    const uint32_t   hi = qs[lc.w_hi];
+    c[0] = lo >> lc.shift[0] & lc.mask;
+    c[1] = hi >> lc.shift[1] & lc.mask;
+    c[2] = lo >> lc.shift[2] & lc.mask;
+    c[3] = hi >> lc.shift[3] & lc.mask;
+}
+
+// one element of a block, any width (the tiles that also hold fp16 cells read their quantized cells this way)
+static __device__ __forceinline__ float kvq_block_value(const char * block, const int e, const int bits) {
+    const int      nb   = QK_KIVI*bits/8;
+    const int      byte = e % nb;
+    const uint32_t word = ((const uint32_t *) (block + 2*sizeof(half)))[byte/4];
+    const float2   dm   = __half22float2(*(const half2 *) block);
+    return dm.x*(float) (word >> (8*(byte % 4) + e/nb*bits) & ((1u << bits) - 1)) + dm.y;
+}
+
+// two codes (x low, y high) as an fp16 pair, exactly
+static __device__ __forceinline__ uint32_t kvq_pack_codes(const uint32_t x, const uint32_t y) {
+    const uint32_t biased = x | y << 16 | 0x64006400u;
+    const half2    v      = __hsub2(*(const half2 *) &biased, __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400)));
+    return *(const uint32_t *) &v;
+}
+
+static __device__ __forceinline__ uint32_t kvq_pack_halves(const float x, const float y) {
+    const half2 v = __floats2half2_rn(x, y);
+    return *(const uint32_t *) &v;
+}
+
+// A tile's K blocks of the KV head (k_bytes) and its cells' V blocks (32 rows of v_bytes, nb1 apart) into a
+// stage, in `bytes`-sized pieces spread over the warp
+template <int bytes>
+static __device__ void kvq_stage_tile(char * stage_s, const char * k_src, const int k_bytes, const bool k,
+                                      const char * v_src, const size_t v_nb1, const int v_bytes, const bool v) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    if (k) {
+        for (int o = lane*bytes; o < k_bytes; o += WARP_SIZE*bytes) {
+            kvq_cp_async<bytes>(stage_s + o, k_src + o);
+        }
+    }
+    if (v) {
+        const int per_row = v_bytes/bytes;
+        for (int idx = lane; idx < QK_KIVI*per_row; idx += WARP_SIZE) {
+            const int u = idx / per_row;
+            const int o = idx % per_row*bytes;
+            kvq_cp_async<bytes>(stage_s + k_bytes + u*v_bytes + o, v_src + u*v_nb1 + o);
+        }
+    }
+}
+
+// Where a cell of a tile that holds fp16 cells is read from: its quantized blocks of the head (kind QUANT),
+// its fp16 row (HALF) or its row of the batch (FLOAT, rounded to fp16); null for a cell the query does not attend.
+enum kvq_cell_kind { KVQ_CELL_QUANT, KVQ_CELL_HALF, KVQ_CELL_FLOAT };
+
+struct kvq_cell {
+    const char  * ptr;
+    kvq_cell_kind kind;
+};
+
+static __device__ __forceinline__ kvq_cell kvq_cell_at(const kvq_source & src, const int64_t first, const int64_t cell,
+                                                       const int head, const bool attended, const bool quantized,
+                                                       const char * blocks) {
+    if (!attended) {
+        return { nullptr, KVQ_CELL_QUANT };
+    }
+    if (quantized) {
+        return { blocks, KVQ_CELL_QUANT };
+    }
+    if (cell >= first) {
+        return { (const char *) kvq_cur_row(src, cell - first, head), KVQ_CELL_FLOAT };
+    }
+    return { (const char *) (kvq_fp16_row(src, cell) + head*src.head_dim), KVQ_CELL_HALF };
+}
+
+// value of channel c of an fp16 or batch row
+static __device__ __forceinline__ float kvq_row_value(const kvq_cell & cell, const int c) {
+    return cell.kind == KVQ_CELL_HALF ? __half2float(((const half *) cell.ptr)[c]) : kvq_round_fp16(((const float *) cell.ptr)[c]);
+}
+
+// K of (cell u of the tile, channel c): a quantized cell's value is element u of channel c's block
+static __device__ __forceinline__ float kvq_k_value(const kvq_cell & cell, const int u, const int c, const int bits) {
+    if (cell.ptr == nullptr) {
+        return 0.0f;
+    }
+    return cell.kind == KVQ_CELL_QUANT ? kvq_block_value(cell.ptr + c*kvq_block_bytes(bits), u, bits) : kvq_row_value(cell, c);
+}
+
+// V of (a cell, channel c): a quantized cell's value is element c % 32 of its block c / 32
+static __device__ __forceinline__ float kvq_v_value(const kvq_cell & cell, const int c, const int bits) {
+    if (cell.ptr == nullptr) {
+        return 0.0f;
+    }
+    return cell.kind == KVQ_CELL_QUANT ? kvq_block_value(cell.ptr + c/QK_KIVI*kvq_block_bytes(bits), c % QK_KIVI, bits)
+                                       : kvq_row_value(cell, c);
+}
+
+// what a warp knows of one of its tiles before reading it
+struct kvq_mma_tile {
+    int      tile;
+    float    mv;         // mask value of the lane's cell
+    uint32_t attended;   // cells the query attends
+    bool     quant_k;    // every attended cell reads K quantized
+    bool     quant_v;    // ... V quantized
+};
+
+// rows of the S^T fragments a lane holds: r = 0..3 -> cell 16*(r/2) + gid + 8*(r%2) of the tile
+static __device__ __forceinline__ int kvq_s_row_cell(const int gid, const int r) {
+    return 16*(r/2) + gid + 8*(r % 2);
+}
+
+// k indices of the P.V fragments a lane holds: e = 0..3 of k-step ks -> cell 16*ks + 2*tq + (e%2) + 8*(e/2)
+static __device__ __forceinline__ int kvq_v_col_cell(const int tq, const int ks, const int e) {
+    return 16*ks + 2*tq + e % 2 + 8*(e/2);
+}
+
+template <int D>
+static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_kernel(const kvq_attn_params p) {
+#ifdef AMPERE_MMA_AVAILABLE
+    constexpr int NK  = D/16;        // k-steps of Q.K^T
+    constexpr int NB  = D/QK_KIVI;   // V blocks of a head
+    constexpr int TPW = KVQ_MMA_TILES_PER_SPLIT/KVQ_NWARPS;
+    static_assert(KVQ_MMA_TILES_PER_SPLIT % KVQ_NWARPS == 0, "whole tiles per warp");
+    extern __shared__ __align__(16) char kvq_mma_smem[];
+
+    const int warp  = threadIdx.x / WARP_SIZE;
+    const int lane  = threadIdx.x % WARP_SIZE;
+    const int gid   = lane / 4;
+    const int tq    = lane % 4;
+    const int split = blockIdx.x;
+    const int hk    = blockIdx.y;
+    const int h0    = hk*p.n_gqa;
+    const int nh    = p.n_gqa;
+    const int t     = p.t0 + blockIdx.z;
+
+    const kvq_query qr = kvq_query_at(p, t);
+    const int k_bb    = kvq_block_bytes(p.k_bits);
+    const int v_bb    = kvq_block_bytes(p.v_bits);
+    const int k_bytes = D*k_bb;    // a tile's K blocks of the head
+    const int v_bytes = NB*v_bb;   // a cell's V blocks of the head
+    const int stage_bytes = k_bytes + QK_KIVI*v_bytes;
+    char  * stages_s = kvq_mma_smem + warp*(KVQ_MMA_STAGES*stage_bytes + QK_KIVI*KVQ_MMA_COLS*(int) sizeof(float));
+    float * p_s      = (float *) (stages_s + KVQ_MMA_STAGES*stage_bytes);  // the tile's weights [cell][head]
+
+    const kvq_lane_codes k_codes = kvq_lane_codes_at(gid, p.k_bits);
+    const kvq_lane_codes v_codes = kvq_lane_codes_at(gid, p.v_bits);
+
+    // B of Q^T: Q of head gid at this lane's channels 16*kk + 2*tq + {0, 1} and {8, 9}, in fp16 pairs
+    uint32_t q2[NK][2];
+    {
+        const float * q_row = (const float *) (p.q + t*p.q_nb2 + (h0 + min(gid, nh - 1))*p.q_nb1);
+        const auto    q_at  = [&](const int c) { return gid < nh ? kvq_round_fp16(q_row[c])*p.scale : 0.0f; };
+#pragma unroll
+        for (int kk = 0; kk < NK; ++kk) {
+            const int c = 16*kk + 2*tq;
+            q2[kk][0] = kvq_pack_halves(q_at(c + 0), q_at(c + 1));
+            q2[kk][1] = kvq_pack_halves(q_at(c + 8), q_at(c + 9));
+        }
+    }
+
+    // online softmax of heads 2tq and 2tq+1 (sums: this lane's cells only), O^T [block][half][C fragment] and
+    // its V offsets [block][C fragment] (all rows alike)
+    float run_max[2] = { -INFINITY, -INFINITY };
+    float run_sum[2] = { 0.0f, 0.0f };
+    float acc[NB][2][4] = {};
+    float voff[NB][4] = {};
+
+    const int n_tiles = (p.n_kv + QK_KIVI - 1)/QK_KIVI;
+
+    // the warp's k-th tile of the split: what it knows of it, its copies to stage k % KVQ_MMA_STAGES issued
+    const auto prefetch = [&](const int k) {
+        kvq_mma_tile ti;
+        ti.tile = split*KVQ_MMA_TILES_PER_SPLIT + warp + k*KVQ_NWARPS;
+        const int64_t j = (int64_t) ti.tile*QK_KIVI + lane;
+        ti.mv       = ti.tile < n_tiles && j < qr.end ? kvq_mask_value(p, t, qr.col0 + j) : -INFINITY;
+        const bool attended = ti.mv != -INFINITY;
+        ti.attended = __ballot_sync(0xFFFFFFFF, attended);
+        ti.quant_k  = __all_sync(0xFFFFFFFF, !attended || (j >= qr.k.n_sink && j < qr.lim_k));
+        ti.quant_v  = __all_sync(0xFFFFFFFF, !attended || (j >= qr.k.n_sink && j < qr.lim_v));
+        if (ti.attended != 0) {
+            char       * stage_s = stages_s + k % KVQ_MMA_STAGES*stage_bytes;
+            const char * k_src   = qr.k_tiles + ti.tile*p.k_tiles_nb1 + (size_t) hk*k_bytes;
+            const char * v_src   = qr.v_rows + (int64_t) ti.tile*QK_KIVI*p.v_rows_nb1 + (size_t) hk*v_bytes;
+            if (p.copy16) {
+                kvq_stage_tile<16>(stage_s, k_src, k_bytes, ti.quant_k, v_src, p.v_rows_nb1, v_bytes, ti.quant_v);
+            } else {
+                kvq_stage_tile<4>(stage_s, k_src, k_bytes, ti.quant_k, v_src, p.v_rows_nb1, v_bytes, ti.quant_v);
+            }
+        }
+        kvq_cp_async_commit();
+        return ti;
+    };
+
+    kvq_mma_tile next = prefetch(0);
+#pragma unroll
+    for (int k = 0; k < TPW; ++k) {
+        const kvq_mma_tile ti = next;
+        if (k + 1 < TPW) {
+            next = prefetch(k + 1);
+            kvq_cp_async_wait<1>();
+        } else {
+            kvq_cp_async_wait<0>();
+        }
+        __syncwarp();
+        if (ti.attended == 0) {
+            continue;
+        }
+        const char *  stage_s = stages_s + k % KVQ_MMA_STAGES*stage_bytes;
+        const int64_t j0      = (int64_t) ti.tile*QK_KIVI;
+
+        // mask values of the rows of S^T this lane holds
+        float mrow[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            mrow[r] = __shfl_sync(0xFFFFFFFF, ti.mv, kvq_s_row_cell(gid, r));
+        }
+
+        // S^T = K Q^T over the tile: [half][C fragment], rows cells, columns heads 2tq and 2tq+1
+        float s[2][4] = {};
+        if (ti.quant_k) {
+            float koff[4] = {};  // sum_c m_c q_c, all rows alike
+#pragma unroll
+            for (int kk = 0; kk < NK; ++kk) {
+                uint32_t codes[4][4];
+                half2    dm[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const char * block = stage_s + (16*kk + 2*tq + i % 2 + 8*(i/2))*k_bb;
+                    dm[i] = *(const half2 *) block;
+                    kvq_block_codes(block, k_codes, codes[i]);
+                }
+                // fp16 products of fp16 values: the fp32 product rounded once
+                const half2    d01  = __lows2half2(dm[0], dm[1]);
+                const half2    d23  = __lows2half2(dm[2], dm[3]);
+                const half2    qd01 = __hmul2(*(const half2 *) &q2[kk][0], d01);
+                const half2    qd23 = __hmul2(*(const half2 *) &q2[kk][1], d23);
+                const uint32_t b[2] = { *(const uint32_t *) &qd01, *(const uint32_t *) &qd23 };
+                const half2    m01  = __highs2half2(dm[0], dm[1]);
+                const half2    m23  = __highs2half2(dm[2], dm[3]);
+                const uint32_t am[4] = { *(const uint32_t *) &m01, *(const uint32_t *) &m01, *(const uint32_t *) &m23,
+                                         *(const uint32_t *) &m23 };
+                kvq_mma(koff, am, q2[kk]);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const uint32_t a[4] = {
+                        kvq_pack_codes(codes[0][2*h + 0], codes[1][2*h + 0]),
+                        kvq_pack_codes(codes[0][2*h + 1], codes[1][2*h + 1]),
+                        kvq_pack_codes(codes[2][2*h + 0], codes[3][2*h + 0]),
+                        kvq_pack_codes(codes[2][2*h + 1], codes[3][2*h + 1]),
+                    };
+                    kvq_mma(s[h], a, b);
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    s[h][i] += koff[i];
+                }
+            }
+        } else {
+            kvq_cell cells[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int     u = kvq_s_row_cell(gid, r);
+                const int64_t j = j0 + u;
+                cells[r] = kvq_cell_at(qr.k, qr.first, j, hk, mrow[r] != -INFINITY, j >= qr.k.n_sink && j < qr.lim_k,
+                                       qr.k_tiles + ti.tile*p.k_tiles_nb1 + (size_t) hk*k_bytes);
+            }
+#pragma unroll
+            for (int kk = 0; kk < NK; ++kk) {
+                const int c = 16*kk + 2*tq;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const kvq_cell & lo = cells[2*h + 0];
+                    const kvq_cell & hi = cells[2*h + 1];
+                    const int u_lo = kvq_s_row_cell(gid, 2*h + 0);
+                    const int u_hi = kvq_s_row_cell(gid, 2*h + 1);
+                    const uint32_t a[4] = {
+                        kvq_pack_halves(kvq_k_value(lo, u_lo, c + 0, p.k_bits), kvq_k_value(lo, u_lo, c + 1, p.k_bits)),
+                        kvq_pack_halves(kvq_k_value(hi, u_hi, c + 0, p.k_bits), kvq_k_value(hi, u_hi, c + 1, p.k_bits)),
+                        kvq_pack_halves(kvq_k_value(lo, u_lo, c + 8, p.k_bits), kvq_k_value(lo, u_lo, c + 9, p.k_bits)),
+                        kvq_pack_halves(kvq_k_value(hi, u_hi, c + 8, p.k_bits), kvq_k_value(hi, u_hi, c + 9, p.k_bits)),
+                    };
+                    kvq_mma(s[h], a, q2[kk]);
+                }
+            }
+        }
+
+        // online softmax per head over the tile; the weights to p_s [cell][head]
+        float tile_max[2] = { -INFINITY, -INFINITY };
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float m = mrow[2*h + i/2];
+                s[h][i] = m != -INFINITY ? ggml_kvq_capped(s[h][i], p.softcap) + m : -INFINITY;
+                tile_max[i % 2] = fmaxf(tile_max[i % 2], s[h][i]);
+            }
+        }
+        float rescale[2];
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+#pragma unroll
+            for (int o = 4; o < WARP_SIZE; o *= 2) {
+                tile_max[x] = fmaxf(tile_max[x], __shfl_xor_sync(0xFFFFFFFF, tile_max[x], o));
+            }
+            const float new_max = fmaxf(run_max[x], tile_max[x]);
+            rescale[x] = expf(run_max[x] - new_max);
+            run_max[x] = new_max;
+            run_sum[x] *= rescale[x];
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float w = expf(s[h][i] - run_max[i % 2]);
+                run_sum[i % 2] += w;
+                p_s[kvq_s_row_cell(gid, 2*h + i/2)*KVQ_MMA_COLS + 2*tq + i % 2] = w;
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                acc[b][0][i] *= rescale[i % 2];
+                acc[b][1][i] *= rescale[i % 2];
+                voff[b][i]   *= rescale[i % 2];
+            }
+        }
+        __syncwarp();
+
+        // O^T += V^T P^T: [block][half][C fragment], rows channels 32b + 16h + gid (+8), columns heads
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+            float w[4];
+            bool  att[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int u = kvq_v_col_cell(tq, ks, e);
+                w[e]   = p_s[u*KVQ_MMA_COLS + gid];
+                att[e] = ti.attended >> u & 1;
+            }
+            const uint32_t bw[2] = { kvq_pack_halves(w[0], w[1]), kvq_pack_halves(w[2], w[3]) };
+            if (ti.quant_v) {
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    uint32_t codes[4][4];
+                    float    wd[4];
+                    float    m[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const char * block = stage_s + k_bytes + kvq_v_col_cell(tq, ks, e)*v_bytes + b*v_bb;
+                        const float2 dm    = __half22float2(*(const half2 *) block);
+                        kvq_block_codes(block, v_codes, codes[e]);
+                        // an unattended cell's row may hold anything: it is dropped, never multiplied by zero
+                        wd[e] = att[e] ? w[e]*dm.x : 0.0f;
+                        m[e]  = att[e] ? dm.y : 0.0f;
+                    }
+                    const uint32_t m01   = kvq_pack_halves(m[0], m[1]);
+                    const uint32_t m23   = kvq_pack_halves(m[2], m[3]);
+                    const uint32_t am[4] = { m01, m01, m23, m23 };
+                    kvq_mma(voff[b], am, bw);
+                    const uint32_t bf[2] = { kvq_pack_halves(wd[0], wd[1]), kvq_pack_halves(wd[2], wd[3]) };
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const uint32_t a[4] = {
+                            kvq_pack_codes(codes[0][2*h + 0], codes[1][2*h + 0]),
+                            kvq_pack_codes(codes[0][2*h + 1], codes[1][2*h + 1]),
+                            kvq_pack_codes(codes[2][2*h + 0], codes[3][2*h + 0]),
+                            kvq_pack_codes(codes[2][2*h + 1], codes[3][2*h + 1]),
+                        };
+                        kvq_mma(acc[b][h], a, bf);
+                    }
+                }
+            } else {
+                kvq_cell cells[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int64_t j = j0 + kvq_v_col_cell(tq, ks, e);
+                    cells[e] = kvq_cell_at(qr.v, qr.first, j, hk, att[e], j >= qr.k.n_sink && j < qr.lim_v,
+                                           qr.v_rows + j*p.v_rows_nb1 + (size_t) hk*v_bytes);
+                }
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int c = QK_KIVI*b + 16*h + gid;
+                        const uint32_t a[4] = {
+                            kvq_pack_halves(kvq_v_value(cells[0], c + 0, p.v_bits), kvq_v_value(cells[1], c + 0, p.v_bits)),
+                            kvq_pack_halves(kvq_v_value(cells[0], c + 8, p.v_bits), kvq_v_value(cells[1], c + 8, p.v_bits)),
+                            kvq_pack_halves(kvq_v_value(cells[2], c + 0, p.v_bits), kvq_v_value(cells[3], c + 0, p.v_bits)),
+                            kvq_pack_halves(kvq_v_value(cells[2], c + 8, p.v_bits), kvq_v_value(cells[3], c + 8, p.v_bits)),
+                        };
+                        kvq_mma(acc[b][h], a, bw);
+                    }
+                }
+            }
+        }
+        __syncwarp(); // p_s and the stage belong to the next tiles
+    }
+
+    // the warp's state per head: sums over its lanes, the V offsets added to the outputs
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+#pragma unroll
+        for (int o = 4; o < WARP_SIZE; o *= 2) {
+            run_sum[x] += __shfl_xor_sync(0xFFFFFFFF, run_sum[x], o);
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            acc[b][0][i] += voff[b][i];
+            acc[b][1][i] += voff[b][i];
+        }
+    }
+
+    // the warps' states into shared memory (over the stages, once every warp is done with them), then the block's
+    // result as the CUDA-core kernel writes it
+    constexpr int slice = KVQ_MMA_COLS*D;
+    float * slice_s = (float *) kvq_mma_smem;
+    float * w_s     = slice_s + KVQ_NWARPS*slice;
+    __syncthreads();
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int c = QK_KIVI*b + 16*h + gid + 8*(i/2);
+                slice_s[warp*slice + (2*tq + i % 2)*D + c] = acc[b][h][i];
+            }
+        }
+    }
+    if (gid == 0) {
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+            w_s[warp*2*KVQ_MMA_COLS + 2*(2*tq + x) + 0] = run_max[x];
+            w_s[warp*2*KVQ_MMA_COLS + 2*(2*tq + x) + 1] = run_sum[x];
+        }
+    }
+    __syncthreads();
+    kvq_attn_write_block(p, w_s, 2*KVQ_MMA_COLS, slice_s, slice, nh, h0, t, split);
+#else
+    GGML_UNUSED(p);
+    NO_DEVICE_CODE;
+#endif // AMPERE_MMA_AVAILABLE
+}
