@@ -68,11 +68,12 @@ class LayerRun:
 
 def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches: list[int], *,
                wide: bool = False, n_swa: int = 0, mass: bool = False, observe: int = 0,
-               backend: g.Backend | None = None) -> LayerRun:
+               backend: g.Backend | None = None, attention_op=None) -> LayerRun:
     """Feed the tokens through one cache layer in the given ubatch sizes: every query's output (through the fused
     kernel, or with `wide` through flash attention over wide cells; n_swa: a sliding-window mask) and, with
     `mass`, the attention mass the SCORE ops accumulate over the ubatches (from each ubatch's last `observe`
-    queries, 0: all); on the CPU, or on `backend`."""
+    queries, 0: all); on the CPU, or on `backend`. attention_op: a ggml_custom1_op_t whose output over the fused
+    attention node replaces the node's (tests/kvq_emulation.py's emulated GPU kernel), on the CPU."""
     n_cells = k.shape[0]
     n_embd = case.n_head_kv * case.head_dim
     n_embd_v = case.n_head_kv * case.dv
@@ -113,6 +114,8 @@ def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches
                                          window, n_sink, scale, 1, False)
                 lib.ggml_kvq_attn_set_softcap(attn, case.softcap)
                 lib.ggml_kvq_attn_set_sinks(attn, sinks_tensor(ctx, case))
+                if attention_op is not None:
+                    attn = lib.ggml_map_custom1(ctx.ctx, attn, attention_op, 1, g.libs().ffi.NULL)
             # nodes run in the order they are expanded: the ring changes after everything read it
             nodes = [attn]
             if mass:
@@ -131,9 +134,10 @@ def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches
 
 
 def run_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches: list[int],
-              wide: bool = False, n_swa: int = 0, backend: g.Backend | None = None) -> np.ndarray:
+              wide: bool = False, n_swa: int = 0, backend: g.Backend | None = None, attention_op=None) -> np.ndarray:
     """Every query's output after feeding the tokens in the given ubatch sizes (feed_layer)."""
-    return feed_layer(case, q, k, v, ubatches, wide=wide, n_swa=n_swa, backend=backend).out
+    return feed_layer(case, q, k, v, ubatches, wide=wide, n_swa=n_swa, backend=backend,
+                      attention_op=attention_op).out
 
 
 def random_qkv(case: Case, n_cells: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

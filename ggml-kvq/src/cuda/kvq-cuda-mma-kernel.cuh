@@ -504,3 +504,11 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
     NO_DEVICE_CODE;
 #endif // AMPERE_MMA_AVAILABLE
 }
+
+// shared memory of a block: per warp its stages and its tile's weights; at the end the warps' states
+static __host__ size_t kvq_attn_mma_smem(const int D, const int k_bits, const int v_bits) {
+    const size_t stage  = (size_t) D*kvq_block_bytes(k_bits) + (size_t) QK_KIVI*(D/QK_KIVI)*kvq_block_bytes(v_bits);
+    const size_t warps  = KVQ_NWARPS*(KVQ_MMA_STAGES*stage + QK_KIVI*KVQ_MMA_COLS*sizeof(float));
+    const size_t states = KVQ_NWARPS*(KVQ_MMA_COLS*D + 2*KVQ_MMA_COLS)*sizeof(float);
+    return std::max(warps, states);
+}

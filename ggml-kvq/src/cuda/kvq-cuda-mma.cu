@@ -9,14 +9,6 @@
 // host side
 //
 
-// shared memory of a block: per warp its stages and its tile's weights; at the end the warps' states
-static size_t kvq_attn_mma_smem(const int D, const int k_bits, const int v_bits) {
-    const size_t stage  = (size_t) D*kvq_block_bytes(k_bits) + (size_t) QK_KIVI*(D/QK_KIVI)*kvq_block_bytes(v_bits);
-    const size_t warps  = KVQ_NWARPS*(KVQ_MMA_STAGES*stage + QK_KIVI*KVQ_MMA_COLS*sizeof(float));
-    const size_t states = KVQ_NWARPS*(KVQ_MMA_COLS*D + 2*KVQ_MMA_COLS)*sizeof(float);
-    return std::max(warps, states);
-}
-
 bool kvq_attn_mma_wanted(const int device, const kvq_attn_params & p) {
     const char * env = std::getenv("GGML_KVQ_CUDA_MMA");
     if (env == nullptr || std::strcmp(env, "1") != 0) {

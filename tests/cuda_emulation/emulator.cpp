@@ -1,0 +1,197 @@
+// Runs pykvq's tensor-core attention kernel (ggml-kvq/src/cuda/kvq-cuda-mma-kernel.cuh) on the CPU: one OS
+// thread per CUDA thread of a block, blocks one after another, warp collectives and mma.m16n8k16 computed from
+// what every lane of the warp published. kvq_emu_attn is a ggml custom op (ggml_map_custom1) over a
+// GGML_OP_KVQ attention node: it plans and launches the kernel as kvq-cuda.cu does, on the node's host tensors.
+
+#include "kvq-cuda-mma-kernel.cuh"
+
+#include <barrier>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+thread_local dim3 threadIdx;
+thread_local dim3 blockIdx;
+dim3 blockDim;
+dim3 gridDim;
+
+// the kernel's dynamic shared memory
+alignas(16) char kvq_mma_smem[1 << 18];
+
+namespace {
+
+struct emu_warp {
+    std::barrier<> bar{WARP_SIZE};
+    uint32_t       words[WARP_SIZE][6];
+};
+
+struct emu_block {
+    explicit emu_block(int n_threads) : bar(n_threads), flags(n_threads), warps(n_threads/WARP_SIZE) {}
+    std::barrier<>        bar;
+    std::vector<char>     flags;
+    std::vector<emu_warp> warps;
+};
+
+emu_block * g_block = nullptr;
+
+emu_warp & my_warp() {
+    return g_block->warps[threadIdx.x/WARP_SIZE];
+}
+
+int my_lane() {
+    return (int) (threadIdx.x % WARP_SIZE);
+}
+
+float half_at(uint32_t word, int k) {
+    return __half2float(__ushort_as_half((unsigned short) (word >> 16*k)));
+}
+
+// runs body() as the kernel of a grid of blocks of n_threads threads; smem_bytes of shared memory, filled with a
+// NaN pattern before each block so that a read of memory the block never wrote shows
+template <typename F>
+void emu_launch(const dim3 grid, const int n_threads, const size_t smem_bytes, F body) {
+    if (smem_bytes > sizeof(kvq_mma_smem) || n_threads % WARP_SIZE != 0) {
+        std::abort();
+    }
+    gridDim  = grid;
+    blockDim = dim3(n_threads);
+    emu_block block(n_threads);
+    g_block = &block;
+    std::vector<std::thread> threads;
+    for (int tid = 0; tid < n_threads; ++tid) {
+        threads.emplace_back([&, tid]() {
+            threadIdx = dim3(tid);
+            for (unsigned z = 0; z < grid.z; ++z) {
+                for (unsigned y = 0; y < grid.y; ++y) {
+                    for (unsigned x = 0; x < grid.x; ++x) {
+                        blockIdx = dim3(x, y, z);
+                        if (tid == 0) {
+                            memset(kvq_mma_smem, 0xFF, smem_bytes);
+                        }
+                        block.bar.arrive_and_wait();
+                        body();
+                        block.bar.arrive_and_wait();
+                    }
+                }
+            }
+        });
+    }
+    for (std::thread & t : threads) {
+        t.join();
+    }
+    g_block = nullptr;
+}
+
+} // namespace
+
+uint32_t kvq_emu_exchange(uint32_t word, int src_lane) {
+    emu_warp & w = my_warp();
+    w.words[my_lane()][0] = word;
+    w.bar.arrive_and_wait();
+    const uint32_t r = w.words[src_lane][0];
+    w.bar.arrive_and_wait();
+    return r;
+}
+
+uint32_t kvq_emu_ballot(bool pred) {
+    emu_warp & w = my_warp();
+    w.words[my_lane()][0] = pred;
+    w.bar.arrive_and_wait();
+    uint32_t r = 0;
+    for (int l = 0; l < WARP_SIZE; ++l) {
+        r |= (w.words[l][0] != 0) << l;
+    }
+    w.bar.arrive_and_wait();
+    return r;
+}
+
+void kvq_emu_syncwarp() {
+    my_warp().bar.arrive_and_wait();
+}
+
+void kvq_emu_syncthreads() {
+    g_block->bar.arrive_and_wait();
+}
+
+bool kvq_emu_syncthreads_or(bool pred) {
+    g_block->flags[threadIdx.x] = pred;
+    g_block->bar.arrive_and_wait();
+    bool r = false;
+    for (char f : g_block->flags) {
+        r = r || f;
+    }
+    g_block->bar.arrive_and_wait();
+    return r;
+}
+
+// PTX ISA, mma.m16n8k16 with .f16 A and B: lane 4*g + t holds A (row g, columns 2t, 2t+1), (row g+8, the
+// same), (row g, columns 2t+8, 2t+9), (row g+8, the same); B (rows 2t, 2t+1, column g), (rows 2t+8, 2t+9,
+// column g); C (row g, columns 2t, 2t+1), (row g+8, the same). The low half of a register is the lower column
+// (A) or row (B).
+void kvq_emu_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    emu_warp & w = my_warp();
+    const int  lane = my_lane();
+    memcpy(w.words[lane], a, sizeof(a));
+    memcpy(w.words[lane] + 4, b, sizeof(b));
+    w.bar.arrive_and_wait();
+    float A[16][16];
+    float B[16][8];
+    for (int l = 0; l < WARP_SIZE; ++l) {
+        const int g = l/4;
+        const int t = l%4;
+        for (int k = 0; k < 2; ++k) {
+            A[g + 0][2*t + k + 0] = half_at(w.words[l][0], k);
+            A[g + 8][2*t + k + 0] = half_at(w.words[l][1], k);
+            A[g + 0][2*t + k + 8] = half_at(w.words[l][2], k);
+            A[g + 8][2*t + k + 8] = half_at(w.words[l][3], k);
+            B[2*t + k + 0][g]     = half_at(w.words[l][4], k);
+            B[2*t + k + 8][g]     = half_at(w.words[l][5], k);
+        }
+    }
+    w.bar.arrive_and_wait();
+    const int g = lane/4;
+    const int t = lane%4;
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8*(i/2);
+        const int col = 2*t + i%2;
+        for (int k = 0; k < 16; ++k) {
+            d[i] += A[row][k]*B[k][col];
+        }
+    }
+}
+
+// ggml_custom1_op_t over a GGML_OP_KVQ attention node: its output through the tensor-core kernel, planned as
+// kvq-cuda.cu plans it (all tokens in one launch)
+extern "C" void kvq_emu_attn(ggml_tensor * dst, const ggml_tensor * attn, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    GGML_UNUSED(userdata);
+    if (ith != 0) {
+        return;
+    }
+    kvq_attn_params p = kvq_attn_make_params(attn);
+    GGML_ASSERT(p.n_gqa <= KVQ_MMA_COLS && p.k.head_dim == p.v.head_dim);
+    GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_are_same_shape(dst, attn) && ggml_is_contiguous(dst));
+    p.dst     = (char *) dst->data;
+    p.dst_nb1 = dst->nb[1];
+    p.dst_nb2 = dst->nb[2];
+    kvq_attn_plan(p, KVQ_MMA_COLS, KVQ_MMA_TILES_PER_SPLIT);
+
+    const int n_tokens  = p.k.n_tokens;
+    const int n_head_kv = p.n_head/p.n_gqa;
+    std::vector<float> part((size_t) n_tokens*p.n_head*p.n_splits*(p.v.head_dim + 2));
+    std::vector<int>   arrived((size_t) n_tokens*n_head_kv);
+    p.part    = part.data();
+    p.part_ms = p.part + (size_t) n_tokens*p.n_head*p.n_splits*p.v.head_dim;
+    p.arrived = arrived.data();
+    p.t0      = 0;
+
+    const size_t smem = kvq_attn_mma_smem(p.k.head_dim, p.k_bits, p.v_bits);
+    const dim3   grid(p.n_splits, n_head_kv, n_tokens);
+    switch (p.k.head_dim) {
+        case 64:  emu_launch(grid, KVQ_NWARPS*WARP_SIZE, smem, [&]() { kvq_attn_mma_kernel<64>(p); });  break;
+        case 128: emu_launch(grid, KVQ_NWARPS*WARP_SIZE, smem, [&]() { kvq_attn_mma_kernel<128>(p); }); break;
+        case 256: emu_launch(grid, KVQ_NWARPS*WARP_SIZE, smem, [&]() { kvq_attn_mma_kernel<256>(p); }); break;
+        default:  GGML_ABORT("no tensor-core kernel for head size %d", p.k.head_dim);
+    }
+}
