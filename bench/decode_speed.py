@@ -147,6 +147,13 @@ def add_machine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
 
 
+def cuda_attention(ngl: int) -> str | None:
+    """Which kernel attends the kivi cache on a GPU: GGML_KVQ_CUDA_MMA=1 picks the tensor-core one."""
+    if not ngl:
+        return None
+    return "tensor cores" if os.environ.get("GGML_KVQ_CUDA_MMA") == "1" else "cuda cores"
+
+
 @dataclass(frozen=True)
 class Machine:
     device: str   # the GPU's name, or cpu-<arch>
@@ -157,7 +164,11 @@ class Machine:
 def machine(ngl: int, threads: int) -> Machine:
     if ngl:
         device = device_name()
-        return Machine(device, device, device.replace("NVIDIA ", "").replace(" ", "-").lower())
+        tag = device.replace("NVIDIA ", "").replace(" ", "-").lower()
+        # the tensor-core attention (GGML_KVQ_CUDA_MMA=1) gets records of its own beside the CUDA-core kernel's
+        if cuda_attention(ngl) == "tensor cores":
+            return Machine(device, f"{device}, tensor-core attention", f"{tag}-mma")
+        return Machine(device, device, tag)
     return Machine(f"cpu-{platform.machine()}", f"{platform.processor() or platform.machine()}, {threads} threads",
                    "cpu")
 
@@ -198,7 +209,8 @@ def main() -> None:
               f"{a['attention_gbs'] or 0:.0f} GB/s" + (f" ({a['fraction_of_peak']:.0%} of peak)" if peak else ""))
     RESULTS.mkdir(exist_ok=True)
     record = {"machine": where.label,
-              "model": model_label, "ngl": args.ngl, "kvq_defaults": asdict(native.kvq_default_params()),
+              "model": model_label, "ngl": args.ngl, "cuda_attention": cuda_attention(args.ngl),
+              "kvq_defaults": asdict(native.kvq_default_params()),
               "rows": rows, "attention": attention, "peak_gbs": peak}
     tag = where.tag
     depths = '-'.join(str(d) for d in args.depth)

@@ -9,11 +9,15 @@ from __future__ import annotations
 import ctypes.util
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from pykvq.devtools import shared_libraries
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import cuda_kernels  # noqa: E402
 
 _BUILD = os.environ.get("PYKVQ_TEST_CUDA_BUILD")
 if not _BUILD:
@@ -95,3 +99,11 @@ def test_without_a_driver_it_says_so(tmp_path: Path) -> None:
                           cwd=tmp_path)
     assert proc.returncode == 1
     assert "needs the NVIDIA driver (libcuda.so.1)" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_tensor_core_attention_compiles_without_spills() -> None:
+    """kvq-cuda-mma.cu as the build compiles it (its own command, plus -Xptxas=-v): the kernel for head sizes 64,
+    128 and 256, none spilling registers (bench/cuda_kernels.py records every kernel's figures)."""
+    mma = [k for k in cuda_kernels.compile_report(BUILD, only="kvq-cuda-mma.cu") if k.kernel.startswith("kvq_attn_mma")]
+    assert sorted(k.kernel for k in mma) == [f"kvq_attn_mma_kernel<{d}>" for d in (128, 256, 64)]
+    assert all(k.spill_stores == 0 and k.spill_loads == 0 and k.stack_bytes == 0 for k in mma), mma

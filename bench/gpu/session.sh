@@ -10,7 +10,8 @@
 # The chain: build (CUDA, sm_90) -> diagnose (the linker record) -> smoke (`pykvq run`, the Python API, the
 # llama-cpp-python server) -> recheck (the tests that failed on the last GPU run, bench/gpu/recheck.txt) -> suite
 # (every test, model and KV cache on the GPU: PYKVQ_TEST_NGL=99) -> control (layers on the CPU, op offload off:
-# must pass as the CPU build does) -> bench (decode, prefill, largest context); PYKVQ_GPU_STEPS picks and orders them.
+# must pass as the CPU build does) -> bench (decode, prefill, largest context); mma (the tensor-core attention, issue 18:
+# its tests and decode speed against the CUDA-core kernel) runs when named. PYKVQ_GPU_STEPS picks and orders them.
 # The suite waits for the model assets, which travel in parts (.gpu-carry/partN, one per command).
 # Each step leaves <step>.log and <step>.json under /tmp/pykvq-gpu; every poll copies them to $OUT.
 set -uo pipefail
@@ -151,6 +152,25 @@ step_recheck() { run_suite recheck "$SRC/bench/gpu/recheck.txt" PYKVQ_TEST_NGL=9
 # upstream's tools take op offload from their command line only, and offload a large batch's matmuls to a GPU they
 # see even at -ngl 0: the control hides the GPU from every process, so that what runs is the build's CPU path
 step_control() { run_suite control "" PYKVQ_TEST_NGL=0 PYKVQ_TEST_OP_OFFLOAD=off CUDA_VISIBLE_DEVICES=; }
+
+# the tensor-core attention (issue 18, GGML_KVQ_CUDA_MMA=1): its tests (bench/gpu/mma.txt) at full offload, then
+# decode speed with it and with the CUDA-core kernel, on the same machine
+step_mma() {
+    run_suite mma "$SRC/bench/gpu/mma.txt" PYKVQ_TEST_NGL=99 GGML_KVQ_CUDA_MMA=1
+    local rc=$?
+    cd "$SRC"
+    local kernel
+    # f16 and q4_0 never reach our kernels: the CUDA-core run needs only f16 beside kivi2 for its ratios
+    GGML_KVQ_CUDA_MMA=1 python3 bench/decode_speed.py --model random:llama3-8b --ngl 99 \
+        --depth 4096 32768 131072 --npl 1 --kv-types f16,q4_0,kivi2 --tg 32 --workdir /tmp || rc=1
+    GGML_KVQ_CUDA_MMA=0 python3 bench/decode_speed.py --model random:llama3-8b --ngl 99 \
+        --depth 4096 32768 131072 --npl 1 --kv-types f16,kivi2 --tg 32 --workdir /tmp || rc=1
+    python3 - "$WORK/mma-bench.json" bench/results/decode-speed-h*-4096-32768-131072.json <<'EOF'
+import json, sys
+json.dump({p.split("/")[-1]: json.load(open(p)) for p in sys.argv[2:]}, open(sys.argv[1], "w"), indent=1)
+EOF
+    return $rc
+}
 
 # what a user does first: `pykvq run`, the Python API and llama-cpp-python's server, all at full offload
 step_smoke() {
