@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     archs = sorted({k.arch for k in report})
     out = args.out or RESULTS / f"cuda-kernels-{'-'.join(archs)}.json"
     out.write_text(json.dumps({"archs": archs, "kernels": [asdict(k) for k in report]}, indent=1) + "\n")
-    print(f"| kernel | arch | registers | stack B | spill stores B | spill loads B |\n|---|---|---:|---:|---:|---:|")
+    print("| kernel | arch | registers | stack B | spill stores B | spill loads B |\n|---|---|---:|---:|---:|---:|")
     for k in report:
         print(f"| {k.kernel} | {k.arch} | {k.registers} | {k.stack_bytes} | {k.spill_stores} | {k.spill_loads} |")
     print(f"wrote {out}", file=sys.stderr)
