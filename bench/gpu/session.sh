@@ -11,7 +11,8 @@
 # llama-cpp-python server) -> recheck (the tests that failed on the last GPU run, bench/gpu/recheck.txt) -> suite
 # (every test, model and KV cache on the GPU: PYKVQ_TEST_NGL=99) -> control (layers on the CPU, op offload off:
 # must pass as the CPU build does) -> bench (decode, prefill, largest context); mma (the tensor-core attention, issue 18:
-# its tests and decode speed against the CUDA-core kernel) runs when named. PYKVQ_GPU_STEPS picks and orders them.
+# its tests and decode speed against the CUDA-core kernel) and op (the attention op alone, bench/gpu/attn_op.py) run
+# when named. PYKVQ_GPU_STEPS picks and orders them.
 # The suite waits for the model assets, which travel in parts (.gpu-carry/partN, one per command).
 # Each step leaves <step>.log and <step>.json under /tmp/pykvq-gpu; every poll copies them to $OUT.
 set -uo pipefail
@@ -170,6 +171,12 @@ import json, sys
 json.dump({p.split("/")[-1]: json.load(open(p)) for p in sys.argv[2:]}, open(sys.argv[1], "w"), indent=1)
 EOF
     return $rc
+}
+
+# the decode attention op alone (bench/gpu/attn_op.py): both kivi kernels, upstream's f16 and q4_0 flash attention
+step_op() {
+    cd "$SRC"
+    python3 bench/gpu/attn_op.py --kv-types kivi2,kivi1,f16,q4_0 --window 128 --sinks 0 --seqs 1 16 --out "$WORK/op"
 }
 
 # what a user does first: `pykvq run`, the Python API and llama-cpp-python's server, all at full offload
