@@ -177,8 +177,12 @@ class Context:
         if self.backend is None:
             write(t, array)
         else:
-            self._pending.append((t, np.ascontiguousarray(array).tobytes()))
+            self.pending_write(t, np.ascontiguousarray(array).tobytes())
         return t
+
+    def pending_write(self, t, data: bytes) -> None:
+        """Bytes for a tensor of a backend context, written when the next compute() allocates it."""
+        self._pending.append((t, data))
 
     def compute(self, *outputs, n_threads: int = 2) -> None:
         base, cpu = libs().base, libs().cpu

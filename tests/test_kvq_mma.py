@@ -13,9 +13,10 @@ import kvq_graph as g
 import numpy as np
 import pytest
 from kvq_layer import Case, random_qkv, run_layer
+from kvq_random_cache import RandomCache, attention
 from test_kvq_attention import CASES, case_id
 
-from pykvq.bindings.ggml_types import GGML_TYPE_KIVI4
+from pykvq.bindings.ggml_types import GGML_TYPE_KIVI1, GGML_TYPE_KIVI2, GGML_TYPE_KIVI4
 
 NMSE_BAR = 5e-4
 EMULATED_NMSE_BAR = 1e-5
@@ -85,6 +86,46 @@ def test_emulated_batching_does_not_change_results(emulated) -> None:
     whole = run_layer(case, q, k, v, [100], attention_op=emulated)
     mixed = run_layer(case, q, k, v, [31, 33, 2, 34], attention_op=emulated)
     np.testing.assert_array_equal(whole, mixed)
+
+
+def kivi2(**fields) -> RandomCache:
+    base = {"n_head": 32, "n_head_kv": 8, "head_dim": 128, "k_type": GGML_TYPE_KIVI2, "v_type": GGML_TYPE_KIVI2,
+            "window": 128, "sinks": 5, "depth": 1000}
+    return RandomCache(**(base | fields))
+
+
+# the issue's list: splits at 31/32/33 and 1032 tiles, 16 sequences at different depths, small prefill chunks,
+# masked holes, a fully masked split, window < 32, mixed widths, head sizes 64/256, GQA 1 and 8
+RANDOM_CACHES = {
+    "31-tiles": kivi2(depth=31 * 32 - 1, sinks=3),
+    "32-tiles": kivi2(depth=32 * 32 - 1),
+    "33-tiles": kivi2(depth=33 * 32 - 1, window=32, sinks=0),
+    "1032-tiles": kivi2(depth=1032 * 32 - 1, n_head=8, n_head_kv=2),
+    "16-sequences-staggered": kivi2(depth=1500, seqs=16, stagger=90, n_head=8, n_head_kv=2),
+    "chunks-of-8": kivi2(depth=700, seqs=4, n_tps=8, stagger=33, n_head=8, n_head_kv=2),
+    "holes": kivi2(depth=900, holes=0.3, head_dim=64, n_head=8, n_head_kv=1, k_type=GGML_TYPE_KIVI1,
+                   v_type=GGML_TYPE_KIVI4, window=20),
+    "masked-split": kivi2(depth=1100, hidden=(0, 512), sinks=0, n_head=4, n_head_kv=4),
+    "head-256": kivi2(depth=600, head_dim=256, n_head=8, n_head_kv=1, seqs=2, window=16),
+}
+
+
+@pytest.mark.parametrize("name", RANDOM_CACHES)
+def test_emulated_tensor_cores_read_random_caches_as_the_cpu(name: str, emulated) -> None:
+    """The op alone over random valid caches, the CPU op and the emulated kernel on the same bytes."""
+    cache = RANDOM_CACHES[name]
+    assert takes(Case(cache.head_dim, cache.n_head, cache.n_head_kv, cache.window, cache.sinks))
+    ctx = g.Context(mem_size=(64 << 20) + cache.data_bytes())
+    try:
+        node = attention(ctx, cache, np.random.default_rng(7))
+        emu = g.libs().base.ggml_map_custom1(ctx.ctx, node, emulated, 1, g.libs().ffi.NULL)
+        ctx.compute(emu)
+        shape = (cache.seqs * cache.n_tps, cache.n_head, cache.head_dim)
+        want, got = ctx.read(node, np.float32, shape), ctx.read(emu, np.float32, shape)
+    finally:
+        ctx.close()
+    assert np.isfinite(want).all()
+    assert nmse(got, want) <= EMULATED_NMSE_BAR
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 import kvq_graph as g  # noqa: E402
+from kvq_random_cache import RandomCache, attention, fill  # noqa: E402
 from decode_speed import PEAK_GBS  # noqa: E402
 
 from pykvq.bindings.ggml_types import GGML_TYPE_KIVI1, GGML_TYPE_KIVI2, GGML_TYPE_KIVI4, KIVI_BITS  # noqa: E402
@@ -75,15 +76,6 @@ def upstream_bytes(shape: Shape, s: Setting) -> float:
     return s.depth * 2 * shape.n_embd * UPSTREAM_TYPES[s.kv_type][1] * s.seqs
 
 
-def random_blocks(rng: np.random.Generator, n_blocks: int, bits: int) -> np.ndarray:
-    """Valid kivi blocks: finite fp16 scale and minimum, random codes."""
-    block = 4 + 4 * bits
-    raw = rng.integers(0, 256, size=(n_blocks, block), dtype=np.uint8)
-    dm = np.stack([rng.uniform(0.01, 0.1, n_blocks), rng.uniform(-1, 0, n_blocks)], axis=1).astype(np.float16)
-    raw[:, :4] = dm.view(np.uint8).reshape(n_blocks, 4)
-    return raw
-
-
 class Bench:
     def __init__(self, backend: g.Backend | None, shape: Shape, repeat: int, rng: np.random.Generator) -> None:
         self.backend, self.shape, self.repeat, self.rng = backend, shape, repeat, rng
@@ -123,42 +115,13 @@ class Bench:
     def kivi(self, s: Setting, min_cache_mb: float) -> float:
         sh = self.shape
         kv_type = KV_TYPES[s.kv_type]
-        bits = KIVI_BITS[kv_type]
-        kv_size = (s.depth + 1 + 255) // 256 * 256
-        n_fp16 = s.sinks + g.ring_size(s.window)
+        cache = RandomCache(sh.n_head, sh.n_head_kv, sh.head_dim, kv_type, kv_type, s.window, s.sinks, s.depth, s.seqs)
         layers = self._layers(kivi_bytes(sh, s), min_cache_mb)
-        ctx = self._context(layers * kivi_bytes(sh, replace(s, depth=kv_size)) * 1.5)
+        ctx = self._context(layers * cache.data_bytes())
         try:
-            cells = np.arange(s.seqs, dtype=np.int64) * kv_size + s.depth
-            visible = np.where(np.arange(kv_size) <= s.depth, 0.0, -np.inf).astype(np.float16)
-            mask = self.lib.ggml_reshape_4d(ctx.ctx, ctx.tensor(np.tile(visible, (s.seqs, 1))), kv_size, 1, 1, s.seqs)
-            idxs = ctx.tensor(cells)
-            nodes = []
-            for _ in range(layers):
-                k_tiles = ctx.new(kv_type, sh.n_embd * 32, kv_size // 32, s.seqs)
-                v_rows = ctx.new(kv_type, sh.n_embd, kv_size * s.seqs)
-                tiles = random_blocks(self.rng, sh.n_embd * (kv_size // 32) * s.seqs, bits)
-                rows = random_blocks(self.rng, sh.n_embd // 32 * kv_size * s.seqs, bits)
-                self._fill(ctx, k_tiles, tiles)
-                self._fill(ctx, v_rows, rows)
-                fp16 = [ctx.tensor(self.rng.standard_normal((s.seqs, n_fp16, sh.n_embd)).astype(np.float16))
-                        for _ in range(2)]
-                cur = [ctx.tensor(self.rng.standard_normal((s.seqs, sh.n_head_kv, sh.head_dim)).astype(np.float32))
-                       for _ in range(2)]
-                nodes.append(self.lib.ggml_kvq_attn(ctx.ctx, self._query(ctx, s.seqs), k_tiles, v_rows, fp16[0],
-                                                    fp16[1], cur[0], cur[1], mask, idxs, s.window, s.sinks,
-                                                    1 / math.sqrt(sh.head_dim), s.seqs, False))
-            return self._time(ctx, nodes)
+            return self._time(ctx, [attention(ctx, cache, self.rng) for _ in range(layers)])
         finally:
             ctx.close()
-
-    def _fill(self, ctx: g.Context, t, raw: np.ndarray) -> None:
-        data = raw.tobytes()
-        assert len(data) == self.lib.ggml_nbytes(t)
-        if self.backend is None:
-            g.write(t, raw)
-        else:
-            ctx._pending.append((t, data))
 
     def upstream(self, s: Setting, min_cache_mb: float) -> float:
         sh = self.shape
@@ -191,7 +154,7 @@ class Bench:
         else:  # q4_0: an fp16 scale, then 16 bytes of codes per 32 values
             raw = self.rng.integers(0, 256, size=(n // 18, 18), dtype=np.uint8)
             raw[:, :2] = self.rng.uniform(0.01, 0.1, (n // 18, 1)).astype(np.float16).view(np.uint8)
-        self._fill(ctx, t, raw)
+        fill(ctx, t, raw)
 
     def stream_read(self, megabytes: float) -> float:
         """GB/s of ggml_sum over an F32 buffer of that size: what the device reads streaming."""
@@ -199,7 +162,7 @@ class Bench:
         ctx = self._context(n * 4)
         try:
             t = ctx.new(g.GGML_TYPE_F32, n)
-            self._fill(ctx, t, np.zeros(n, dtype=np.float32))
+            fill(ctx, t, np.zeros(n, dtype=np.float32))
             seconds = self._time(ctx, [self.lib.ggml_sum(ctx.ctx, t)])
             return n * 4 / seconds / 1e9
         finally:
