@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="the CPU even where a GPU is")
     parser.add_argument("--out", type=Path, help="record path without suffix (default bench/results/attn-op-<device>)")
     args = parser.parse_args(argv)
+    # ggml-cuda replays a captured CUDA graph when a graph's nodes look as before: a setting's fresh tensors may sit
+    # where the last one's did, and the replay would run the kernel chosen then, not GGML_KVQ_CUDA_MMA's of now
+    os.environ["GGML_CUDA_DISABLE_GRAPHS"] = "1"
     backend = None if args.cpu else g.Backend.gpu()
     device = backend.name if backend else "CPU"
     bench = Bench(backend, Shape(), args.repeat, np.random.default_rng(0))
