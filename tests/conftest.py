@@ -71,6 +71,14 @@ def upstream_source() -> upstream.Source:
 
 
 @pytest.fixture(scope="session")
+def cuda_emulation(tmp_path_factory: pytest.TempPathFactory, upstream_source: upstream.Source) -> Path:
+    """The attention kernels built for the CPU against the emulated CUDA (tests/kvq_emulation.py), once."""
+    import kvq_emulation
+
+    return kvq_emulation.build(tmp_path_factory.mktemp("cuda-emulation"), upstream_source)
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Path:
     return assets.default_model()
 

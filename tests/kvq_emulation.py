@@ -1,7 +1,8 @@
-"""The tensor-core attention kernel (ggml-kvq/src/cuda/kvq-cuda-mma-kernel.cuh) compiled as host C++ against an
-emulated CUDA (tests/cuda_emulation), so that a machine without a GPU runs its fragment layouts, staging and
-merges: the kernel's own source, its headers beside the emulation's stand-ins for kvq-cuda.cuh (CUDA's
-common.cuh) and kvq-cuda-ptx.cuh (mma.sync, cp.async). Needs g++ and the CUDA toolkit's cuda_fp16.h."""
+"""The attention kernels (ggml-kvq/src/cuda: kvq-cuda-attn-kernel.cuh on CUDA cores, kvq-cuda-mma-kernel.cuh on
+tensor cores) compiled as host C++ against an emulated CUDA (tests/cuda_emulation), so that a machine without a GPU
+runs their indexing, staging, fragment layouts and merges: the kernels' own source, their headers beside the
+emulation's stand-ins for kvq-cuda.cuh (CUDA's common.cuh) and kvq-cuda-ptx.cuh (mma.sync, cp.async). Needs g++
+and the CUDA toolkit's cuda_fp16.h."""
 
 from __future__ import annotations
 
@@ -32,13 +33,14 @@ def cuda_include() -> Path | None:
     return None
 
 
-def build(dest: Path) -> Path:
-    """Compile the emulated kernel into dest/libkvq_emu.so; skips the test without g++ or the CUDA headers."""
+def build(dest: Path, source: upstream.Source) -> Path:
+    """Compile the emulated kernels into dest/libkvq_emu.so against upstream's headers from `source`, patched; skips
+    the test without g++ or the CUDA headers."""
     include = cuda_include()
     if shutil.which("g++") is None or include is None:
         pytest.skip("the emulated CUDA kernel needs g++ and the CUDA toolkit's headers")
     tree = dest / "upstream"
-    upstream.prepare_tree(upstream.resolve_source(None), REPO, tree)
+    upstream.prepare_tree(source, REPO, tree)
     src = dest / "src"
     src.mkdir(parents=True, exist_ok=True)
     for header in KERNEL_DIR.glob("*.cuh"):
@@ -57,15 +59,20 @@ def build(dest: Path) -> Path:
     return lib
 
 
+KERNELS = {"tensor cores": "kvq_emu_attn_mma", "cuda cores": "kvq_emu_attn_cuda_cores"}
+
+
 @cache
 def _loaded(lib: Path):
     ffi = g.libs().ffi
-    ffi.cdef("void kvq_emu_attn(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth,"
-             " void * userdata);")
+    for name in KERNELS.values():
+        ffi.cdef(f"void {name}(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth,"
+                 " void * userdata);")
     return ffi.dlopen(str(lib))
 
 
-def attention_op(lib: Path):
-    """kvq_emu_attn of the built library, as a ggml_custom1_op_t for tests/kvq_layer.py's attention_op."""
+def attention_op(lib: Path, kernel: str = "tensor cores"):
+    """The built library's emulated attention on `kernel` (KERNELS), as a ggml_custom1_op_t for
+    tests/kvq_layer.py's attention_op."""
     ffi = g.libs().ffi
-    return ffi.cast("void *", ffi.addressof(_loaded(lib), "kvq_emu_attn"))
+    return ffi.cast("void *", ffi.addressof(_loaded(lib), KERNELS[kernel]))

@@ -8,6 +8,8 @@ a lost cell or block, which costs more than 1e-4, fails it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import kvq_emulation as emulation
 import kvq_graph as g
 import numpy as np
@@ -40,8 +42,8 @@ def nmse(got: np.ndarray, want: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def emulated(tmp_path_factory: pytest.TempPathFactory):
-    return emulation.attention_op(emulation.build(tmp_path_factory.mktemp("kvq-emulation")))
+def emulated(cuda_emulation: Path):
+    return emulation.attention_op(cuda_emulation, "tensor cores")
 
 
 def test_the_cases_reach_the_kernel() -> None:

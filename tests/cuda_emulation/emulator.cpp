@@ -1,8 +1,10 @@
-// Runs pykvq's tensor-core attention kernel (ggml-kvq/src/cuda/kvq-cuda-mma-kernel.cuh) on the CPU: one OS
-// thread per CUDA thread of a block, blocks one after another, warp collectives and mma.m16n8k16 computed from
-// what every lane of the warp published. kvq_emu_attn is a ggml custom op (ggml_map_custom1) over a
-// GGML_OP_KVQ attention node: it plans and launches the kernel as kvq-cuda.cu does, on the node's host tensors.
+// Runs pykvq's attention kernels (ggml-kvq/src/cuda: kvq-cuda-attn-kernel.cuh on CUDA cores,
+// kvq-cuda-mma-kernel.cuh on tensor cores) on the CPU: one OS thread per CUDA thread of a block, blocks one after
+// another, warp collectives and mma.m16n8k16 computed from what every lane of the warp published.
+// kvq_emu_attn_cuda_cores and kvq_emu_attn_mma are ggml custom ops (ggml_map_custom1) over a GGML_OP_KVQ attention
+// node: each plans and launches its kernel as kvq-cuda.cu does, on the node's host tensors.
 
+#include "kvq-cuda-attn-kernel.cuh"
 #include "kvq-cuda-mma-kernel.cuh"
 
 #include <barrier>
@@ -16,8 +18,9 @@ thread_local dim3 blockIdx;
 dim3 blockDim;
 dim3 gridDim;
 
-// the kernel's dynamic shared memory
+// the kernels' dynamic shared memory
 alignas(16) char kvq_mma_smem[1 << 18];
+alignas(16) float kvq_smem[1 << 16];
 
 namespace {
 
@@ -47,11 +50,12 @@ float half_at(uint32_t word, int k) {
     return __half2float(__ushort_as_half((unsigned short) (word >> 16*k)));
 }
 
-// runs body() as the kernel of a grid of blocks of n_threads threads; smem_bytes of shared memory, filled with a
-// NaN pattern before each block so that a read of memory the block never wrote shows
+// runs body() as the kernel of a grid of blocks of n_threads threads; smem_bytes of its shared memory at smem
+// (capacity bytes), filled with a NaN pattern before each block so that a read of memory the block never wrote shows
 template <typename F>
-void emu_launch(const dim3 grid, const int n_threads, const size_t smem_bytes, F body) {
-    if (smem_bytes > sizeof(kvq_mma_smem) || n_threads % WARP_SIZE != 0) {
+void emu_launch(const dim3 grid, const int n_threads, void * smem, const size_t capacity, const size_t smem_bytes,
+                F body) {
+    if (smem_bytes > capacity || n_threads % WARP_SIZE != 0) {
         std::abort();
     }
     gridDim  = grid;
@@ -67,7 +71,7 @@ void emu_launch(const dim3 grid, const int n_threads, const size_t smem_bytes, F
                     for (unsigned x = 0; x < grid.x; ++x) {
                         blockIdx = dim3(x, y, z);
                         if (tid == 0) {
-                            memset(kvq_mma_smem, 0xFF, smem_bytes);
+                            memset(smem, 0xFF, smem_bytes);
                         }
                         block.bar.arrive_and_wait();
                         body();
@@ -161,37 +165,91 @@ void kvq_emu_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) 
     }
 }
 
-// ggml_custom1_op_t over a GGML_OP_KVQ attention node: its output through the tensor-core kernel, planned as
-// kvq-cuda.cu plans it (all tokens in one launch)
-extern "C" void kvq_emu_attn(ggml_tensor * dst, const ggml_tensor * attn, int ith, int nth, void * userdata) {
+// A GGML_OP_KVQ attention node's parameters, planned with ncols query heads per block and splits of tiles_per_split
+// tiles, all tokens in one launch; the split partials in host memory
+struct emu_attn {
+    emu_attn(ggml_tensor * dst, const ggml_tensor * attn, const int ncols, const int tiles_per_split) {
+        p = kvq_attn_make_params(attn);
+        GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_are_same_shape(dst, attn) && ggml_is_contiguous(dst));
+        p.dst     = (char *) dst->data;
+        p.dst_nb1 = dst->nb[1];
+        p.dst_nb2 = dst->nb[2];
+        kvq_attn_plan(p, ncols, tiles_per_split);
+        const int n_tokens = p.k.n_tokens;
+        part.resize((size_t) n_tokens*p.n_head*p.n_splits*(p.v.head_dim + 2));
+        arrived.resize((size_t) n_tokens*grid().y);
+        p.part    = part.data();
+        p.part_ms = p.part + (size_t) n_tokens*p.n_head*p.n_splits*p.v.head_dim;
+        p.arrived = arrived.data();
+        p.t0      = 0;
+    }
+
+    dim3 grid() const {
+        return dim3(p.n_splits, p.n_head/p.n_gqa*p.n_groups, p.k.n_tokens);
+    }
+
+    kvq_attn_params    p;
+    std::vector<float> part;
+    std::vector<int>   arrived;
+};
+
+template <int ncols, int nvq>
+void emu_cuda_cores(const emu_attn & a) {
+    emu_launch(a.grid(), KVQ_NWARPS*WARP_SIZE, kvq_smem, sizeof(kvq_smem), kvq_attn_smem(ncols, a.p),
+               [&]() { kvq_attn_kernel<ncols, nvq>(a.p); });
+}
+
+template <int nvq>
+void emu_cuda_cores_cols(const emu_attn & a, const int ncols) {
+    switch (ncols) {
+        case 1: emu_cuda_cores<1, nvq>(a); break;
+        case 2: emu_cuda_cores<2, nvq>(a); break;
+        case 4: emu_cuda_cores<4, nvq>(a); break;
+        default:
+            // kvq_attn_ncols gives 8 only for head sizes up to 256
+            if constexpr (nvq <= 2) {
+                emu_cuda_cores<8, nvq>(a);
+            } else {
+                GGML_ABORT("8 query heads per block with head size %d", a.p.v.head_dim);
+            }
+            break;
+    }
+}
+
+// ggml_custom1_op_t: the attention node's output through the CUDA-core kernel
+extern "C" void kvq_emu_attn_cuda_cores(ggml_tensor * dst, const ggml_tensor * attn, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     GGML_UNUSED(userdata);
     if (ith != 0) {
         return;
     }
-    kvq_attn_params p = kvq_attn_make_params(attn);
-    GGML_ASSERT(p.n_gqa <= KVQ_MMA_COLS && p.k.head_dim == p.v.head_dim);
-    GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_are_same_shape(dst, attn) && ggml_is_contiguous(dst));
-    p.dst     = (char *) dst->data;
-    p.dst_nb1 = dst->nb[1];
-    p.dst_nb2 = dst->nb[2];
-    kvq_attn_plan(p, KVQ_MMA_COLS, KVQ_MMA_TILES_PER_SPLIT);
+    const kvq_attn_params p0 = kvq_attn_make_params(attn);
+    const int ncols = kvq_attn_ncols(p0.n_gqa, p0.k.head_dim, p0.v.head_dim);
+    const emu_attn a(dst, attn, ncols, KVQ_TILES_PER_SPLIT);
+    switch (a.p.v.head_dim <= 128 ? 1 : (a.p.v.head_dim <= 256 ? 2 : 4)) {
+        case 1:  emu_cuda_cores_cols<1>(a, ncols); break;
+        case 2:  emu_cuda_cores_cols<2>(a, ncols); break;
+        default: emu_cuda_cores_cols<4>(a, ncols); break;
+    }
+}
 
-    const int n_tokens  = p.k.n_tokens;
-    const int n_head_kv = p.n_head/p.n_gqa;
-    std::vector<float> part((size_t) n_tokens*p.n_head*p.n_splits*(p.v.head_dim + 2));
-    std::vector<int>   arrived((size_t) n_tokens*n_head_kv);
-    p.part    = part.data();
-    p.part_ms = p.part + (size_t) n_tokens*p.n_head*p.n_splits*p.v.head_dim;
-    p.arrived = arrived.data();
-    p.t0      = 0;
-
-    const size_t smem = kvq_attn_mma_smem(p.k.head_dim, p.k_bits, p.v_bits);
-    const dim3   grid(p.n_splits, n_head_kv, n_tokens);
-    switch (p.k.head_dim) {
-        case 64:  emu_launch(grid, KVQ_NWARPS*WARP_SIZE, smem, [&]() { kvq_attn_mma_kernel<64>(p); });  break;
-        case 128: emu_launch(grid, KVQ_NWARPS*WARP_SIZE, smem, [&]() { kvq_attn_mma_kernel<128>(p); }); break;
-        case 256: emu_launch(grid, KVQ_NWARPS*WARP_SIZE, smem, [&]() { kvq_attn_mma_kernel<256>(p); }); break;
-        default:  GGML_ABORT("no tensor-core kernel for head size %d", p.k.head_dim);
+// ggml_custom1_op_t: the attention node's output through the tensor-core kernel
+extern "C" void kvq_emu_attn_mma(ggml_tensor * dst, const ggml_tensor * attn, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    GGML_UNUSED(userdata);
+    if (ith != 0) {
+        return;
+    }
+    const emu_attn a(dst, attn, KVQ_MMA_COLS, KVQ_MMA_TILES_PER_SPLIT);
+    GGML_ASSERT(a.p.n_gqa <= KVQ_MMA_COLS && a.p.k.head_dim == a.p.v.head_dim);
+    const size_t smem = kvq_attn_mma_smem(a.p.k.head_dim, a.p.k_bits, a.p.v_bits);
+    const auto   run  = [&](auto kernel) {
+        emu_launch(a.grid(), KVQ_NWARPS*WARP_SIZE, kvq_mma_smem, sizeof(kvq_mma_smem), smem, [&]() { kernel(a.p); });
+    };
+    switch (a.p.k.head_dim) {
+        case 64:  run(kvq_attn_mma_kernel<64>);  break;
+        case 128: run(kvq_attn_mma_kernel<128>); break;
+        case 256: run(kvq_attn_mma_kernel<256>); break;
+        default:  GGML_ABORT("no tensor-core kernel for head size %d", a.p.k.head_dim);
     }
 }

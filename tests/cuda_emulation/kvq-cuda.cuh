@@ -78,3 +78,40 @@ static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline int atomicAdd(int * address, int v) { return __atomic_fetch_add(address, v, __ATOMIC_SEQ_CST); }
 static inline float __ldcg(const float * p) { return *p; }
 [[noreturn]] static inline void __trap() { std::abort(); }
+
+template <int width = WARP_SIZE>
+static inline float warp_reduce_sum(float x) {
+    for (int offset = width/2; offset > 0; offset >>= 1) {
+        x += __shfl_xor_sync(0xFFFFFFFF, x, offset, width);
+    }
+    return x;
+}
+
+template <int width = WARP_SIZE>
+static inline float warp_reduce_max(float x) {
+    for (int offset = width/2; offset > 0; offset >>= 1) {
+        x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFF, x, offset, width));
+    }
+    return x;
+}
+
+// PTX prmt: byte k of the result is byte (s >> 4k) & 7 of y:x, or with bit 3 of that nibble its sign replicated
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const uint64_t bytes  = (uint64_t) y << 32 | x;
+    unsigned       result = 0;
+    for (int k = 0; k < 4; ++k) {
+        const unsigned sel = s >> 4*k & 0xF;
+        unsigned       b   = (unsigned) (bytes >> 8*(sel & 7)) & 0xFF;
+        if (sel & 8) {
+            b = b & 0x80 ? 0xFF : 0;
+        }
+        result |= b << 8*k;
+    }
+    return result;
+}
+
+static inline float __int_as_float(int i) {
+    float f;
+    memcpy(&f, &i, sizeof(f));
+    return f;
+}
