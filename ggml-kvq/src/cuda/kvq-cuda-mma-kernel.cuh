@@ -84,6 +84,19 @@ static __device__ __forceinline__ uint32_t kvq_pack_halves(const float x, const 
     return *(const uint32_t *) &v;
 }
 
+// d += A*b, A's k-columns 2tq, 2tq+1, 2tq+8, 2tq+9 being the codes of four blocks (kvq_block_codes) and its rows
+// gid, gid+8 their elements of 16-row half h
+static __device__ __forceinline__ void kvq_mma_codes(float (&d)[4], const uint32_t (&codes)[4][4], const int h,
+                                                     const uint32_t (&b)[2]) {
+    const uint32_t a[4] = {
+        kvq_pack_codes(codes[0][2*h + 0], codes[1][2*h + 0]),
+        kvq_pack_codes(codes[0][2*h + 1], codes[1][2*h + 1]),
+        kvq_pack_codes(codes[2][2*h + 0], codes[3][2*h + 0]),
+        kvq_pack_codes(codes[2][2*h + 1], codes[3][2*h + 1]),
+    };
+    kvq_mma(d, a, b);
+}
+
 // A tile's K blocks of the KV head (k_bytes) and its cells' V blocks (32 rows of v_bytes, nb1 apart) into a
 // stage, in `bytes`-sized pieces spread over the warp
 template <int bytes>
@@ -296,16 +309,8 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
                 const uint32_t am[4] = { *(const uint32_t *) &m01, *(const uint32_t *) &m01, *(const uint32_t *) &m23,
                                          *(const uint32_t *) &m23 };
                 kvq_mma(koff, am, q2[kk]);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const uint32_t a[4] = {
-                        kvq_pack_codes(codes[0][2*h + 0], codes[1][2*h + 0]),
-                        kvq_pack_codes(codes[0][2*h + 1], codes[1][2*h + 1]),
-                        kvq_pack_codes(codes[2][2*h + 0], codes[3][2*h + 0]),
-                        kvq_pack_codes(codes[2][2*h + 1], codes[3][2*h + 1]),
-                    };
-                    kvq_mma(s[h], a, b);
-                }
+                kvq_mma_codes(s[0], codes, 0, b);
+                kvq_mma_codes(s[1], codes, 1, b);
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -418,16 +423,8 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
                     const uint32_t am[4] = { m01, m01, m23, m23 };
                     kvq_mma(voff[b], am, bw);
                     const uint32_t bf[2] = { kvq_pack_halves(wd[0], wd[1]), kvq_pack_halves(wd[2], wd[3]) };
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const uint32_t a[4] = {
-                            kvq_pack_codes(codes[0][2*h + 0], codes[1][2*h + 0]),
-                            kvq_pack_codes(codes[0][2*h + 1], codes[1][2*h + 1]),
-                            kvq_pack_codes(codes[2][2*h + 0], codes[3][2*h + 0]),
-                            kvq_pack_codes(codes[2][2*h + 1], codes[3][2*h + 1]),
-                        };
-                        kvq_mma(acc[b][h], a, bf);
-                    }
+                    kvq_mma_codes(acc[b][0], codes, 0, bf);
+                    kvq_mma_codes(acc[b][1], codes, 1, bf);
                 }
             } else {
                 kvq_cell cells[4];
