@@ -1,5 +1,5 @@
-// The attention kernels' common parts (ATTN: kvq-cuda.cu on CUDA cores, kvq-cuda-mma.cu on tensor cores): their
-// parameters, the query's view of the cache, and the split-K merge of their online-softmax states.
+// The attention kernels' common parts (ATTN: kvq-cuda-attn-kernel.cuh on CUDA cores, kvq-cuda-mma-kernel.cuh on tensor
+// cores): their parameters, the query's view of the cache, and the split-K merge of their online-softmax states.
 #pragma once
 
 #include "kvq-cuda-source.cuh"
@@ -35,7 +35,7 @@ struct kvq_attn_params {
     int    v_bits;
     int    window;
     int    n_splits;
-    int    tiles_per_split;  // context tiles per split, at fixed cells (see ATTN in kvq-cuda.cu)
+    int    tiles_per_split;  // context tiles per split, at fixed cells (see ATTN in kvq-cuda-attn-kernel.cuh)
     int    t0;               // the launch's first token (launches take the batch in chunks)
     float  scale;
     float  softcap;
@@ -251,7 +251,7 @@ static kvq_attn_params kvq_attn_make_params(const ggml_tensor * dst) {
     return p;
 }
 
-// ncols query heads per block, splits of tiles_per_split tiles at fixed cells (see ATTN in kvq-cuda.cu)
+// ncols query heads per block, splits of tiles_per_split tiles at fixed cells (see ATTN in kvq-cuda-attn-kernel.cuh)
 static void kvq_attn_plan(kvq_attn_params & p, const int ncols, const int tiles_per_split) {
     p.n_groups = (p.n_gqa + ncols - 1)/ncols;
     GGML_ASSERT((int64_t) p.n_head/p.n_gqa*p.n_groups <= KVQ_MAX_GRID_YZ);

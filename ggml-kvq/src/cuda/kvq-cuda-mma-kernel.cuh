@@ -1,6 +1,6 @@
-// ATTN on tensor cores, the kernel (kvq-cuda-mma.cu launches it): the decode attention of kvq-cuda.cu (same grid, splits and merge, same contract:
-// kvq_attn_row in kvq-cpu.c) with its two products on mma.m16n8k16 (fp16 operands, fp32 accumulators), the
-// shape of BitDecoding (arXiv 2503.18773).
+// ATTN on tensor cores, the kernel (kvq-cuda-mma.cu launches it): the decode attention of kvq-cuda-attn-kernel.cuh
+// (same grid, splits and merge, same contract: kvq_attn_row in kvq-cpu.c) with its two products on mma.m16n8k16
+// (fp16 operands, fp32 accumulators), the shape of BitDecoding (arXiv 2503.18773).
 //
 // KIVI's factorisation keeps the codes raw. A quantized K tile is codes[c][u]*d_c + m_c per channel c, so
 //   S^T[u][g] = sum_c codes^T[u][c] * (q_g,c d_c) + sum_c m_c q_g,c

@@ -5,10 +5,6 @@
 #include <cstdlib>
 #include <cstring>
 
-//
-// host side
-//
-
 bool kvq_attn_mma_wanted(const int device, const kvq_attn_params & p) {
     const char * env = std::getenv("GGML_KVQ_CUDA_MMA");
     if (env == nullptr || std::strcmp(env, "1") != 0) {

@@ -1,4 +1,4 @@
-// ATTN on tensor cores (kvq-cuda-mma.cu), selectable beside the CUDA-core kernel of kvq-cuda.cu.
+// ATTN on tensor cores (kvq-cuda-mma.cu), selectable beside the CUDA-core kernel (kvq-cuda-attn-kernel.cuh).
 #pragma once
 
 #include "kvq-cuda-attn.cuh"

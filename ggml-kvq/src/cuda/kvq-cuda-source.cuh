@@ -9,7 +9,7 @@
 #define KVQ_FP16_MAX      65504.0f
 #define KVQ_BLOCK_SIZE    256     // threads per block of the elementwise kernels
 #define KVQ_NWARPS        4       // warps per attention block, each on its own tiles of the context
-#define KVQ_TILES_PER_SPLIT 4     // context tiles per attention block (one per warp): fixed, see ATTN in kvq-cuda.cu
+#define KVQ_TILES_PER_SPLIT 4     // context tiles per attention block (one per warp): fixed, see ATTN in kvq-cuda-attn-kernel.cuh
 #define KVQ_MAX_PARTIALS  (64 << 20) // floats of split partials per attention launch (256 MiB)
 #define KVQ_COLS_X_DIM    2048    // most (query heads per block) x (head size): registers, < 48 KiB shared memory
 
