@@ -25,6 +25,11 @@ REPO = Path(__file__).resolve().parent.parent
 # upstream's tools (llama-perplexity, llama-completion, ... run directly or by pykvq) put every layer on a GPU
 # unless told: they follow the suite's device setting too, except where a test passes its own -ngl
 os.environ.setdefault("LLAMA_ARG_N_GPU_LAYERS", str(device.NGL))
+# llama.cpp's CPU threads wait at each op's barrier by spinning (libgomp's default: ~300k rounds) and a thread whose
+# partner lost its core to another process spins out its time slice: on a shared 2-core machine SmolLM2 decoded at
+# 1.5 s a token and CI ran over its time. 3000 rounds cost nothing measurable alone and keep a contended run within
+# ~4x. Set before any test loads llama.cpp (nothing imported above does), as libgomp reads it once, when loaded.
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 
 def pytest_configure(config: pytest.Config) -> None:
