@@ -1,8 +1,8 @@
 """The attention kernels (ggml-kvq/src/cuda: kvq-cuda-attn-kernel.cuh on CUDA cores, kvq-cuda-mma-kernel.cuh on
-tensor cores) compiled as host C++ against an emulated CUDA (tests/cuda_emulation), so that a machine without a GPU
-runs their indexing, staging, fragment layouts and merges: the kernels' own source, their headers beside the
-emulation's stand-ins for kvq-cuda.cuh (CUDA's common.cuh) and kvq-cuda-ptx.cuh (mma.sync, cp.async). Needs g++
-and the CUDA toolkit's cuda_fp16.h."""
+tensor cores) and the store kernel (kvq-cuda-store.cuh) compiled as host C++ against an emulated CUDA
+(tests/cuda_emulation), so that a machine without a GPU runs their indexing, staging, fragment layouts and merges:
+the kernels' own source, their headers beside the emulation's stand-ins for kvq-cuda.cuh (CUDA's common.cuh) and
+kvq-cuda-ptx.cuh (mma.sync, cp.async). Needs g++ and the CUDA toolkit's cuda_fp16.h."""
 
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ def _loaded(lib: Path):
     for name in KERNELS.values():
         ffi.cdef(f"void {name}(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth,"
                  " void * userdata);")
+    ffi.cdef("void kvq_emu_store(const struct ggml_tensor * store);")
     return ffi.dlopen(str(lib))
 
 
@@ -76,3 +77,8 @@ def attention_op(lib: Path, kernel: str = "tensor cores"):
     tests/kvq_layer.py's attention_op."""
     ffi = g.libs().ffi
     return ffi.cast("void *", ffi.addressof(_loaded(lib), KERNELS[kernel]))
+
+
+def run_store(lib: Path, store) -> None:
+    """A ggml_kvq_store node's writes through the emulated CUDA kernel, instead of computing the node."""
+    _loaded(lib).kvq_emu_store(store)

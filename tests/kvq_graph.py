@@ -65,6 +65,10 @@ _CDEF = """
         int32_t n_seq, float clip);
     struct ggml_tensor * ggml_kvq_store_v(struct ggml_context * ctx, struct ggml_tensor * v_rows,
         struct ggml_tensor * v, struct ggml_tensor * idxs, float clip);
+    struct ggml_tensor * ggml_kvq_store(struct ggml_context * ctx, struct ggml_tensor * k_tiles,
+        struct ggml_tensor * v_rows, struct ggml_tensor * k_fp16, struct ggml_tensor * v_fp16,
+        struct ggml_tensor * k_cur, struct ggml_tensor * v_cur, struct ggml_tensor * k_idxs,
+        struct ggml_tensor * v_idxs, int32_t n_sink, int32_t n_seq, float clip_k, float clip_v);
     struct ggml_tensor * ggml_kvq_attn(struct ggml_context * ctx, struct ggml_tensor * q,
         struct ggml_tensor * k_tiles, struct ggml_tensor * v_rows, struct ggml_tensor * k_fp16,
         struct ggml_tensor * v_fp16, struct ggml_tensor * k_cur, struct ggml_tensor * v_cur,

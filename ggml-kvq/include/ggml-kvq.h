@@ -108,12 +108,15 @@ enum ggml_kvq_op {
     GGML_KVQ_OP_SCORE_LSE = 5,
     GGML_KVQ_OP_SCORE_ADD = 6,
     GGML_KVQ_OP_STORE_V   = 7,
+    GGML_KVQ_OP_STORE     = 8,
 };
 
-// the op param (F32) that holds SEAL_K's and STORE_V's clip ratio
+// the op param (F32) that holds SEAL_K's and STORE_V's clip ratio, and STORE's for K
 #define GGML_KVQ_CLIP_PARAM 7
 // the op param (F32) that holds ATTN's logit soft-cap (0: none)
 #define GGML_KVQ_SOFTCAP_PARAM 8
+// the op param (F32) that holds STORE's clip ratio for V (its K's at GGML_KVQ_CLIP_PARAM)
+#define GGML_KVQ_CLIP_V_PARAM 9
 
 // the contract's arithmetic below is shared by the CPU and the CUDA kernels
 #ifdef __CUDACC__
@@ -201,6 +204,25 @@ GGML_API struct ggml_tensor * ggml_kvq_store_v(
         struct ggml_tensor  * v,
         struct ggml_tensor  * idxs,
         float                 clip);
+
+// a decode step's K and V into the cache in one op, one token per segment (k_cur->ne[2] == n_seq): SEAL_K, STORE_V
+// (v_cur's rows into rows v_idxs of v_rows) and both RING_PUTs, byte for byte. Its ring writes need not wait for the
+// attention: the slot a token takes held the cell n_ring back, which the token's query reads quantized (n_ring
+// covers the window and a whole tile). Returns k_tiles (as a view, for ordering).
+GGML_API struct ggml_tensor * ggml_kvq_store(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * k_tiles,
+        struct ggml_tensor  * v_rows,
+        struct ggml_tensor  * k_fp16,
+        struct ggml_tensor  * v_fp16,
+        struct ggml_tensor  * k_cur,
+        struct ggml_tensor  * v_cur,
+        struct ggml_tensor  * k_idxs,
+        struct ggml_tensor  * v_idxs,
+        int32_t               n_sink,
+        int32_t               n_seq,
+        float                 clip_k,
+        float                 clip_v);
 
 // attention of q [head_dim, n_head, n_tokens] over cells 0 .. n_kv-1 of its stream (n_kv = mask->ne[0]), reading the
 // quantized tiles and rows directly. Query at cell i attends cell j through its fp16 value when

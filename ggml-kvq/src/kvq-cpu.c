@@ -24,15 +24,17 @@ static float kvq_read_channel(const kvq_source * src, int64_t cell, int64_t chan
     return GGML_CPU_FP16_TO_FP32(*kvq_fp16_slot(src, src->n_sink + cell % src->n_ring, channel));
 }
 
-static void kvq_seal_k(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    const struct ggml_tensor * k_tiles = dst->src[0];
+// every tile of k_tiles that the batch completes
+static void kvq_seal_tiles(const struct ggml_compute_params * params, const struct ggml_tensor * dst,
+                           const struct ggml_tensor * k_tiles, const struct ggml_tensor * k_fp16,
+                           const struct ggml_tensor * k_cur, const struct ggml_tensor * k_idxs) {
     const int     bits   = ggml_kvq_bits(k_tiles->type);
     const float   clip   = ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM);
     const size_t  bb     = ggml_kvq_block_bytes(bits);
-    const int64_t n_embd = dst->src[2]->ne[0]*dst->src[2]->ne[1];
+    const int64_t n_embd = k_cur->ne[0]*k_cur->ne[1];
 
     for (int64_t seg = 0; seg < kvq_n_seq(dst); ++seg) {
-        const kvq_source src = kvq_make_source(dst->src[1], dst->src[2], dst->src[3], ggml_get_op_params_i32(dst, 2),
+        const kvq_source src = kvq_make_source(k_fp16, k_cur, k_idxs, ggml_get_op_params_i32(dst, 2),
                                                kvq_n_seq(dst), kvq_kv_size(dst), seg);
         const int64_t last = src.first + src.n_tokens - 1;
         // every tile ending inside the segment; the first candidate always ends at or after `first`
@@ -49,28 +51,36 @@ static void kvq_seal_k(const struct ggml_compute_params * params, struct ggml_te
     }
 }
 
+static void kvq_seal_k(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    kvq_seal_tiles(params, dst, dst->src[0], dst->src[1], dst->src[2], dst->src[3]);
+}
+
 //
 // STORE_V
 //
 
-static void kvq_store_v(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    const struct ggml_tensor * v_rows = dst->src[0];
-    const struct ggml_tensor * v      = dst->src[1];
-    const struct ggml_tensor * idxs   = dst->src[2];
+// rows r of x (F32, n_rows rows nb1 apart) into rows idxs[r] of v_rows, each group's range clipped by `clip`
+static void kvq_store_rows(const struct ggml_compute_params * params, const struct ggml_tensor * v_rows,
+                           const char * x, size_t nb1, int64_t n_rows, const struct ggml_tensor * idxs, float clip) {
     const int     bits     = ggml_kvq_bits(v_rows->type);
-    const float   clip     = ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM);
     const size_t  bb       = ggml_kvq_block_bytes(bits);
-    const int64_t n_blocks = v->ne[0]/QK_KIVI;
+    const int64_t n_blocks = v_rows->ne[0]/QK_KIVI;
 
-    for (int64_t r = params->ith; r < v->ne[1]; r += params->nth) {
+    for (int64_t r = params->ith; r < n_rows; r += params->nth) {
         const int64_t row = ((const int64_t *) idxs->data)[r];
         GGML_ASSERT(row >= 0 && row < ggml_nrows(v_rows));
-        const float * x = (const float *) ((const char *) v->data + r*v->nb[1]);
-        uint8_t     * y = (uint8_t *) v_rows->data + row*v_rows->nb[1];
+        const float * xr = (const float *) (x + r*nb1);
+        uint8_t     * y  = (uint8_t *) v_rows->data + row*v_rows->nb[1];
         for (int64_t ib = 0; ib < n_blocks; ++ib) {
-            ggml_kvq_quantize_block(x + ib*QK_KIVI, y + ib*bb, bits, clip);
+            ggml_kvq_quantize_block(xr + ib*QK_KIVI, y + ib*bb, bits, clip);
         }
     }
+}
+
+static void kvq_store_v(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * v = dst->src[1];
+    kvq_store_rows(params, dst->src[0], v->data, v->nb[1], v->ne[1], dst->src[2],
+                   ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM));
 }
 
 //
@@ -84,12 +94,15 @@ static void kvq_store_fp16(const kvq_source * src, int64_t slot, int64_t offset,
     }
 }
 
-static void kvq_ring_put(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    const int64_t head_dim = dst->src[1]->ne[0];
-    const int64_t n_head   = dst->src[1]->ne[1];
+// the batch cur into the sink rows and ring slots of fp16
+static void kvq_put_fp16(const struct ggml_compute_params * params, const struct ggml_tensor * dst,
+                         const struct ggml_tensor * fp16, const struct ggml_tensor * cur,
+                         const struct ggml_tensor * k_idxs) {
+    const int64_t head_dim = cur->ne[0];
+    const int64_t n_head   = cur->ne[1];
 
     for (int64_t seg = 0; seg < kvq_n_seq(dst); ++seg) {
-        const kvq_source src = kvq_make_source(dst->src[0], dst->src[1], dst->src[2], ggml_get_op_params_i32(dst, 2),
+        const kvq_source src = kvq_make_source(fp16, cur, k_idxs, ggml_get_op_params_i32(dst, 2),
                                                kvq_n_seq(dst), kvq_kv_size(dst), seg);
         const int64_t last = src.first + src.n_tokens - 1;
         for (int64_t t = params->ith; t < src.n_tokens; t += params->nth) {
@@ -106,6 +119,24 @@ static void kvq_ring_put(const struct ggml_compute_params * params, struct ggml_
             }
         }
     }
+}
+
+static void kvq_ring_put(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    kvq_put_fp16(params, dst, dst->src[0], dst->src[1], dst->src[2]);
+}
+
+//
+// STORE: a decode step's SEAL_K, STORE_V and RING_PUTs. One token per segment: the ring slot it takes is none that
+// the tile it may complete reads (n_ring >= QK_KIVI), so the parts need no barrier between them.
+//
+
+static void kvq_store(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * v_cur = dst->src[6];
+    kvq_seal_tiles(params, dst, dst->src[0], dst->src[1], dst->src[2], dst->src[3]);
+    kvq_store_rows(params, dst->src[4], v_cur->data, v_cur->nb[2], v_cur->ne[2], dst->src[7],
+                   ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_V_PARAM));
+    kvq_put_fp16(params, dst, dst->src[1], dst->src[2], dst->src[3]);
+    kvq_put_fp16(params, dst, dst->src[5], v_cur, dst->src[3]);
 }
 
 //
@@ -394,6 +425,7 @@ void ggml_compute_forward_kvq(const struct ggml_compute_params * params, struct 
         case GGML_KVQ_OP_SCORE_LSE: kvq_score_lse(params, dst); break;
         case GGML_KVQ_OP_SCORE_ADD: kvq_score_add(params, dst); break;
         case GGML_KVQ_OP_STORE_V:   kvq_store_v(params, dst);   break;
+        case GGML_KVQ_OP_STORE:     kvq_store(params, dst);     break;
         default:                    GGML_ABORT("unknown kvq op");
     }
 }

@@ -22,6 +22,25 @@ static void kvq_check_batch(const struct ggml_tensor * fp16, const struct ggml_t
     GGML_ASSERT(n_sink >= 0 && fp16->ne[1] > n_sink && (fp16->ne[1] - n_sink) % QK_KIVI == 0);
 }
 
+static void kvq_check_seal(const struct ggml_tensor * k_tiles, const struct ggml_tensor * k_fp16,
+                           const struct ggml_tensor * k_cur, const struct ggml_tensor * k_idxs, int32_t n_sink,
+                           int32_t n_seq, float clip) {
+    GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_is_contiguous(k_tiles));
+    GGML_ASSERT(clip > 0.0f && clip <= 1.0f);
+    GGML_ASSERT(k_tiles->ne[0] == (int64_t) kvq_n_embd(k_cur)*QK_KIVI);
+    GGML_ASSERT(k_tiles->ne[2] == k_fp16->ne[2] && k_tiles->ne[3] == 1);
+    kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink, n_seq);
+}
+
+// n_rows rows of n_embd channels into rows idxs of v_rows
+static void kvq_check_v_rows(const struct ggml_tensor * v_rows, int64_t n_embd, const struct ggml_tensor * idxs,
+                             int64_t n_rows, float clip) {
+    GGML_ASSERT(ggml_kvq_is_kivi(v_rows->type) && ggml_is_contiguous(v_rows) && ggml_n_dims(v_rows) <= 2);
+    GGML_ASSERT(n_embd == v_rows->ne[0] && n_embd % QK_KIVI == 0);
+    GGML_ASSERT(idxs->type == GGML_TYPE_I64 && ggml_is_contiguous(idxs) && idxs->ne[0] == n_rows);
+    GGML_ASSERT(clip > 0.0f && clip <= 1.0f);
+}
+
 // op params: { op, window, n_sink, scale, n_seq, kv_size, mask_all_streams }; SEAL_K's and STORE_V's clip at
 // GGML_KVQ_CLIP_PARAM
 static void kvq_set_params(struct ggml_tensor * t, enum ggml_kvq_op op, int32_t window, int32_t n_sink, float scale,
@@ -42,11 +61,7 @@ struct ggml_tensor * ggml_kvq_seal_k(
         int32_t               n_sink,
         int32_t               n_seq,
         float                 clip) {
-    GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_is_contiguous(k_tiles));
-    GGML_ASSERT(clip > 0.0f && clip <= 1.0f);
-    GGML_ASSERT(k_tiles->ne[0] == (int64_t) kvq_n_embd(k_cur)*QK_KIVI);
-    GGML_ASSERT(k_tiles->ne[2] == k_fp16->ne[2] && k_tiles->ne[3] == 1);
-    kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink, n_seq);
+    kvq_check_seal(k_tiles, k_fp16, k_cur, k_idxs, n_sink, n_seq, clip);
 
     struct ggml_tensor * result = ggml_view_tensor(ctx, k_tiles);
     kvq_set_params(result, GGML_KVQ_OP_SEAL_K, 0, n_sink, 0.0f, n_seq, k_tiles->ne[1]*QK_KIVI, false);
@@ -64,11 +79,8 @@ struct ggml_tensor * ggml_kvq_store_v(
         struct ggml_tensor  * v,
         struct ggml_tensor  * idxs,
         float                 clip) {
-    GGML_ASSERT(ggml_kvq_is_kivi(v_rows->type) && ggml_is_contiguous(v_rows) && ggml_n_dims(v_rows) <= 2);
     GGML_ASSERT(v->type == GGML_TYPE_F32 && v->nb[0] == sizeof(float) && ggml_n_dims(v) <= 2);
-    GGML_ASSERT(v->ne[0] == v_rows->ne[0] && v->ne[0] % QK_KIVI == 0);
-    GGML_ASSERT(idxs->type == GGML_TYPE_I64 && ggml_is_contiguous(idxs) && idxs->ne[0] == v->ne[1]);
-    GGML_ASSERT(clip > 0.0f && clip <= 1.0f);
+    kvq_check_v_rows(v_rows, v->ne[0], idxs, v->ne[1], clip);
 
     struct ggml_tensor * result = ggml_view_tensor(ctx, v_rows);
     int32_t params[GGML_KVQ_CLIP_PARAM + 1] = { GGML_KVQ_OP_STORE_V };
@@ -78,6 +90,43 @@ struct ggml_tensor * ggml_kvq_store_v(
     result->src[0] = v_rows;
     result->src[1] = v;
     result->src[2] = idxs;
+    return result;
+}
+
+struct ggml_tensor * ggml_kvq_store(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * k_tiles,
+        struct ggml_tensor  * v_rows,
+        struct ggml_tensor  * k_fp16,
+        struct ggml_tensor  * v_fp16,
+        struct ggml_tensor  * k_cur,
+        struct ggml_tensor  * v_cur,
+        struct ggml_tensor  * k_idxs,
+        struct ggml_tensor  * v_idxs,
+        int32_t               n_sink,
+        int32_t               n_seq,
+        float                 clip_k,
+        float                 clip_v) {
+    kvq_check_seal(k_tiles, k_fp16, k_cur, k_idxs, n_sink, n_seq, clip_k);
+    kvq_check_batch(v_fp16, v_cur, k_idxs, n_sink, n_seq);
+    // one token per segment; V's rows are its heads side by side
+    GGML_ASSERT(k_cur->ne[2] == n_seq && v_cur->ne[2] == n_seq);
+    GGML_ASSERT(v_cur->nb[1] == v_cur->ne[0]*sizeof(float));
+    kvq_check_v_rows(v_rows, kvq_n_embd(v_cur), v_idxs, n_seq, clip_v);
+    GGML_ASSERT(v_fp16->ne[1] == k_fp16->ne[1] && v_fp16->ne[2] == k_fp16->ne[2]);
+
+    struct ggml_tensor * result = ggml_view_tensor(ctx, k_tiles);
+    kvq_set_params(result, GGML_KVQ_OP_STORE, 0, n_sink, 0.0f, n_seq, k_tiles->ne[1]*QK_KIVI, false);
+    ggml_set_op_params_f32(result, GGML_KVQ_CLIP_PARAM, clip_k);
+    ggml_set_op_params_f32(result, GGML_KVQ_CLIP_V_PARAM, clip_v);
+    result->src[0] = k_tiles;
+    result->src[1] = k_fp16;
+    result->src[2] = k_cur;
+    result->src[3] = k_idxs;
+    result->src[4] = v_rows;
+    result->src[5] = v_fp16;
+    result->src[6] = v_cur;
+    result->src[7] = v_idxs;
     return result;
 }
 

@@ -1352,8 +1352,20 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
         });
     }
 
+    // a decode step (one token per sequence) stores K and V in one op, ring included, before any reader attends
+    // (ggml_kvq_store says why that is safe); other steps store before, and change the ring after, the last reader
+    const bool decode = n_tokens == n_seq && !wide && !selects;
+
     kvq_step step;
-    if (owns) {
+    if (owns && decode) {
+        GGML_ASSERT(ggml_row_size(v_cur->type, v_cur->ne[0]) == v_cur->nb[1]);
+        step.k_cur    = k_cur;
+        step.v_cur    = v_cur;
+        step.k_sealed = ggml_kvq_store(ctx, layer.k, v_rows, layer.k_fp16, layer.v_fp16, k_cur, v_cur, k_idxs, v_idxs,
+                                       n_sink, n_seq, clip_k, clip_v);
+        step.v_stored = v_rows;
+        ggml_build_forward_expand(gf, step.k_sealed);
+    } else if (owns) {
         GGML_ASSERT(ggml_row_size(v_cur->type, v_cur->ne[0]) == v_cur->nb[1]);
         step.k_cur    = k_cur;
         step.v_cur    = v_cur;
@@ -1400,7 +1412,7 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     if (owns && il_last != il) {
         kvq_publish_step(ctx, gf, step, il);
     }
-    if (il != il_last) {
+    if (il != il_last || decode) {
         return ggml_reshape_2d(ctx, out, out->ne[0]*out->ne[1], out->ne[2]);
     }
 

@@ -1,11 +1,13 @@
 // Runs pykvq's attention kernels (ggml-kvq/src/cuda: kvq-cuda-attn-kernel.cuh on CUDA cores,
-// kvq-cuda-mma-kernel.cuh on tensor cores) on the CPU: one OS thread per CUDA thread of a block, blocks one after
+// kvq-cuda-mma-kernel.cuh on tensor cores) and its store kernel (kvq-cuda-store.cuh) on the CPU: one OS thread per CUDA thread of a block, blocks one after
 // another, warp collectives and mma.m16n8k16 computed from what every lane of the warp published.
 // kvq_emu_attn_cuda_cores and kvq_emu_attn_mma are ggml custom ops (ggml_map_custom1) over a GGML_OP_KVQ attention
-// node: each plans and launches its kernel as kvq-cuda.cu does, on the node's host tensors.
+// node: each plans and launches its kernel as kvq-cuda.cu does, on the node's host tensors; kvq_emu_store runs a
+// GGML_OP_KVQ store node in place of its CPU kernel.
 
 #include "kvq-cuda-attn-kernel.cuh"
 #include "kvq-cuda-mma-kernel.cuh"
+#include "kvq-cuda-store.cuh"
 
 #include <barrier>
 #include <cstring>
@@ -252,4 +254,11 @@ extern "C" void kvq_emu_attn_mma(ggml_tensor * dst, const ggml_tensor * attn, in
         case 256: run(kvq_attn_mma_kernel<256>); break;
         default:  GGML_ABORT("no tensor-core kernel for head size %d", a.p.k.head_dim);
     }
+}
+
+// a STORE node's writes (ggml_kvq_store) through the CUDA kernel, on the node's host tensors
+extern "C" void kvq_emu_store(const ggml_tensor * store) {
+    const kvq_store_params p = kvq_store_make_params(store);
+    emu_launch(dim3(kvq_store_grid_x(p), p.k.n_tokens), KVQ_BLOCK_SIZE, kvq_smem, sizeof(kvq_smem), 0,
+               [&]() { kvq_store_kernel(p); });
 }

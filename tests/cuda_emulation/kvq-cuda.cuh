@@ -115,3 +115,19 @@ static inline float __int_as_float(int i) {
     memcpy(&f, &i, sizeof(f));
     return f;
 }
+
+static inline unsigned __float_as_uint(float x) {
+    unsigned u;
+    memcpy(&u, &x, sizeof(u));
+    return u;
+}
+
+static inline int __float_as_int(float x) {
+    return (int) __float_as_uint(x);
+}
+
+// the _rn intrinsics: single IEEE operations, as host float arithmetic is when nothing contracts it (-std=c++20)
+static inline float __fmul_rn(float a, float b) { return a*b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fdiv_rn(float a, float b) { return a/b; }
+static inline float __frcp_rn(float a) { return 1.0f/a; }

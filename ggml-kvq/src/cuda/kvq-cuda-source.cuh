@@ -48,6 +48,16 @@ static __device__ __forceinline__ float kvq_round_fp16(float x) {
     return __half2float(__float2half_rn(x));
 }
 
+// x as fp16 with the bits the CPU stores (kvq-cpu.c converts with F16C): a NaN keeps its sign and the top of its
+// payload, quieted, where __float2half_rn gives every NaN as 0x7FFF
+static __device__ __forceinline__ half kvq_float2half_as_cpu(float x) {
+    const unsigned u = __float_as_uint(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+        return __ushort_as_half((unsigned short) ((u >> 16 & 0x8000u) | 0x7E00u | (u >> 13 & 0x3FFu)));
+    }
+    return __float2half_rn(x);
+}
+
 // Segment of batch token t: its first cell within its stream (returned), the stream, and the source narrowed
 // to it. The cells live on the device, so the CPU's check that a segment sits in consecutive cells of one
 // stream (anything else is a bug of the cache) becomes a trap, as loud as GGML_ASSERT.

@@ -4,150 +4,7 @@
 
 #include "kvq-cuda-attn-kernel.cuh"
 #include "kvq-cuda-mma.cuh"
-
-//
-// quantization (kivi_quantize_block in kvq-quants.c, bit for bit)
-//
-// ggml-cuda builds with -use_fast_math: divisions, reciprocals and the code arithmetic use the _rn
-// intrinsics (IEEE rounding, never contracted into an FMA), and the comparisons run on integer keys,
-// which flushing subnormals to zero cannot reorder.
-//
-
-static __device__ __forceinline__ bool kvq_is_nan(float x) {
-    return (__float_as_uint(x) & 0x7FFFFFFFu) > 0x7F800000u;
-}
-
-// integer key that orders non-NaN floats as float comparison does, with -0 == +0
-static __device__ __forceinline__ int kvq_order_key(float x) {
-    const int i = __float_as_int(x);
-    return i >= 0 ? i : -(i & 0x7FFFFFFF);
-}
-
-static __device__ __forceinline__ float kvq_saturate(float x) {
-    return x > KVQ_FP16_MAX ? KVQ_FP16_MAX : (x < -KVQ_FP16_MAX ? -KVQ_FP16_MAX : x);
-}
-
-// One block of 32 values into a 4-byte aligned block: fp16 d and m, then the codes (byte i % nbytes,
-// bit (i / nbytes)*bits), assembled as 32-bit words; the range clipped by `clip` (ggml_kvq_quantize_block).
-template <int bits>
-static __device__ void kvq_quantize_block(const float * x, uint32_t * block, const float clip) {
-    constexpr int nbytes = QK_KIVI*bits/8;
-    constexpr int qmax   = (1 << bits) - 1;
-
-    // the reference keeps the first minimum and maximum (strict comparisons); saturating them afterwards
-    // gives the same bits as saturating every value first
-    float lo =  INFINITY;
-    float hi = -INFINITY;
-    int   lo_key = kvq_order_key(lo);
-    int   hi_key = kvq_order_key(hi);
-#pragma unroll
-    for (int i = 0; i < QK_KIVI; ++i) {
-        if (kvq_is_nan(x[i])) {
-            continue;
-        }
-        const int key = kvq_order_key(x[i]);
-        if (key < lo_key) {
-            lo_key = key;
-            lo     = x[i];
-        }
-        if (key > hi_key) {
-            hi_key = key;
-            hi     = x[i];
-        }
-    }
-    if (lo_key > hi_key) {
-#pragma unroll
-        for (int w = 0; w < 1 + nbytes/4; ++w) {
-            block[w] = 0;
-        }
-        return;
-    }
-    lo = __fmul_rn(kvq_saturate(lo), clip);
-    hi = __fmul_rn(kvq_saturate(hi), clip);
-    const float d_wanted = __fdiv_rn(__fsub_rn(hi, lo), (float) qmax);
-    const half  dh = __float2half_rn(d_wanted > KVQ_FP16_MAX ? KVQ_FP16_MAX : d_wanted);
-    const half  mh = __float2half_rn(lo);
-    const float d  = __half2float(dh);
-    const float m  = __half2float(mh);
-    const float id = d > 0.0f ? __frcp_rn(d) : 0.0f;
-
-    uint32_t qs[nbytes/4] = {};
-#pragma unroll
-    for (int i = 0; i < QK_KIVI; ++i) {
-        if (kvq_is_nan(x[i])) {
-            continue;
-        }
-        const float t = __fmul_rn(__fsub_rn(kvq_saturate(x[i]), m), id);
-        const int   q = (int) rintf(t < 0.0f ? 0.0f : (t > qmax ? (float) qmax : t));
-        qs[i % nbytes / 4] |= (uint32_t) q << (8*(i % nbytes % 4) + i / nbytes*bits);
-    }
-    block[0] = (uint32_t) __half_as_ushort(dh) | (uint32_t) __half_as_ushort(mh) << 16;
-#pragma unroll
-    for (int w = 0; w < nbytes/4; ++w) {
-        block[1 + w] = qs[w];
-    }
-}
-
-//
-// SEAL_K: quantize every K tile the batch completes (kvq_seal_k in kvq-cpu.c)
-//
-// grid: (channels / KVQ_BLOCK_SIZE, candidate tiles); a thread quantizes one channel of one tile, so that
-// neighbouring threads read neighbouring fp16 values.
-//
-
-template <int bits>
-static __global__ void kvq_seal_k_kernel(char * k_tiles, const size_t k_tiles_nb1, kvq_source src,
-                                         const int64_t * cells, const int n_embd, const float clip) {
-    const int c = blockIdx.x*blockDim.x + threadIdx.x;
-    if (c >= n_embd) {
-        return;
-    }
-    // grid z: the segments; checked up to their last token
-    int64_t       strm;
-    const int64_t first = kvq_segment(src, cells, (int64_t) blockIdx.z*src.n_tps + src.n_tps - 1, &strm);
-    const int64_t tile  = first/QK_KIVI + blockIdx.y;
-    k_tiles += strm*(src.kv_size/QK_KIVI)*k_tiles_nb1;
-    if (tile*QK_KIVI + QK_KIVI - 1 > first + src.n_tokens - 1) {
-        return;
-    }
-    const int head = c / src.head_dim;
-    const int hc   = c % src.head_dim;
-
-    // the batch's cells rounded to fp16, the earlier ones from the ring (never a sink row: the ring holds
-    // every recent cell, sinks included)
-    float x[QK_KIVI];
-#pragma unroll
-    for (int u = 0; u < QK_KIVI; ++u) {
-        const int64_t cell = tile*QK_KIVI + u;
-        x[u] = cell >= first ? kvq_round_fp16(kvq_cur_row(src, cell - first, head)[hc])
-                             : __half2float(((const half *) (src.fp16 + (src.n_sink + cell % src.n_ring)*src.fp16_nb1))[c]);
-    }
-    kvq_quantize_block<bits>(x, (uint32_t *) (k_tiles + tile*k_tiles_nb1 + (size_t) c*kvq_block_bytes(bits)), clip);
-}
-
-//
-// RING_PUT: the batch's values into sink rows and ring slots, as fp16 (kvq_ring_put in kvq-cpu.c)
-//
-
-static __global__ void kvq_ring_put_kernel(kvq_source src, const int64_t * cells, const int n_embd) {
-    const int c = blockIdx.x*blockDim.x + threadIdx.x;
-    if (c >= n_embd) {
-        return;
-    }
-    int64_t       strm;
-    const int64_t first = kvq_segment(src, cells, blockIdx.y, &strm);
-    const int     t     = blockIdx.y % src.n_tps;  // within the segment
-    const int64_t cell  = first + t;
-    const half    x     = __float2half_rn(kvq_cur_row(src, t, c / src.head_dim)[c % src.head_dim]);
-
-    // only the n_ring most recent cells keep a ring slot: distinct slots, so threads never collide
-    if (cell > first + src.n_tokens - 1 - src.n_ring) {
-        ((half *) (src.fp16 + (src.n_sink + cell % src.n_ring)*src.fp16_nb1))[c] = x;
-    }
-    if (cell < src.n_sink) {
-        ((half *) (src.fp16 + cell*src.fp16_nb1))[c] = x;
-    }
-}
+#include "kvq-cuda-store.cuh"
 
 //
 // set_rows into a kivi tensor: upstream's ggml_set_rows (rows broadcast over dims 2 and 3, like
@@ -222,6 +79,13 @@ static void kvq_ring_put(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 
     const dim3 grid((n_embd + KVQ_BLOCK_SIZE - 1)/KVQ_BLOCK_SIZE, src.n_tokens);
     kvq_ring_put_kernel<<<grid, KVQ_BLOCK_SIZE, 0, ctx.stream()>>>(src, cells, n_embd);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+// STORE: a decode step's SEAL_K, STORE_V and both RING_PUTs in one launch (kvq_store_kernel)
+static void kvq_store(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const kvq_store_params p = kvq_store_make_params(dst);
+    kvq_store_kernel<<<dim3(kvq_store_grid_x(p), p.k.n_tokens), KVQ_BLOCK_SIZE, 0, ctx.stream()>>>(p);
     CUDA_CHECK(cudaGetLastError());
 }
 
@@ -358,6 +222,7 @@ void ggml_cuda_op_kvq(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         case GGML_KVQ_OP_SCORE_LSE: kvq_cuda_score_lse(ctx, dst); break;
         case GGML_KVQ_OP_SCORE_ADD: kvq_cuda_score_add(ctx, dst); break;
         case GGML_KVQ_OP_STORE_V:   kvq_store_v(ctx, dst);        break;
+        case GGML_KVQ_OP_STORE:     kvq_store(ctx, dst);          break;
         default:                    GGML_ABORT("unknown kvq op");
     }
 }
@@ -400,6 +265,8 @@ bool ggml_cuda_kvq_supports_op(const ggml_tensor * op) {
                     return op->src[1]->ne[0] <= KVQ_MAX_HEAD && op->ne[1] <= KVQ_MAX_GRID_YZ &&
                            ggml_get_op_params_i32(op, 4) <= KVQ_MAX_GRID_YZ;
                 case GGML_KVQ_OP_STORE_V:  return kvq_set_rows_supported(op, op->src[1], op->src[2]);
+                case GGML_KVQ_OP_STORE:    return ggml_kvq_is_kivi(op->src[0]->type) && ggml_kvq_is_kivi(op->src[4]->type) &&
+                                                  op->src[2]->ne[2] <= KVQ_MAX_GRID_YZ;
                 default:                   return false;
             }
         default:

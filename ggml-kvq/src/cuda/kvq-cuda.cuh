@@ -4,7 +4,7 @@
 #include "common.cuh"
 #include "ggml-kvq.h"
 
-// SEAL_K, ATTN, RING_PUT, WIDE or WIDE_MASK, by the kind in op_params[0]
+// the op of the kind in op_params[0] (enum ggml_kvq_op)
 void ggml_cuda_op_kvq(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 
 // GGML_OP_KVQ and GGML_OP_SET_ROWS (F32 rows into a kivi tensor) as far as these kernels handle them

@@ -1,0 +1,96 @@
+// Quantization of one kivi block on the GPU, bit for bit kvq-quants.c's kivi_quantize_block: the kernels that
+// store K and V (kvq-cuda-store.cuh) and set_rows into the kivi types (kvq-cuda.cu).
+#pragma once
+
+#include "kvq-cuda-source.cuh"
+
+//
+// ggml-cuda builds with -use_fast_math: divisions, reciprocals and the code arithmetic use the _rn
+// intrinsics (IEEE rounding, never contracted into an FMA), and the comparisons run on integer keys,
+// which flushing subnormals to zero cannot reorder.
+//
+
+static __device__ __forceinline__ bool kvq_is_nan(float x) {
+    return (__float_as_uint(x) & 0x7FFFFFFFu) > 0x7F800000u;
+}
+
+// integer key that orders non-NaN floats as float comparison does, with -0 == +0
+static __device__ __forceinline__ int kvq_order_key(float x) {
+    const int i = __float_as_int(x);
+    return i >= 0 ? i : -(i & 0x7FFFFFFF);
+}
+
+static __device__ __forceinline__ float kvq_saturate(float x) {
+    return x > KVQ_FP16_MAX ? KVQ_FP16_MAX : (x < -KVQ_FP16_MAX ? -KVQ_FP16_MAX : x);
+}
+
+// One block of 32 values into a 4-byte aligned block: fp16 d and m, then the codes (byte i % nbytes,
+// bit (i / nbytes)*bits), assembled as 32-bit words; the range clipped by `clip` (ggml_kvq_quantize_block).
+template <int bits>
+static __device__ void kvq_quantize_block(const float * x, uint32_t * block, const float clip) {
+    constexpr int nbytes = QK_KIVI*bits/8;
+    constexpr int qmax   = (1 << bits) - 1;
+
+    // the reference keeps the first minimum and maximum (strict comparisons); saturating them afterwards
+    // gives the same bits as saturating every value first
+    float lo =  INFINITY;
+    float hi = -INFINITY;
+    int   lo_key = kvq_order_key(lo);
+    int   hi_key = kvq_order_key(hi);
+#pragma unroll
+    for (int i = 0; i < QK_KIVI; ++i) {
+        if (kvq_is_nan(x[i])) {
+            continue;
+        }
+        const int key = kvq_order_key(x[i]);
+        if (key < lo_key) {
+            lo_key = key;
+            lo     = x[i];
+        }
+        if (key > hi_key) {
+            hi_key = key;
+            hi     = x[i];
+        }
+    }
+    if (lo_key > hi_key) {
+#pragma unroll
+        for (int w = 0; w < 1 + nbytes/4; ++w) {
+            block[w] = 0;
+        }
+        return;
+    }
+    lo = __fmul_rn(kvq_saturate(lo), clip);
+    hi = __fmul_rn(kvq_saturate(hi), clip);
+    const float d_wanted = __fdiv_rn(__fsub_rn(hi, lo), (float) qmax);
+    const half  dh = __float2half_rn(d_wanted > KVQ_FP16_MAX ? KVQ_FP16_MAX : d_wanted);
+    const half  mh = __float2half_rn(lo);
+    const float d  = __half2float(dh);
+    const float m  = __half2float(mh);
+    const float id = d > 0.0f ? __frcp_rn(d) : 0.0f;
+
+    uint32_t qs[nbytes/4] = {};
+#pragma unroll
+    for (int i = 0; i < QK_KIVI; ++i) {
+        if (kvq_is_nan(x[i])) {
+            continue;
+        }
+        const float t = __fmul_rn(__fsub_rn(kvq_saturate(x[i]), m), id);
+        const int   q = (int) rintf(t < 0.0f ? 0.0f : (t > qmax ? (float) qmax : t));
+        qs[i % nbytes / 4] |= (uint32_t) q << (8*(i % nbytes % 4) + i / nbytes*bits);
+    }
+    block[0] = (uint32_t) __half_as_ushort(dh) | (uint32_t) __half_as_ushort(mh) << 16;
+#pragma unroll
+    for (int w = 0; w < nbytes/4; ++w) {
+        block[1 + w] = qs[w];
+    }
+}
+
+// the same, for a width known at run time
+static __device__ __forceinline__ void kvq_quantize_block_bits(const float * x, uint32_t * block, const int bits,
+                                                               const float clip) {
+    switch (bits) {
+        case 1:  kvq_quantize_block<1>(x, block, clip); break;
+        case 2:  kvq_quantize_block<2>(x, block, clip); break;
+        default: kvq_quantize_block<4>(x, block, clip); break;
+    }
+}
