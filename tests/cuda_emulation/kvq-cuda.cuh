@@ -131,3 +131,7 @@ static inline float __fmul_rn(float a, float b) { return a*b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fdiv_rn(float a, float b) { return a/b; }
 static inline float __frcp_rn(float a) { return 1.0f/a; }
+
+// programmatic dependent launch: the emulation runs one kernel at a time
+static inline void ggml_cuda_pdl_sync() {}
+static inline void ggml_cuda_pdl_lc() {}

@@ -203,6 +203,8 @@ template <int ncols, int nvq>
 static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(const kvq_attn_params p) {
     static_assert(ncols*nvq <= 16, "V accumulators would spill");
     extern __shared__ float kvq_smem[];
+    // launched with programmatic dependent launch: nothing is read before the store before it has finished
+    ggml_cuda_pdl_sync();
 
     const int warp   = threadIdx.x / WARP_SIZE;
     const int lane   = threadIdx.x % WARP_SIZE;

@@ -191,6 +191,8 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
     constexpr int TPW = KVQ_MMA_TILES_PER_SPLIT/KVQ_NWARPS;
     static_assert(KVQ_MMA_TILES_PER_SPLIT % KVQ_NWARPS == 0, "whole tiles per warp");
     extern __shared__ __align__(16) char kvq_mma_smem[];
+    // launched with programmatic dependent launch: nothing is read before the store before it has finished
+    ggml_cuda_pdl_sync();
 
     const int warp  = threadIdx.x / WARP_SIZE;
     const int lane  = threadIdx.x % WARP_SIZE;

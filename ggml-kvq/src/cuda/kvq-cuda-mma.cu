@@ -19,7 +19,8 @@ template <int D>
 static void kvq_attn_mma_launch_d(const kvq_attn_params & p, const dim3 grid, cudaStream_t stream) {
     // the most any kivi widths need, raised once per device
     CUDA_SET_SHARED_MEMORY_LIMIT(kvq_attn_mma_kernel<D>, kvq_attn_mma_smem(D, 4, 4));
-    kvq_attn_mma_kernel<D><<<grid, KVQ_NWARPS*WARP_SIZE, kvq_attn_mma_smem(D, p.k_bits, p.v_bits), stream>>>(p);
+    ggml_cuda_kernel_launch(kvq_attn_mma_kernel<D>, ggml_cuda_kernel_launch_params(grid, KVQ_NWARPS*WARP_SIZE,
+                            kvq_attn_mma_smem(D, p.k_bits, p.v_bits), stream), p);
 }
 
 void kvq_attn_mma_launch(const kvq_attn_params & p, const dim3 grid, cudaStream_t stream) {

@@ -102,6 +102,10 @@ struct kvq_store_params {
 };
 
 static __global__ void kvq_store_kernel(const kvq_store_params p) {
+    // launched with programmatic dependent launch (ggml_cuda_kernel_launch): the attention after it may start, and
+    // waits for it in its own ggml_cuda_pdl_sync; nothing is read before what came before has finished
+    ggml_cuda_pdl_lc();
+    ggml_cuda_pdl_sync();
     const int c = blockIdx.x*blockDim.x + threadIdx.x;
     const int s = blockIdx.y;
     int64_t   strm;

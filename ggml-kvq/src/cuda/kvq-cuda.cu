@@ -85,13 +85,14 @@ static void kvq_ring_put(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 // STORE: a decode step's SEAL_K, STORE_V and both RING_PUTs in one launch (kvq_store_kernel)
 static void kvq_store(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const kvq_store_params p = kvq_store_make_params(dst);
-    kvq_store_kernel<<<dim3(kvq_store_grid_x(p), p.k.n_tokens), KVQ_BLOCK_SIZE, 0, ctx.stream()>>>(p);
-    CUDA_CHECK(cudaGetLastError());
+    ggml_cuda_kernel_launch(kvq_store_kernel, ggml_cuda_kernel_launch_params(dim3(kvq_store_grid_x(p), p.k.n_tokens),
+                            KVQ_BLOCK_SIZE, 0, ctx.stream()), p);
 }
 
 template <int ncols, int nvq>
 static void kvq_attn_launch(const kvq_attn_params & p, const dim3 grid, cudaStream_t stream) {
-    kvq_attn_kernel<ncols, nvq><<<grid, KVQ_NWARPS*WARP_SIZE, kvq_attn_smem(ncols, p), stream>>>(p);
+    ggml_cuda_kernel_launch(kvq_attn_kernel<ncols, nvq>, ggml_cuda_kernel_launch_params(grid, KVQ_NWARPS*WARP_SIZE,
+                            kvq_attn_smem(ncols, p), stream), p);
 }
 
 template <int nvq>
