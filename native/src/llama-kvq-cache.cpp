@@ -1357,18 +1357,17 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     const bool decode = n_tokens == n_seq && !wide && !selects;
 
     kvq_step step;
-    if (owns && decode) {
+    if (owns) {
         GGML_ASSERT(ggml_row_size(v_cur->type, v_cur->ne[0]) == v_cur->nb[1]);
-        step.k_cur    = k_cur;
-        step.v_cur    = v_cur;
+        step.k_cur = k_cur;
+        step.v_cur = v_cur;
+    }
+    if (owns && decode) {
         step.k_sealed = ggml_kvq_store(ctx, layer.k, v_rows, layer.k_fp16, layer.v_fp16, k_cur, v_cur, k_idxs, v_idxs,
                                        n_sink, n_seq, clip_k, clip_v);
         step.v_stored = v_rows;
         ggml_build_forward_expand(gf, step.k_sealed);
     } else if (owns) {
-        GGML_ASSERT(ggml_row_size(v_cur->type, v_cur->ne[0]) == v_cur->nb[1]);
-        step.k_cur    = k_cur;
-        step.v_cur    = v_cur;
         step.v_stored = ggml_kvq_store_v(ctx, v_rows, ggml_view_2d(ctx, v_cur, v_rows->ne[0], v_cur->ne[2], v_cur->nb[2], 0),
                                          v_idxs, clip_v);
         step.k_sealed = ggml_kvq_seal_k(ctx, layer.k, layer.k_fp16, k_cur, k_idxs, n_sink, n_seq, clip_k);
