@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pykvq.bindings import gguf_py
+from pykvq.bindings import gguf_py, gguf_reader
 from pykvq.bindings.native import INT32_MAX
 
 log = logging.getLogger("pykvq.gguf")
@@ -93,9 +93,8 @@ class GgufError(ValueError):
 
 
 def _reader(path: Path):
-    gguf = gguf_py.gguf()
     try:
-        return gguf.GGUFReader(path, "r")
+        return gguf_reader.open_reader(path)
     except (ValueError, OSError, IndexError) as exc:
         raise GgufError(f"{path} is not a readable GGUF file: {exc}") from exc
     except KeyError as exc:     # a key or tensor name twice, which llama.cpp refuses too

@@ -144,3 +144,26 @@ def test_a_string_that_is_not_utf8_is_corrupt_metadata(small_gguf: bytes, tmp_pa
     path.write_bytes(bytes(blob))
     with pytest.raises(gguf_metadata.GgufError, match="corrupt metadata"):
         gguf_metadata.read_kvq(path)
+
+
+def test_an_array_length_past_the_end_is_refused_at_once(small_gguf: bytes, tmp_path: Path) -> None:
+    """Found by the fuzz test above (it ran 48 minutes in CI): gguf-py reads past the end of the file as empty
+    arrays and does not advance, so a numeric array whose length a corrupt byte raised (up to gguf-py's 2**30)
+    in a file that ends on an element boundary was walked element by element on the spot (byte 2 = 64:
+    36 s and 4 GiB; byte 3: hours)."""
+    blob = bytearray(small_gguf)
+    key = b"tokenizer.ggml.token_type"
+    at = blob.index(key) + len(key) + 8  # after the key: the value's type and the element type (uint32 each)
+    blob[at + 2] = 0x3F
+    path = tmp_path / "long-array.gguf"
+    path.write_bytes(bytes(blob[:at + 8 + 4 * 30000]))
+    with pytest.raises(gguf_metadata.GgufError, match=r"values of int32 at byte \d+ run past the end of the file"):
+        gguf_metadata.read_kvq(path)
+
+
+def test_tensor_data_cut_short_is_refused(small_gguf: bytes, tmp_path: Path) -> None:
+    """A file cut inside its weights is corrupt (llama.cpp refuses it too), not a model with shorter tensors."""
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(small_gguf[:-1000])
+    with pytest.raises(gguf_metadata.GgufError, match="run past the end of the file"):
+        gguf_metadata.read_kvq(path)
