@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run HERE before a GPU session: what the GPU machine (no network, 64 MiB per command) needs beside the tree.
 #   build/upstream-prepatched  the pruned, pre-patched llama.cpp (python -m pykvq.devtools.dev prune), ~30 MiB
-#   .whl/                      wheels its image lacks, for its Python 3.12: cffi, pycparser, gguf, and
+#   .whl/                      wheels its image lacks, for its Python 3.12: cffi, pycparser, gguf, pytest-timeout, and
 #                              llama-cpp-python (its Python package only) with its server's packages
 #   .gpu-carry/partN/          the model assets the suite reads (SmolLM2, the Shakespeare texts) in parts of
 #                              28 MiB, one part per command, each with the manifest
@@ -21,7 +21,7 @@ download() {
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl "$@"
 }
-download cffi pycparser "gguf>=0.10" fastapi "uvicorn>=0.22" "sse-starlette>=1.6" "starlette-context>=0.3.6" \
+download cffi pycparser "gguf>=0.10" "pytest-timeout>=2" fastapi "uvicorn>=0.22" "sse-starlette>=1.6" "starlette-context>=0.3.6" \
     "pydantic-settings>=2" pydantic pydantic-core starlette diskcache annotated-types typing-inspection \
     python-dotenv opentelemetry-api importlib-metadata zipp
 # llama-cpp-python's Python package without its own llama.cpp (pykvq points it at pykvq's)

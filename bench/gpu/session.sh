@@ -36,7 +36,7 @@ export PATH=$SITE/bin:$PATH
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 
 install_wheels() {
-    # cffi, pycparser, gguf, llama-cpp-python and its server's packages: the image lacks them
+    # cffi, pycparser, gguf, pytest-timeout, llama-cpp-python and its server's packages: the image lacks them
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
         "$REPO"/.whl/*.whl
 }
