@@ -3,8 +3,8 @@
 gguf-py reads a value that starts past the end of the file as an empty array and steps on by its size, zero; an
 array whose length a corrupt byte made large (it accepts up to 2**30 elements) is then walked element by element
 on the spot, one Python object per step: one flipped byte cost hours and tens of GiB. This reader refuses any read
-that runs past the end, and reads an array of numbers in one piece (the same fields as gguf-py's, without a call
-per element).
+that runs past the end, and reads arrays of numbers (in one slice) and of strings without gguf-py's calls per
+element, into the same fields as gguf-py's.
 """
 
 from __future__ import annotations
