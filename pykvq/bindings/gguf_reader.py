@@ -52,7 +52,7 @@ def _reader_type() -> type:
             length = self._get(orig_offs + 4, np.uint64)
             np_type = self.gguf_scalar_to_np.get(item_type)
             if np_type is not None:
-                parts = self._number_parts(orig_offs + ARRAY_HEADER_BYTES, np_type, int(length[0]))
+                parts = list(self._get(orig_offs + ARRAY_HEADER_BYTES, np_type, int(length[0])).reshape(-1, 1))
             elif item_type == string:
                 parts = self._string_parts(orig_offs + ARRAY_HEADER_BYTES, int(length[0]))
             else:   # arrays of arrays: gguf-py's walk, each read bounded above
@@ -62,10 +62,7 @@ def _reader_type() -> type:
             # into the file, and the index of each element's value among the parts
             per_element = 2 if item_type == string else 1
             values = range(1 + per_element, len(parts) + 2, per_element)
-            return size, [raw_item_type, length, *parts], list(values), [gguf.GGUFValueType(raw_type), item_type]
-
-        def _number_parts(self, offset: int, np_type: Any, count: int) -> list[np.ndarray]:
-            return list(self._get(offset, np_type, count).reshape(-1, 1))
+            return size, [raw_item_type, length, *parts], list(values), [array, item_type]
 
         def _string_parts(self, offset: int, count: int) -> list[np.ndarray]:
             # gguf-py's _get_str per element, without its per-call overhead: a 262k-token vocabulary is read in
