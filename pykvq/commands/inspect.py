@@ -45,7 +45,8 @@ class KvShape:
         return [h * d for h, d in zip(self.n_head_kv, self.head_dim_v, strict=True)]
 
 
-MAX_LAYERS = 1 << 16
+# llama.cpp's LLAMA_MAX_LAYERS: a model with more does not load (patch 0018), and per-layer lists stay short
+MAX_LAYERS = 512
 
 
 def _per_layer(value: object, n_layer: int, what: str) -> list[int]:
@@ -125,8 +126,9 @@ def kv_cost(shape: KvShape, label: str, types_k: list[str], types_v: list[str], 
     per_token = 0.0
     fixed = 0
     bpe = {t.name: t.bits_per_element for t in native.kv_cache_types()}
+    n_embd_k, n_embd_v = shape.n_embd_k, shape.n_embd_v
     for il in range(shape.n_layer_kv):
-        for name, n_embd in ((types_k[il], shape.n_embd_k[il]), (types_v[il], shape.n_embd_v[il])):
+        for name, n_embd in ((types_k[il], n_embd_k[il]), (types_v[il], n_embd_v[il])):
             per_token += n_embd * bpe[name] / 8
             if name in kv_types.KIVI_BITS:
                 fixed += kv_types.fp16_cells(window, sinks) * n_embd * FP16_BYTES
