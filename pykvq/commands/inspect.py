@@ -9,6 +9,7 @@ import argparse
 import json
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -36,11 +37,12 @@ class KvShape:
     head_dim_v: list[int]
     n_layer_kv: int
 
-    @property
+    # cached: the cost tables read them per layer, and a list rebuilt per read made those quadratic (stop 46)
+    @cached_property
     def n_embd_k(self) -> list[int]:
         return [h * d for h, d in zip(self.n_head_kv, self.head_dim_k, strict=True)]
 
-    @property
+    @cached_property
     def n_embd_v(self) -> list[int]:
         return [h * d for h, d in zip(self.n_head_kv, self.head_dim_v, strict=True)]
 
@@ -126,9 +128,8 @@ def kv_cost(shape: KvShape, label: str, types_k: list[str], types_v: list[str], 
     per_token = 0.0
     fixed = 0
     bpe = {t.name: t.bits_per_element for t in native.kv_cache_types()}
-    n_embd_k, n_embd_v = shape.n_embd_k, shape.n_embd_v
     for il in range(shape.n_layer_kv):
-        for name, n_embd in ((types_k[il], n_embd_k[il]), (types_v[il], n_embd_v[il])):
+        for name, n_embd in ((types_k[il], shape.n_embd_k[il]), (types_v[il], shape.n_embd_v[il])):
             per_token += n_embd * bpe[name] / 8
             if name in kv_types.KIVI_BITS:
                 fixed += kv_types.fp16_cells(window, sinks) * n_embd * FP16_BYTES
