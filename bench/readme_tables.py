@@ -118,9 +118,10 @@ def passkey_table(path: Path) -> str:
     lengths = ", ".join(map(str, record["lengths"]))
     depths = ", ".join(f"{d}%" for d in record["depths"])
     study = f" --study {record['study']}" if record.get("study") else ""
+    note = f" {record['note']}" if "note" in record else ""
     lines = [f"Pass-key retrieval ({record['model']}, lengths {lengths}, key at {depths} of the filler, "
-             f"{record['trials']} keys each, bench/passkey.py{study}):", "",
-             "| KV type | accuracy | below f16 where f16 is right (length@depth) |", "| --- | ---: | --- |"]
+             f"{record['trials']} keys each, bench/passkey.py{study}){note}:",
+             "", "| KV type | accuracy | below f16 where f16 is right (length@depth) |", "| --- | ---: | --- |"]
     # records since the margin was kept: the key's first token's mean lead over the likeliest other token
     margins = all("mean_margin" in s for s in record["summary"])
     if margins:

@@ -41,9 +41,9 @@ struct llama_kvq_params {
     float   select_hh;
     float   select_recent;
     // the prompt's last select_observe tokens are the queries whose attention picks the heavy hitters, each token
-    // scored with its 6 nearest neighbours (SnapKV's observation window and pooling: what the end of the prompt, a
-    // question, looks at, and what surrounds it); 0: all of the prompt's queries, no pooling (MiniKV's
-    // accumulated score). Default 0.
+    // scored with the 8 tokens before it as well (SnapKV's observation window, its pooling reaching forward: what the
+    // end of the prompt, a question, looks at, and the tokens after that, the answer it copies); 0: all of the
+    // prompt's queries, no pooling (MiniKV's accumulated score). Default 0.
     int32_t select_observe;
     // MiniKV's pyramid (PyramidKV's policy): the heavy-hitter share falls linearly from the cache's bottom layer
     // to its top one, select_hh * (2 - 1/depth) down to select_hh / depth, select_hh on average; 1: every layer

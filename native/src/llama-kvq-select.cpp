@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#define KVQ_SELECT_POOL 7
+#define KVQ_SELECT_LEND 8
 
 std::string llama_kvq_check_select(float hh, float recent, int32_t observe, float depth) {
     if (hh == LLAMA_KVQ_FROM_MODEL && recent == LLAMA_KVQ_FROM_MODEL && observe == LLAMA_KVQ_FROM_MODEL &&
@@ -130,13 +130,14 @@ static ggml_tensor * kvq_token_range(ggml_context * ctx, uint32_t first, uint32_
     return ggml_repeat_4d(ctx, row, n, n_head_kv, 1, 1);
 }
 
-// SnapKV's pooling: each token scored with its neighbours (KVQ_SELECT_POOL tokens centred on it), so that the
-// tokens around one the observed queries look at (the rest of a number, of a name) are kept with it
-static ggml_tensor * kvq_pool_scores(ggml_context * ctx, ggml_tensor * mass) {
-    const int half = KVQ_SELECT_POOL/2;
-    ggml_tensor * padded = ggml_pad_ext(ctx, ggml_cont(ctx, mass), half, half, 0, 0, 0, 0, 0, 0);
+// each token scored with the mass of the KVQ_SELECT_LEND tokens before it, its own added: a question at the end of the
+// prompt looks at the words that lead to its answer ("the pass key is"), and copying the answer reads the tokens after
+// them. SnapKV's pool centred on a token (3 before, 3 after) kept too few of those: a 5-digit key lost its last
+// digits in most layers
+static ggml_tensor * kvq_lend_scores(ggml_context * ctx, ggml_tensor * mass) {
+    ggml_tensor * padded = ggml_pad_ext(ctx, ggml_cont(ctx, mass), KVQ_SELECT_LEND, 0, 0, 0, 0, 0, 0, 0);
     ggml_tensor * sum = nullptr;
-    for (int j = 0; j < KVQ_SELECT_POOL; ++j) {
+    for (int j = 0; j <= KVQ_SELECT_LEND; ++j) {
         ggml_tensor * shifted = ggml_view_2d(ctx, padded, mass->ne[0], mass->ne[1], padded->nb[1],
                                              j*ggml_element_size(padded));
         sum = sum ? ggml_add(ctx, sum, shifted) : shifted;
@@ -147,7 +148,7 @@ static ggml_tensor * kvq_pool_scores(ggml_context * ctx, ggml_tensor * mass) {
 ggml_tensor * llama_kvq_kept_tokens(ggml_context * ctx, ggml_tensor * mass, const llama_kvq_select & sel, uint32_t ikv,
         uint32_t n_layer) {
     if (sel.n_observe > 0) {
-        mass = kvq_pool_scores(ctx, mass);
+        mass = kvq_lend_scores(ctx, mass);
     }
     const int64_t  n_head_kv = mass->ne[1];
     const uint32_t n_hh      = sel.n_hh_at(ikv, n_layer);

@@ -53,9 +53,9 @@ llama_kvq_select llama_kvq_select_for(const llama_kvq_params & params, uint32_t 
 ggml_tensor * llama_kvq_causal_mask(ggml_context * ctx, int64_t n);
 
 // the kept token indices I32 [n_keep, n_head_kv] of each KV head of layer ikv of n_layer, in prompt order, from the
-// attention mass F32 [n_prompt, n_head_kv] each prompt token received (with an observation window pooled over
-// neighbouring tokens, as SnapKV does); a dead cell holds the token after it, so that K tiles span what they would
-// without it
+// attention mass F32 [n_prompt, n_head_kv] each prompt token received (with an observation window, a token also gets
+// the mass of the tokens just before it: what follows a token the window looks at); a dead cell holds the token
+// after it, so that K tiles span what they would without it
 ggml_tensor * llama_kvq_kept_tokens(ggml_context * ctx, ggml_tensor * mass, const llama_kvq_select & sel, uint32_t ikv,
         uint32_t n_layer);
 
