@@ -14,8 +14,10 @@ import pytest
 from pykvq import assets, paths
 from pykvq.devtools import upstream
 
-# test helpers (oracles, the device setting) live next to the tests; importlib mode puts nothing on sys.path
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# importlib mode puts nothing on sys.path: the test helpers (oracles, the device setting) live next to the tests, and
+# the benchmarks' own tests import the scripts under bench/ and bench/gpu/
+TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(TESTS), str(TESTS.parent / "bench"), str(TESTS.parent / "bench" / "gpu")]
 
 import device  # noqa: E402
 import kvq_graph as g  # noqa: E402

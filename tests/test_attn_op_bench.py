@@ -4,13 +4,11 @@ gets a row whose bytes follow the formats, for the kivi kernel and upstream's fl
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
-import attn_op  # noqa: E402
+import attn_op
 
 
 def test_a_tiny_sweep_on_the_cpu(tmp_path: Path) -> None:

@@ -9,15 +9,13 @@ from __future__ import annotations
 import ctypes.util
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pykvq.devtools import shared_libraries
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import cuda_kernels  # noqa: E402
+import cuda_kernels
 
 _BUILD = os.environ.get("PYKVQ_TEST_CUDA_BUILD")
 if not _BUILD:

@@ -10,7 +10,6 @@ import functools
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,8 +23,7 @@ from pykvq.kv_types import SELECT_OFF, Selection
 import device
 import state_format
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import passkey  # noqa: E402
+import passkey
 
 N_PROMPT = 600
 N_CONT = 40

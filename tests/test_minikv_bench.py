@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import minikv  # noqa: E402
+import minikv
 
-import device  # noqa: E402
+import device
 
 
 def test_selected_runs_hold_their_share_and_the_record_is_written(monkeypatch: pytest.MonkeyPatch,

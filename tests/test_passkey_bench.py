@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from pykvq import Model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import passkey  # noqa: E402
-import readme_tables  # noqa: E402
+import passkey
+import readme_tables
 
-import device  # noqa: E402
+import device
 
 
 @pytest.mark.parametrize("depth", [0, 50, 100])

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from pykvq import gguf_metadata
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import pre_rope_k  # noqa: E402
+import pre_rope_k
 
 
 def test_a_window_over_every_token_reads_no_quantized_k(hamlet: Path) -> None:

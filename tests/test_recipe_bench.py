@@ -3,12 +3,9 @@ collapsed, and the README table says which were met."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import recipe  # noqa: E402
-from readme_tables import recipe_record_table  # noqa: E402
+import recipe
+from readme_tables import recipe_record_table
 
 
 def row(label: str, delta: float, kv_type: str | None = None, code_bits: float | None = 2.0) -> dict:

@@ -4,16 +4,14 @@ runs on SmolLM2's HF form (transformers loads the GGUF)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import scale_format  # noqa: E402
+import scale_format
 
-from pykvq.convert.kv_calibration import fake_quantize  # noqa: E402
+from pykvq.convert.kv_calibration import fake_quantize
 
 
 def test_e4m3_rounding_goes_the_asked_way_to_representable_values() -> None:

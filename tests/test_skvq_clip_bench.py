@@ -4,7 +4,6 @@ SmolLM2's HF form (transformers loads the GGUF)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import skvq_clip  # noqa: E402
 
 

@@ -4,14 +4,12 @@ capture."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import v_reorder_rotation as study  # noqa: E402
+import v_reorder_rotation as study
 
 
 def test_the_orders_group_channels_of_one_magnitude() -> None:
