@@ -128,7 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-types", default="f16,kivi2", help="comma-separated; each kivi one also runs selected")
     p.add_argument("--kv-select", metavar="HH,RW[,N[,D]]", nargs="*", type=kv_types.parse_select,
                    default=[(0.25, 0.25), (0.125, 0.125), (0.25, 0.25, 32), (0.125, 0.125, 32), (0.25, 0.25, 0, 3.0),
-                            (0.125, 0.125, 0, 3.0), (0.25, 0.25, 32, 3.0)])
+                            (0.125, 0.125, 0, 3.0), (0.25, 0.25, 32, 3.0),
+                            (0.4, 0.1, 32)])
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     p.add_argument("--continuation", type=int, default=256, help="tokens after the prompt, scored")
     p.add_argument("--ngl", type=int, default=0, help="layers on the GPU (99: all)")
