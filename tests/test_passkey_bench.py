@@ -25,6 +25,23 @@ def test_the_key_sits_at_its_depth_and_the_prompt_fits(model: Model, depth: int)
     assert filler.count(passkey.FILLER.strip()) == round(total * depth / 100)
 
 
+@pytest.mark.parametrize("depth", [0, 50, 100])
+def test_in_prose_the_key_sits_at_its_depth_among_whole_lines_and_the_prompt_fits(model: Model, depth: int) -> None:
+    filler = passkey.Filler.of_text("hamlet_gut")
+    prompt = passkey.build_prompt(model, 512, depth, "12345", filler)
+    assert 450 < len(prompt.tokens) <= 512 - passkey.N_ANSWER
+    text = model.detokenize(prompt.tokens)
+    before, after = text[len(passkey.INTRO):text.index(passkey.QUESTION)].split(passkey.NEEDLE.format(key="12345"))
+    n_before, n_after = before.count("\n"), after.count("\n")
+    assert n_before == round((n_before + n_after) * depth / 100)
+    # the stretch is the text's own lines, in order, from the line the key picks
+    start = 12345 % len(filler.lines)
+    assert (before + after).startswith("".join(filler.lines[start:start + 3]))
+    # another key, another stretch of the text
+    other = model.detokenize(passkey.build_prompt(model, 512, depth, "12346", filler).tokens)
+    assert other.replace("12346", "12345") != text
+
+
 def test_an_answer_counts_when_its_first_number_is_the_key() -> None:
     assert passkey.found(" 12345. Remember", "12345")
     assert not passkey.found(" 1234. Remember 12345", "12345")
@@ -102,6 +119,21 @@ def test_a_study_keeps_its_own_record_and_names_it(monkeypatch: pytest.MonkeyPat
     record = tmp_path / "passkey-smollm2-135m-instruct-q4-1-256-at-100-v-halves.json"
     assert [p.name for p in tmp_path.glob("passkey-*.json")] == [record.name]
     assert "bench/passkey.py --study v-halves)" in readme_tables.passkey_table(record)
+
+
+def test_a_prose_filler_keeps_its_own_record_and_names_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(passkey, "RESULTS", tmp_path)
+    passkey.main(["--lengths", "256", "--depths", "100", "--trials", "1", "--kv-types", "f16", "-t", "2",
+                  "--ngl", str(device.NGL), "--filler", "hamlet_gut"])
+    record = tmp_path / "passkey-smollm2-135m-instruct-q4-1-256-at-100-in-hamlet-gut.json"
+    assert [p.name for p in tmp_path.glob("passkey-*.json")] == [record.name]
+    assert json.loads(record.read_text())["filler"] == "hamlet_gut"
+    assert "key at 100% of the lines of hamlet_gut," in readme_tables.passkey_table(record)
+
+
+def test_an_unknown_filler_text_is_a_clear_error() -> None:
+    with pytest.raises(SystemExit, match="--filler no_such_text: no text 'no_such_text'"):
+        passkey.main(["--lengths", "256", "--kv-types", "f16", "--filler", "no_such_text"])
 
 
 @pytest.mark.parametrize("study", ["V halves", "../x", "a--b", "-a", ""])
