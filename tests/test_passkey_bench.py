@@ -105,28 +105,29 @@ def test_rotation_and_clip_go_to_the_kivi_settings_only() -> None:
     assert [passkey.kv_config(s).rotate for s in plain.settings] == [None, None, True]
 
 
-def test_a_run_at_some_depths_keeps_its_own_record(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def one_key_at_100(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *extra: str) -> Path:
+    """The one record a run of one f16 key at 100% of 256 tokens writes, with ``extra`` arguments."""
     monkeypatch.setattr(passkey, "RESULTS", tmp_path)
     passkey.main(["--lengths", "256", "--depths", "100", "--trials", "1", "--kv-types", "f16", "-t", "2",
-                  "--ngl", str(device.NGL)])
-    assert [p.name for p in tmp_path.glob("passkey-*.json")] == ["passkey-smollm2-135m-instruct-q4-1-256-at-100.json"]
+                  "--ngl", str(device.NGL), *extra])
+    records = list(tmp_path.glob("passkey-*.json"))
+    assert len(records) == 1
+    return records[0]
+
+
+def test_a_run_at_some_depths_keeps_its_own_record(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert one_key_at_100(monkeypatch, tmp_path).name == "passkey-smollm2-135m-instruct-q4-1-256-at-100.json"
 
 
 def test_a_study_keeps_its_own_record_and_names_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(passkey, "RESULTS", tmp_path)
-    passkey.main(["--lengths", "256", "--depths", "100", "--trials", "1", "--kv-types", "f16", "-t", "2",
-                  "--ngl", str(device.NGL), "--study", "v-halves"])
-    record = tmp_path / "passkey-smollm2-135m-instruct-q4-1-256-at-100-v-halves.json"
-    assert [p.name for p in tmp_path.glob("passkey-*.json")] == [record.name]
+    record = one_key_at_100(monkeypatch, tmp_path, "--study", "v-halves")
+    assert record.name == "passkey-smollm2-135m-instruct-q4-1-256-at-100-v-halves.json"
     assert "bench/passkey.py --study v-halves)" in readme_tables.passkey_table(record)
 
 
 def test_a_prose_filler_keeps_its_own_record_and_names_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(passkey, "RESULTS", tmp_path)
-    passkey.main(["--lengths", "256", "--depths", "100", "--trials", "1", "--kv-types", "f16", "-t", "2",
-                  "--ngl", str(device.NGL), "--filler", "hamlet_gut"])
-    record = tmp_path / "passkey-smollm2-135m-instruct-q4-1-256-at-100-in-hamlet-gut.json"
-    assert [p.name for p in tmp_path.glob("passkey-*.json")] == [record.name]
+    record = one_key_at_100(monkeypatch, tmp_path, "--filler", "hamlet_gut")
+    assert record.name == "passkey-smollm2-135m-instruct-q4-1-256-at-100-in-hamlet-gut.json"
     assert json.loads(record.read_text())["filler"] == "hamlet_gut"
     assert "key at 100% of the lines of hamlet_gut," in readme_tables.passkey_table(record)
 
