@@ -71,9 +71,14 @@ class Filler:
         text = assets.shakespeare_text(name).read_text(encoding="utf-8")
         return cls(name, tuple(line.strip() + "\n" for line in text.splitlines() if line.strip()))
 
+    @property
+    def repeated(self) -> bool:
+        """One line over and over: counted by its mean token count, so the prompts stay those of earlier records."""
+        return len(self.lines) == 1
+
     def stretch(self, model: Model, n_tokens: int, key: str) -> list[str]:
         """Whole lines of about ``n_tokens`` tokens, from a line the key picks (every prompt its own stretch)."""
-        if len(self.lines) == 1:
+        if self.repeated:
             per_line = len(model.tokenize(self.lines[0] * 10, add_special=False)) / 10
             return list(self.lines) * max(0, int(n_tokens / per_line))
         out: list[str] = []
@@ -99,7 +104,7 @@ def build_prompt(model: Model, length: int, depth: int, key: str, filler: Filler
         text = INTRO + "".join(lines[:before]) + NEEDLE.format(key=key) + "".join(lines[before:]) + QUESTION
         tokens = model.tokenize(text)
         # lines tokenized alone can merge into fewer tokens than together, never many more: a line less fits
-        if len(tokens) + N_ANSWER <= length or not lines or filler is REPEATED:
+        if len(tokens) + N_ANSWER <= length or not lines or filler.repeated:
             break
         lines = lines[:-1]
     if len(tokens) + N_ANSWER > length:
