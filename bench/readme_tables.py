@@ -256,8 +256,13 @@ def v_reorder_rotation_record_table(record: dict) -> str:
 
 def minikv_table(path: Path) -> str:
     record = json.loads(path.read_text())
-    lines = [f"MiniKV prompt selection ({record['model']}, a {record['prompt']}-token prompt of {record['text']} in "
-             f"one ubatch, then PPL of the {record['continuation']} tokens after it decoded one at a time; "
+    samples = record.get("samples", 1)
+    passages = (f"a {record['prompt']}-token prompt of {record['text']} in one ubatch, then PPL of the "
+                f"{record['continuation']} tokens after it" if samples == 1 else
+                f"{samples} passages spread over {record['text']}, each a {record['prompt']}-token prompt in one "
+                f"ubatch, then PPL of the {samples}x{record['continuation']} tokens after them")
+    sinks = f"kivi with {record['kv_sinks']} sinks; " if record.get("kv_sinks") else ""
+    lines = [f"MiniKV prompt selection ({record['model']}, {passages} decoded one at a time; {sinks}"
              f"{record['machine']}; bench/minikv.py):", "",
              "| setting | PPL | vs unselected | cells held | MiB held | vs f16 | prompt t/s | decode t/s |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
