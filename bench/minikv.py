@@ -2,7 +2,7 @@
 
     python bench/minikv.py [--prompt 4096] [--continuation 256] [--kv-select 0.25,0.25 0.125,0.125 0.25,0.25,0,3]
     python bench/minikv.py --model qwen2.5-coder-1.5b --ngl 99
-    python bench/minikv.py --kv-sinks 4 --samples 4 --kv-select 0.4,0.1,32 --study sinks4
+    python bench/minikv.py --kv-types kivi2 --kv-sinks 4 --samples 4 --kv-select 0.25,0.25 0.4,0.1,32
 
 A prompt of --prompt tokens of a Shakespeare text goes in as one ubatch; the --continuation tokens that follow it
 are then decoded one at a time (teacher-forced), as generation would. With --samples K, K such passages spread over
