@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 from decode_speed import RESULTS, machine, model_tag, resolve_model, save_results
+import options
 from tqdm import tqdm
 
 from pykvq import assets, kv_types
@@ -149,22 +149,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=[(0.25, 0.25), (0.125, 0.125), (0.25, 0.25, 32), (0.125, 0.125, 32), (0.25, 0.25, 0, 3.0),
                             (0.125, 0.125, 0, 3.0), (0.25, 0.25, 32, 3.0),
                             (0.4, 0.1, 32)])
-    p.add_argument("--kv-sinks", type=int, help="sinks of the kivi types (default: the model's kvq.sinks, else 0)")
+    p.add_argument("--kv-sinks", type=options.sink_count,
+                   help="sinks of the kivi types (default: the model's kvq.sinks, else 0)")
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     p.add_argument("--continuation", type=int, default=256, help="tokens after the prompt, scored")
     p.add_argument("--samples", type=int, default=1, help="passages of the text, each a prompt and its continuation")
     p.add_argument("--ngl", type=int, default=0, help="layers on the GPU (99: all)")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
-    p.add_argument("--study", metavar="NAME",
+    p.add_argument("--study", metavar="NAME", type=options.study_name,
                    help="what this run takes apart: its record is kept apart under that name")
     args = p.parse_args(argv)
     if args.prompt < 256 or args.continuation < 1 or args.samples < 1:
         p.error("--prompt takes at least 256 tokens, --continuation and --samples at least 1")
-    if args.kv_sinks is not None and args.kv_sinks < 0:
-        p.error("--kv-sinks is a count of 0 or more")
-    if args.study is not None and not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", args.study):
-        p.error(f"--study {args.study!r}: lower-case letters, digits and single hyphens (it names a file)")
     types = [t.strip() for t in args.kv_types.split(",") if t.strip()]
     args.settings = [Setting(t, sinks=args.kv_sinks) for t in types] + [
         Setting(t, s, args.kv_sinks) for s in args.kv_select for t in types if t in kv_types.KIVI_BITS]

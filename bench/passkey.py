@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 from decode_speed import RESULTS, model_tag, resolve_model, save_results
+import options
 from tqdm import tqdm
 
 from pykvq import assets, kv_types
@@ -280,7 +281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ratios and sinks apply as the model says); repeatable")
     p.add_argument("--kv-select", metavar="HH,RW[,N[,D]]", nargs="*", default=[], type=kv_types.parse_select,
                    help="MiniKV selections to run each kivi type under, e.g. 0.25,0.25 0.125,0.125")
-    p.add_argument("--kv-sinks", type=int, help="sinks of the kivi types (default: the model's kvq.sinks, else 0)")
+    p.add_argument("--kv-sinks", type=options.sink_count,
+                   help="sinks of the kivi types (default: the model's kvq.sinks, else 0)")
     p.add_argument("--kv-rotate", type=arguments.rotation, metavar="on|off|SPEC",
                    help="rotation of the kivi types (default: +rot, else the model's kvq.kv_rotate, else off)")
     p.add_argument("--kv-clip", metavar="none|SPEC",
@@ -295,7 +297,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ngl", type=int, default=0, help="layers on the GPU (99: all)")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
-    p.add_argument("--study", metavar="NAME",
+    p.add_argument("--study", metavar="NAME", type=options.study_name,
                    help="what this run takes apart, e.g. v-halves: its record is kept apart under that name and its "
                         "table is captioned with it")
     args = p.parse_args(argv)
@@ -305,10 +307,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--kv-types must start with f16, the reference the others are judged against")
     if any(not 0 <= d <= 100 for d in args.depths) or args.trials < 1 or any(n < 128 for n in args.lengths):
         p.error("depths are percentages 0..100, trials at least 1, lengths at least 128 tokens")
-    if args.kv_sinks is not None and args.kv_sinks < 0:
-        p.error("--kv-sinks is a count of 0 or more")
-    if args.study is not None and not re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", args.study):
-        p.error(f"--study {args.study!r}: lower-case letters, digits and single hyphens (it names a file)")
     args.settings = settings_of(specs, args.kv_select, args.kv_sinks, args.kv_rotate, args.kv_clip)
     return args
 
