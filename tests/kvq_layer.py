@@ -24,6 +24,7 @@ class Case:
     head_dim_v: int | None = None  # None: head_dim
     clip_k: float = 1.0            # SKVQ's clip ratios of the quantized blocks
     clip_v: float = 1.0
+    v_spread: float = 0.0          # V's dithered rounding (ggml_kvq_store_set_v_dither); 0: nearest
     softcap: float = 0.0           # attention logit soft-capping (Gemma 2); 0: none
     sinks: tuple[float, ...] = ()  # learned sink logits per query head (gpt-oss); (): none
 

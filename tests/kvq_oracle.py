@@ -13,9 +13,43 @@ def block_bytes(bits: int) -> int:
     return 4 + QK * bits // 8
 
 
-def quantize_block(x: np.ndarray, bits: int, clip: float = 1.0) -> bytes:
+MASK64 = (1 << 64) - 1
+
+
+def dither_key(layer: int, position: int, channel: int) -> int:
+    """The draw of V's dithered rounding for one value: its layer, its cell's index in its sequence's part, its
+    channel, as fields of one 64-bit key (16, 28 and 20 bits)."""
+    return layer << 48 | position << 20 | channel
+
+
+def dither_threshold(spread: float, key: int) -> int:
+    """The fraction, in 1/2^24ths, that a value's code must reach to round up: 1/2 moved by up to +-spread/2, a
+    uniform draw from the splitmix64 finalizer of ``key`` (its top 24 bits), spread taken in 1/65536ths and the
+    product truncated toward zero."""
+    h = key & MASK64
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & MASK64
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & MASK64
+    h ^= h >> 33
+    offset = (h >> 40) - (1 << 23)
+    spread16 = int(np.float32(spread) * np.float32(65536.0) + np.float32(0.5))
+    moved = abs(offset * spread16) // 65536
+    return (1 << 23) - (moved if offset >= 0 else -moved)
+
+
+def _dithered_codes(t: np.ndarray, qmax: int, spread: float, key: int) -> np.ndarray:
+    codes = np.zeros(QK, dtype=np.int64)
+    for i, ti in enumerate(np.clip(np.nan_to_num(t), 0, qmax).astype(np.float32)):
+        whole = np.floor(ti)
+        fraction = int((ti - whole) * np.float32(1 << 24))
+        codes[i] = min(int(whole) + (fraction >= dither_threshold(spread, key + i)), qmax)
+    return codes
+
+
+def quantize_block(x: np.ndarray, bits: int, clip: float = 1.0, spread: float = 0.0, key: int = 0) -> bytes:
     """One block; clip (SKVQ): the range [min, max] narrowed to [clip*min, clip*max] in float32, values beyond it
-    given the end codes."""
+    given the end codes. spread > 0: V's dithered rounding, value i drawn with key + i (dither_threshold)."""
     x = np.asarray(x, dtype=np.float32)
     assert x.shape == (QK,)
     nbytes, qmax = QK * bits // 8, (1 << bits) - 1
@@ -31,7 +65,10 @@ def quantize_block(x: np.ndarray, bits: int, clip: float = 1.0) -> bytes:
     inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
     with np.errstate(invalid="ignore"):
         t = (v - m) * inv
-    codes = np.nan_to_num(np.rint(np.clip(t, 0, qmax))).astype(np.int64)
+    if spread > 0:
+        codes = _dithered_codes(t, qmax, spread, key)
+    else:
+        codes = np.nan_to_num(np.rint(np.clip(t, 0, qmax))).astype(np.int64)
     codes[~present] = 0
     for i, q in enumerate(codes):
         qs[i % nbytes] |= np.uint8(q << ((i // nbytes) * bits))
@@ -48,9 +85,13 @@ def dequantize_block(block: bytes, bits: int) -> np.ndarray:
     return (m + d * codes).astype(np.float32)
 
 
-def quantize_rows(rows: np.ndarray, bits: int, clip: float = 1.0) -> np.ndarray:
+def quantize_rows(rows: np.ndarray, bits: int, clip: float = 1.0, spread: float = 0.0, layer: int = 0,
+                  positions: np.ndarray | None = None) -> np.ndarray:
+    """Rows of blocks; spread > 0: dithered as V rows of ``layer`` at cells ``positions`` of their parts."""
     rows = np.asarray(rows, dtype=np.float32)
-    out = [b"".join(quantize_block(r[i:i + QK], bits, clip) for i in range(0, r.size, QK)) for r in rows]
+    where = np.zeros(len(rows), dtype=np.int64) if positions is None else positions
+    out = [b"".join(quantize_block(r[i:i + QK], bits, clip, spread, dither_key(layer, int(pos), i))
+                    for i in range(0, r.size, QK)) for r, pos in zip(rows, where, strict=True)]
     return np.frombuffer(b"".join(out), dtype=np.uint8).reshape(len(rows), -1)
 
 

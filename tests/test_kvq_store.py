@@ -1,8 +1,9 @@
 """GGML_KVQ_OP_STORE, a decode step's K and V written in one op (what llama.cpp's graph runs for one token per
 sequence): the cache's bytes after every step against what the separate ops (SEAL_K, STORE_V, both RING_PUTs) write,
 on the CPU, and the CUDA kernel's (emulated on the CPU, tests/kvq_emulation.py) against the CPU's. Streams at
-different depths, tiles completed mid-run, sinks, K and V of other widths, clip ratios, heads narrower than a V block,
-and the values quantization must get right: ±0, NaN, ±65504, values beyond fp16, constant (zero-range) blocks."""
+different depths, tiles completed mid-run, sinks, K and V of other widths, clip ratios, V's dithered rounding, heads
+narrower than a V block, and the values quantization must get right: ±0, NaN, ±65504, values beyond fp16, constant
+(zero-range) blocks."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ CASES = {
                                 [2, 33]),
     "d128/64-h1-w0-s3-k1v4": (Case(128, 1, 1, 0, 3, GGML_TYPE_KIVI1, GGML_TYPE_KIVI4, head_dim_v=64), [0]),
     "d16-h4-w32-2-streams": (Case(16, 4, 4, 32, 0), [31, 7]),
+    "d64-h2-w16-2-streams-v1-dither": (Case(64, 2, 2, 16, 0, v_type=GGML_TYPE_KIVI1, v_spread=1.0), [29, 3]),
+    "d32-h2-w32-s2-v2-half-dither": (Case(32, 2, 2, 32, 2, clip_v=0.9, v_spread=0.5), [40]),
 }
+DITHER_LAYER = 3
 N_STEPS = 40
 
 
@@ -82,8 +86,8 @@ class Cache:
         lib, c = g.libs().base, self.case
         k_cur, v_cur, idxs = self.batch(cells, k, v)
         sealed = lib.ggml_kvq_seal_k(self.ctx.ctx, self.k_tiles, self.k_fp16, k_cur, idxs, c.n_sink, n_seq, c.clip_k)
-        stored = lib.ggml_kvq_store_v(self.ctx.ctx, self.v_rows, lib.ggml_reshape_2d(
-            self.ctx.ctx, v_cur, c.n_head_kv * c.dv, len(cells)), idxs, c.clip_v)
+        stored = self.dithered(lib.ggml_kvq_store_v(self.ctx.ctx, self.v_rows, lib.ggml_reshape_2d(
+            self.ctx.ctx, v_cur, c.n_head_kv * c.dv, len(cells)), idxs, c.clip_v))
         rings = [lib.ggml_kvq_ring_put(self.ctx.ctx, fp16, cur, idxs, stored, c.n_sink, n_seq, self.n_alloc)
                  for fp16, cur in ((self.k_fp16, k_cur), (self.v_fp16, v_cur))]
         self.ctx.compute(sealed, stored, *rings)
@@ -91,8 +95,14 @@ class Cache:
     def store_node(self, cells: np.ndarray, k: np.ndarray, v: np.ndarray):
         lib, c = g.libs().base, self.case
         k_cur, v_cur, idxs = self.batch(cells, k, v)
-        return lib.ggml_kvq_store(self.ctx.ctx, self.k_tiles, self.v_rows, self.k_fp16, self.v_fp16, k_cur, v_cur,
-                                  idxs, idxs, c.n_sink, len(cells), c.clip_k, c.clip_v)
+        return self.dithered(lib.ggml_kvq_store(self.ctx.ctx, self.k_tiles, self.v_rows, self.k_fp16, self.v_fp16,
+                                                k_cur, v_cur, idxs, idxs, c.n_sink, len(cells), c.clip_k, c.clip_v))
+
+    def dithered(self, store):
+        """A store node with the case's V dither, a stream being a sequence's part."""
+        if self.case.v_spread:
+            g.libs().base.ggml_kvq_store_set_v_dither(store, self.case.v_spread, DITHER_LAYER, self.n_alloc)
+        return store
 
 
 def decode(case: Case, prefill: list[int], step: str, emulation: Path | None = None,

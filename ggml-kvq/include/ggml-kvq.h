@@ -56,6 +56,12 @@ GGML_API size_t quantize_kivi1(const float * GGML_RESTRICT src, void * GGML_REST
 // (SKVQ's clipped dynamic quantization, clip in (0, 1]; 1: the plain format), values beyond it given the end codes
 GGML_API void ggml_kvq_quantize_block(const float * GGML_RESTRICT x, void * GGML_RESTRICT block, int bits, float clip);
 
+// The same with V's dithered rounding: value i's code is floor(t) + 1 when the fraction of t = (x - m)/d reaches a
+// threshold drawn from (key + i) (ggml_kvq_dither_threshold) rather than one half; spread16 = 0 rounds to nearest,
+// exactly as ggml_kvq_quantize_block
+GGML_API void ggml_kvq_quantize_block_dithered(const float * GGML_RESTRICT x, void * GGML_RESTRICT block, int bits,
+                                               float clip, int32_t spread16, uint64_t key);
+
 // ggml_validate_row_data for the kivi types: d and m must be finite
 GGML_API bool ggml_kvq_validate_row_data(enum ggml_type type, const void * data, size_t nbytes);
 
@@ -117,6 +123,11 @@ enum ggml_kvq_op {
 #define GGML_KVQ_SOFTCAP_PARAM 8
 // the op param (F32) that holds STORE's clip ratio for V (its K's at GGML_KVQ_CLIP_PARAM)
 #define GGML_KVQ_CLIP_V_PARAM 9
+// the op params of STORE_V's and STORE's V rounding (ggml_kvq_store_set_v_dither): its spread (F32, 0: nearest),
+// the layer and the cells of a sequence's part (I32)
+#define GGML_KVQ_V_SPREAD_PARAM 10
+#define GGML_KVQ_V_LAYER_PARAM  11
+#define GGML_KVQ_V_PART_PARAM   12
 
 // the contract's arithmetic below is shared by the CPU and the CUDA kernels
 #ifdef __CUDACC__
@@ -124,6 +135,40 @@ enum ggml_kvq_op {
 #else
 #define GGML_KVQ_HOST_DEVICE
 #endif
+
+//
+// V's dithered rounding. Rounded to nearest, identical tokens get identical V codes, hence identical errors, which
+// add up rather than average out where attention spreads over repeated content. Dithered, a value's code is
+// floor(t) + 1 when the fraction of t reaches a threshold drawn uniformly from [1/2 - spread/2, 1/2 + spread/2]
+// (spread 1: stochastic rounding, unbiased; 0: nearest), the draw a hash of (layer, the cell's index in its
+// sequence's part, channel): deterministic, the same whatever the cache's layout and on every backend. The
+// arithmetic is integer so that every backend draws the same codes; spread16 is the spread in 1/65536ths.
+//
+
+static inline GGML_KVQ_HOST_DEVICE int32_t ggml_kvq_spread16(float spread) {
+    return (int32_t) (spread*65536.0f + 0.5f);
+}
+
+// value `channel` of the V row of the cell `pos` cells into its sequence's part, in `layer`
+static inline GGML_KVQ_HOST_DEVICE uint64_t ggml_kvq_dither_key(int32_t layer, int64_t pos, int64_t channel) {
+    return (uint64_t) layer << 48 | (uint64_t) pos << 20 | (uint64_t) channel;
+}
+
+// the threshold, in 1/2^24ths, that a key's fraction must reach to round up
+static inline GGML_KVQ_HOST_DEVICE int64_t ggml_kvq_dither_threshold(int32_t spread16, uint64_t key) {
+    uint64_t h = key;
+    h ^= h >> 33; h *= 0xff51afd7ed558ccdULL; h ^= h >> 33; h *= 0xc4ceb9fe1a85ec53ULL; h ^= h >> 33;
+    const int64_t offset = (int64_t) (h >> 40) - (1 << 23);
+    return (1 << 23) - offset*spread16/65536;
+}
+
+// the code of t (already clamped to [0, qmax]) under that threshold; t's fraction taken exactly
+static inline GGML_KVQ_HOST_DEVICE int ggml_kvq_dithered_code(float t, int qmax, int32_t spread16, uint64_t key) {
+    const float   whole = floorf(t);
+    const int64_t frac  = (int64_t) ((t - whole)*16777216.0f);
+    const int     q     = (int) whole + (frac >= ggml_kvq_dither_threshold(spread16, key) ? 1 : 0);
+    return q < qmax ? q : qmax;
+}
 
 // The attention contract per query at cell i: K below ggml_kvq_lim_k and V below ggml_kvq_lim_v are read
 // quantized, unless sinks (cells below n_sink)
@@ -223,6 +268,10 @@ GGML_API struct ggml_tensor * ggml_kvq_store(
         int32_t               n_seq,
         float                 clip_k,
         float                 clip_v);
+
+// V's dithered rounding for a STORE_V or STORE node of `layer` (see ggml_kvq_dithered_code): spread in [0, 1] (0, the
+// default: nearest); the cell a row lands in is its index modulo part_cells (a stream, or a unified cache's region)
+GGML_API void ggml_kvq_store_set_v_dither(struct ggml_tensor * store, float spread, int32_t layer, int64_t part_cells);
 
 // attention of q [head_dim, n_head, n_tokens] over cells 0 .. n_kv-1 of its stream (n_kv = mask->ne[0]), reading the
 // quantized tiles and rows directly. Query at cell i attends cell j through its fp16 value when

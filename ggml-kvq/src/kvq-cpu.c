@@ -59,12 +59,17 @@ static void kvq_seal_k(const struct ggml_compute_params * params, struct ggml_te
 // STORE_V
 //
 
-// rows r of x (F32, n_rows rows nb1 apart) into rows idxs[r] of v_rows, each group's range clipped by `clip`
-static void kvq_store_rows(const struct ggml_compute_params * params, const struct ggml_tensor * v_rows,
-                           const char * x, size_t nb1, int64_t n_rows, const struct ggml_tensor * idxs, float clip) {
+// rows r of x (F32, n_rows rows nb1 apart) into rows idxs[r] of v_rows, each group's range clipped by `clip`, its
+// codes rounded as dst's V dither says (ggml_kvq_store_set_v_dither)
+static void kvq_store_rows(const struct ggml_compute_params * params, const struct ggml_tensor * dst,
+                           const struct ggml_tensor * v_rows, const char * x, size_t nb1, int64_t n_rows,
+                           const struct ggml_tensor * idxs, float clip) {
     const int     bits     = ggml_kvq_bits(v_rows->type);
     const size_t  bb       = ggml_kvq_block_bytes(bits);
     const int64_t n_blocks = v_rows->ne[0]/QK_KIVI;
+    const int32_t spread16 = ggml_kvq_spread16(ggml_get_op_params_f32(dst, GGML_KVQ_V_SPREAD_PARAM));
+    const int32_t layer    = ggml_get_op_params_i32(dst, GGML_KVQ_V_LAYER_PARAM);
+    const int32_t part     = ggml_get_op_params_i32(dst, GGML_KVQ_V_PART_PARAM);
 
     for (int64_t r = params->ith; r < n_rows; r += params->nth) {
         const int64_t row = ((const int64_t *) idxs->data)[r];
@@ -72,14 +77,15 @@ static void kvq_store_rows(const struct ggml_compute_params * params, const stru
         const float * xr = (const float *) (x + r*nb1);
         uint8_t     * y  = (uint8_t *) v_rows->data + row*v_rows->nb[1];
         for (int64_t ib = 0; ib < n_blocks; ++ib) {
-            ggml_kvq_quantize_block(xr + ib*QK_KIVI, y + ib*bb, bits, clip);
+            const uint64_t key = spread16 == 0 ? 0 : ggml_kvq_dither_key(layer, row % part, ib*QK_KIVI);
+            ggml_kvq_quantize_block_dithered(xr + ib*QK_KIVI, y + ib*bb, bits, clip, spread16, key);
         }
     }
 }
 
 static void kvq_store_v(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * v = dst->src[1];
-    kvq_store_rows(params, dst->src[0], v->data, v->nb[1], v->ne[1], dst->src[2],
+    kvq_store_rows(params, dst, dst->src[0], v->data, v->nb[1], v->ne[1], dst->src[2],
                    ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM));
 }
 
@@ -133,7 +139,7 @@ static void kvq_ring_put(const struct ggml_compute_params * params, struct ggml_
 static void kvq_store(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * v_cur = dst->src[6];
     kvq_seal_tiles(params, dst, dst->src[0], dst->src[1], dst->src[2], dst->src[3]);
-    kvq_store_rows(params, dst->src[4], v_cur->data, v_cur->nb[2], v_cur->ne[2], dst->src[7],
+    kvq_store_rows(params, dst, dst->src[4], v_cur->data, v_cur->nb[2], v_cur->ne[2], dst->src[7],
                    ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_V_PARAM));
     kvq_put_fp16(params, dst, dst->src[1], dst->src[2], dst->src[3]);
     kvq_put_fp16(params, dst, dst->src[5], v_cur, dst->src[3]);

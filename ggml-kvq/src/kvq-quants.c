@@ -25,9 +25,11 @@ static float kivi_clip_bound(float v, float clip) {
 }
 
 // One block. The codes are computed from the fp16-rounded d and m that dequantization will use, with
-// a subtraction, a multiplication and a round-to-nearest-even: no operation a compiler could fuse,
-// so SIMD paths and the numpy oracle reproduce it exactly.
-void ggml_kvq_quantize_block(const float * GGML_RESTRICT x, void * GGML_RESTRICT out, int bits, float clip) {
+// a subtraction, a multiplication and a round-to-nearest-even (or the dither's integer threshold): no operation a
+// compiler could fuse, so SIMD paths and the numpy oracle reproduce it exactly.
+void ggml_kvq_quantize_block_dithered(const float * GGML_RESTRICT x, void * GGML_RESTRICT out, int bits, float clip,
+                                      int32_t spread16, uint64_t key) {
+    GGML_ASSERT(spread16 >= 0 && spread16 <= 65536);
     GGML_ASSERT(clip > 0.0f && clip <= 1.0f);
     uint8_t   * block  = (uint8_t *) out;
     const int   nbytes = QK_KIVI*bits/8;
@@ -65,9 +67,14 @@ void ggml_kvq_quantize_block(const float * GGML_RESTRICT x, void * GGML_RESTRICT
         }
         const float t = (kivi_saturate(x[i]) - m)*id;
         // clamp before converting: with a subnormal d, t can exceed the range of int
-        const int   q = (int) nearbyintf(t < 0.0f ? 0.0f : (t > qmax ? (float) qmax : t));
+        const float tc = t < 0.0f ? 0.0f : (t > qmax ? (float) qmax : t);
+        const int   q  = spread16 == 0 ? (int) nearbyintf(tc) : ggml_kvq_dithered_code(tc, qmax, spread16, key + i);
         qs[i % nbytes] |= (uint8_t) (q << ((i / nbytes)*bits));
     }
+}
+
+void ggml_kvq_quantize_block(const float * GGML_RESTRICT x, void * GGML_RESTRICT out, int bits, float clip) {
+    ggml_kvq_quantize_block_dithered(x, out, bits, clip, 0, 0);
 }
 
 static void kivi_dequantize_block(const uint8_t * GGML_RESTRICT block, float * GGML_RESTRICT y, int bits) {

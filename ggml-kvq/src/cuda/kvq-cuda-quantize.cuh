@@ -25,9 +25,11 @@ static __device__ __forceinline__ float kvq_saturate(float x) {
 }
 
 // One block of 32 values into a 4-byte aligned block: fp16 d and m, then the codes (byte i % nbytes,
-// bit (i / nbytes)*bits), assembled as 32-bit words; the range clipped by `clip` (ggml_kvq_quantize_block).
+// bit (i / nbytes)*bits), assembled as 32-bit words; the range clipped by `clip`, the codes dithered by spread16
+// and key (ggml_kvq_quantize_block_dithered; 0: nearest).
 template <int bits>
-static __device__ void kvq_quantize_block(const float * x, uint32_t * block, const float clip) {
+static __device__ void kvq_quantize_block(const float * x, uint32_t * block, const float clip, const int32_t spread16 = 0,
+                                          const uint64_t key = 0) {
     constexpr int nbytes = QK_KIVI*bits/8;
     constexpr int qmax   = (1 << bits) - 1;
 
@@ -75,7 +77,8 @@ static __device__ void kvq_quantize_block(const float * x, uint32_t * block, con
             continue;
         }
         const float t = __fmul_rn(__fsub_rn(kvq_saturate(x[i]), m), id);
-        const int   q = (int) rintf(t < 0.0f ? 0.0f : (t > qmax ? (float) qmax : t));
+        const float tc = t < 0.0f ? 0.0f : (t > qmax ? (float) qmax : t);
+        const int   q  = spread16 == 0 ? (int) rintf(tc) : ggml_kvq_dithered_code(tc, qmax, spread16, key + i);
         qs[i % nbytes / 4] |= (uint32_t) q << (8*(i % nbytes % 4) + i / nbytes*bits);
     }
     block[0] = (uint32_t) __half_as_ushort(dh) | (uint32_t) __half_as_ushort(mh) << 16;
@@ -87,10 +90,27 @@ static __device__ void kvq_quantize_block(const float * x, uint32_t * block, con
 
 // the same, for a width known at run time
 static __device__ __forceinline__ void kvq_quantize_block_bits(const float * x, uint32_t * block, const int bits,
-                                                               const float clip) {
+                                                               const float clip, const int32_t spread16, const uint64_t key) {
     switch (bits) {
-        case 1:  kvq_quantize_block<1>(x, block, clip); break;
-        case 2:  kvq_quantize_block<2>(x, block, clip); break;
-        default: kvq_quantize_block<4>(x, block, clip); break;
+        case 1:  kvq_quantize_block<1>(x, block, clip, spread16, key); break;
+        case 2:  kvq_quantize_block<2>(x, block, clip, spread16, key); break;
+        default: kvq_quantize_block<4>(x, block, clip, spread16, key); break;
     }
+}
+
+// V's dithered rounding as a STORE_V or STORE node asks it (ggml_kvq_store_set_v_dither)
+struct kvq_v_dither {
+    int32_t spread16;
+    int32_t layer;
+    int32_t part_cells;
+};
+
+static kvq_v_dither kvq_v_dither_of(const ggml_tensor * dst) {
+    return { ggml_kvq_spread16(ggml_get_op_params_f32(dst, GGML_KVQ_V_SPREAD_PARAM)),
+             ggml_get_op_params_i32(dst, GGML_KVQ_V_LAYER_PARAM), ggml_get_op_params_i32(dst, GGML_KVQ_V_PART_PARAM) };
+}
+
+// the key of the block starting at `channel` of V row `row`
+static __device__ __forceinline__ uint64_t kvq_v_dither_key(const kvq_v_dither & dither, const int64_t row, const int64_t channel) {
+    return dither.spread16 == 0 ? 0 : ggml_kvq_dither_key(dither.layer, row % dither.part_cells, channel);
 }

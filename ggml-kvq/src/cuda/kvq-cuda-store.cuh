@@ -99,6 +99,7 @@ struct kvq_store_params {
     int             v_bits;
     float           clip_k;
     float           clip_v;
+    kvq_v_dither    v_dither;
 };
 
 static __global__ void kvq_store_kernel(const kvq_store_params p) {
@@ -133,7 +134,8 @@ static __global__ void kvq_store_kernel(const kvq_store_params p) {
                 x[u] = kvq_cur_row(v, 0, (c + u) / v.head_dim)[(c + u) % v.head_dim];
             }
             kvq_quantize_block_bits(x, (uint32_t *) (p.v_rows + p.v_cells[s]*p.v_rows_nb1 +
-                                                     (size_t) (c/QK_KIVI)*kvq_block_bytes(p.v_bits)), p.v_bits, p.clip_v);
+                                                     (size_t) (c/QK_KIVI)*kvq_block_bytes(p.v_bits)), p.v_bits, p.clip_v,
+                                    p.v_dither.spread16, kvq_v_dither_key(p.v_dither, p.v_cells[s], c));
         }
     }
 }
@@ -163,6 +165,7 @@ static kvq_store_params kvq_store_make_params(const ggml_tensor * dst) {
     p.v_bits      = ggml_kvq_bits(v_rows->type);
     p.clip_k      = ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM);
     p.clip_v      = ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_V_PARAM);
+    p.v_dither    = kvq_v_dither_of(dst);
     return p;
 }
 

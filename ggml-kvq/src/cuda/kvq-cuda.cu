@@ -8,7 +8,7 @@
 
 //
 // set_rows into a kivi tensor: upstream's ggml_set_rows (rows broadcast over dims 2 and 3, like
-// set-rows.cu), and STORE_V (the same with a clip ratio), one thread per 32-value block
+// set-rows.cu), and STORE_V (the same with a clip ratio and V's dither), one thread per 32-value block
 //
 
 template <typename idx_t, int bits>
@@ -18,7 +18,7 @@ static __global__ void kvq_set_rows_kernel(
         const size_t nb10, const size_t nb11, const size_t nb12,
         const size_t nb1, const size_t nb2, const size_t nb3,
         const uint3 blocks_per_row, const uint3 ne01, const uint3 ne02, const uint3 ne11, const uint3 ne12,
-        const float clip) {
+        const float clip, const kvq_v_dither dither) {
     const int64_t i = (int64_t) blockDim.x*blockIdx.x + threadIdx.x;
     if (i >= n_blocks) {
         return;
@@ -41,7 +41,8 @@ static __global__ void kvq_set_rows_kernel(
     for (int u = 0; u < QK_KIVI; ++u) {
         xs[u] = x[u];
     }
-    kvq_quantize_block<bits>(xs, (uint32_t *) (dst + row*nb1 + i02*nb2 + i03*nb3 + (size_t) ib*kvq_block_bytes(bits)), clip);
+    kvq_quantize_block<bits>(xs, (uint32_t *) (dst + row*nb1 + i02*nb2 + i03*nb3 + (size_t) ib*kvq_block_bytes(bits)), clip,
+                             dither.spread16, kvq_v_dither_key(dither, row, (int64_t) ib*QK_KIVI));
 }
 
 //
@@ -161,7 +162,7 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 
 template <typename idx_t, int bits>
 static void kvq_set_rows_launch(const ggml_tensor * src0, const ggml_tensor * src1, ggml_tensor * dst, float clip,
-                                cudaStream_t stream) {
+                                const kvq_v_dither & dither, cudaStream_t stream) {
     GGML_TENSOR_BINARY_OP_LOCALS
 
     const int64_t n_blocks = ne00/QK_KIVI*ne01*ne02*ne03;
@@ -174,23 +175,24 @@ static void kvq_set_rows_launch(const ggml_tensor * src0, const ggml_tensor * sr
         (const char *) src0->data, (const char *) src1->data, (char *) dst->data, n_blocks,
         nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3,
         init_fastdiv_values(ne00/QK_KIVI), init_fastdiv_values(ne01), init_fastdiv_values(ne02),
-        init_fastdiv_values(ne11), init_fastdiv_values(ne12), clip);
+        init_fastdiv_values(ne11), init_fastdiv_values(ne12), clip, dither);
     CUDA_CHECK(cudaGetLastError());
 }
 
 template <int bits>
 static void kvq_set_rows_bits(const ggml_tensor * src0, const ggml_tensor * src1, ggml_tensor * dst, float clip,
-                              cudaStream_t stream) {
+                              const kvq_v_dither & dither, cudaStream_t stream) {
     if (src1->type == GGML_TYPE_I64) {
-        kvq_set_rows_launch<int64_t, bits>(src0, src1, dst, clip, stream);
+        kvq_set_rows_launch<int64_t, bits>(src0, src1, dst, clip, dither, stream);
     } else {
-        kvq_set_rows_launch<int32_t, bits>(src0, src1, dst, clip, stream);
+        kvq_set_rows_launch<int32_t, bits>(src0, src1, dst, clip, dither, stream);
     }
 }
 
-// rows src0 F32 into the rows src1 (I64 or I32) of the kivi tensor dst, ranges clipped by `clip`
+// rows src0 F32 into the rows src1 (I64 or I32) of the kivi tensor dst, ranges clipped by `clip`, codes dithered as
+// `dither` says
 static void kvq_set_rows(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
-                         ggml_tensor * dst, float clip) {
+                         ggml_tensor * dst, float clip, const kvq_v_dither & dither) {
     GGML_ASSERT(src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float));
     GGML_ASSERT(src1->type == GGML_TYPE_I64 || src1->type == GGML_TYPE_I32);
     GGML_ASSERT(ggml_kvq_is_kivi(dst->type) && src0->ne[0] % QK_KIVI == 0 && src0->ne[0] == dst->ne[0]);
@@ -198,19 +200,19 @@ static void kvq_set_rows(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
 
     cudaStream_t stream = ctx.stream();
     switch (ggml_kvq_bits(dst->type)) {
-        case 1:  kvq_set_rows_bits<1>(src0, src1, dst, clip, stream); break;
-        case 2:  kvq_set_rows_bits<2>(src0, src1, dst, clip, stream); break;
-        default: kvq_set_rows_bits<4>(src0, src1, dst, clip, stream); break;
+        case 1:  kvq_set_rows_bits<1>(src0, src1, dst, clip, dither, stream); break;
+        case 2:  kvq_set_rows_bits<2>(src0, src1, dst, clip, dither, stream); break;
+        default: kvq_set_rows_bits<4>(src0, src1, dst, clip, dither, stream); break;
     }
 }
 
 void ggml_cuda_kvq_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    kvq_set_rows(ctx, dst->src[0], dst->src[1], dst, 1.0f);
+    kvq_set_rows(ctx, dst->src[0], dst->src[1], dst, 1.0f, kvq_v_dither { 0, 0, 1 });
 }
 
-// STORE_V: upstream's set_rows with a clip ratio; dst is a view of the V rows (src[0])
+// STORE_V: upstream's set_rows with a clip ratio and V's dither; dst is a view of the V rows (src[0])
 static void kvq_store_v(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    kvq_set_rows(ctx, dst->src[1], dst->src[2], dst, ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM));
+    kvq_set_rows(ctx, dst->src[1], dst->src[2], dst, ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM), kvq_v_dither_of(dst));
 }
 
 void ggml_cuda_op_kvq(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
