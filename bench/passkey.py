@@ -5,14 +5,16 @@
     python bench/passkey.py --kv-types f16,kivi2 --kv-select 0.25,0.25 0.125,0.125
     python bench/passkey.py --model model.kvq.gguf --kv-types f16 --kv-layers 'k:0-9=kivi4,10-=kivi2;v:*=kivi2'
     python bench/passkey.py --model model.kvq.gguf --kv-types f16,kivi2 --kv-rotate off --kv-clip none
+    python bench/passkey.py --model model.kvq.gguf --kv-types f16 --kv-layers 'asymkv:16/8' --kv-dither 1
 
 Each prompt is filler text of about `length` tokens with "The pass key is NNNNN. Remember it." at `depth`
 percent of it, then "What is the pass key? The pass key is"; the answer is decoded greedily and counts when
 its first number is the key; each answer also records the probability of the key's first token where the answer
 starts and its margin over the likeliest other token (a near-tie in f16 itself makes that prompt a coin toss for any
 perturbation of the cache). --kv-select adds, for each kivi type, a run per MiniKV selection (heavy-hitter and
-recent shares of the prompt; the prompt then goes in as one ubatch). --kv-rotate and --kv-clip set the kivi runs'
-rotation and clip ratios over the model's kvq.kv_rotate / kvq.kv_clip (e.g. to take a calibrated recipe apart).
+recent shares of the prompt; the prompt then goes in as one ubatch). --kv-rotate, --kv-clip and --kv-dither set the
+kivi runs' rotation, clip ratios and V dither over the model's kvq.kv_rotate / kvq.kv_clip / kvq.kv_dither (e.g. to
+take a calibrated recipe apart).
 --filler hides the key in a text's lines instead of the repeated ones (prose: each prompt a stretch of it from a line
 its key picks). Every type sees the same prompts (the same keys, from --seed). A type is judged against f16 at the
 depths and lengths the model itself gets right there. Writes bench/results/passkey-<model>-<lengths>.json and .png
@@ -120,12 +122,13 @@ class Setting:
     sinks: int | None = None  # kivi types only
     rotate: str | None = None  # kivi types only: the --kv-rotate spec, None: +rot, else the model's
     clip: str | None = None    # kivi types only: the --kv-clip spec, None: the model's
+    dither: str | None = None  # kivi types only: the --kv-dither spec, None: the model's
 
     @property
     def label(self) -> str:
         label = self.spec.label + (f" +{self.sinks} sinks" if self.sinks else "")
-        label += "".join(f" {what} {value}" for what, value in (("rot", self.rotate), ("clip", self.clip))
-                         if value is not None)
+        label += "".join(f" {what} {value}" for what, value in (("rot", self.rotate), ("clip", self.clip),
+                                                                ("dither", self.dither)) if value is not None)
         if self.select is None:
             return label
         return f"{label} sel {kv_types.selection_label(self.select)}"
@@ -135,17 +138,17 @@ def kv_config(setting: Setting) -> KvConfig:
     spec = setting.spec
     rotate = setting.rotate if setting.rotate is not None else (True if spec.rotate else None)
     return KvConfig(spec.name, spec.name, rotate=rotate, layers=spec.layers or "none", select=setting.select,
-                    sinks=setting.sinks, clip=setting.clip)
+                    sinks=setting.sinks, clip=setting.clip, dither=setting.dither)
 
 
 def settings_of(specs: list[KvSpec], selects: list[kv_types.Selection], sinks: int | None = None,
-                rotate: str | None = None, clip: str | None = None) -> list[Setting]:
-    """Each type as given, then each kivi type under each selection; kivi types with `sinks` sinks, rotated and
-    clipped as given."""
+                rotate: str | None = None, clip: str | None = None, dither: str | None = None) -> list[Setting]:
+    """Each type as given, then each kivi type under each selection; kivi types with `sinks` sinks, rotated, clipped
+    and V-dithered as given."""
     def setting(spec: KvSpec, select: kv_types.Selection | None = None) -> Setting:
         if not spec.is_kivi:
             return Setting(spec, select)
-        return Setting(spec, select, sinks, rotate, clip)
+        return Setting(spec, select, sinks, rotate, clip, dither)
 
     plain = [setting(spec) for spec in specs]
     return plain + [setting(spec, select) for select in selects for spec in specs if spec.is_kivi]
@@ -287,6 +290,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="rotation of the kivi types (default: +rot, else the model's kvq.kv_rotate, else off)")
     p.add_argument("--kv-clip", metavar="none|SPEC",
                    help="SKVQ's clip ratios of the kivi types (default: the model's kvq.kv_clip, else none)")
+    p.add_argument("--kv-dither", metavar="none|SPREAD|SPEC",
+                   help="V's dithered rounding of the kivi types (default: the model's kvq.kv_dither, else none)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--depths", type=int, nargs="+", default=DEPTHS)
     p.add_argument("--trials", type=int, default=3, help="keys per length and depth")
@@ -307,7 +312,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--kv-types must start with f16, the reference the others are judged against")
     if any(not 0 <= d <= 100 for d in args.depths) or args.trials < 1 or any(n < 128 for n in args.lengths):
         p.error("depths are percentages 0..100, trials at least 1, lengths at least 128 tokens")
-    args.settings = settings_of(specs, args.kv_select, args.kv_sinks, args.kv_rotate, args.kv_clip)
+    args.settings = settings_of(specs, args.kv_select, args.kv_sinks, args.kv_rotate, args.kv_clip, args.kv_dither)
     return args
 
 
@@ -329,14 +334,15 @@ def main(argv: list[str] | None = None) -> None:
         rows = run(model, args.settings, prompts, args.threads)
     record = {"model": name, "lengths": args.lengths, "depths": args.depths, "trials": args.trials,
               "seed": args.seed, "ngl": args.ngl, "kv_sinks": args.kv_sinks, "kv_rotate": args.kv_rotate,
-              "kv_clip": args.kv_clip, "study": args.study, "filler": args.filler,
+              "kv_clip": args.kv_clip, "kv_dither": args.kv_dither, "study": args.study, "filler": args.filler,
               "kv_types": [s.label for s in args.settings], "rows": rows}
     record["summary"] = summary(record)
     # a run at some depths only must not overwrite the record of every depth
     variant = "" if args.depths == DEPTHS else "-at-" + "-".join(map(str, args.depths))
     variant += ("-select" if args.kv_select else "") + (f"-sinks{args.kv_sinks}" if args.kv_sinks else "")
     variant += "".join(f"-{what}-{value if value in ('on', 'off', 'none') else 'spec'}"
-                       for what, value in (("rot", args.kv_rotate), ("clip", args.kv_clip)) if value is not None)
+                       for what, value in (("rot", args.kv_rotate), ("clip", args.kv_clip), ("dither", args.kv_dither))
+                       if value is not None)
     variant += f"-in-{args.filler.replace('_', '-')}" if args.filler else ""
     variant += f"-{args.study}" if args.study else ""
     save_results(RESULTS / f"passkey-{model_tag(name)}-{'-'.join(map(str, args.lengths))}{variant}", record, plot,

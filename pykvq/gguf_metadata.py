@@ -1,16 +1,19 @@
 """pykvq's ``kvq.*`` metadata in GGUF files: written into a copy of a model, read back.
 
-Schema, version 3 (version 1 files, which cannot hold kvq.kv_clip, and version 2 ones, which cannot hold kvq.kv_rotate,
-are read as they are). What the KV cache uses: ``kvq.kv_layers``, ``kvq.kv_clip``, ``kvq.kv_rotate``, ``kvq.window``
-and ``kvq.sinks``, read by the patched llama.cpp itself wherever the caller gives no per-layer types, clip ratios,
-rotation, window or sinks (and checked by pykvq run / perplexity first). The
+Schema, version 4 (version 1 files, which cannot hold kvq.kv_clip, version 2 ones, which cannot hold kvq.kv_rotate,
+and version 3 ones, which cannot hold kvq.kv_dither, are read as they are). What the KV cache uses: ``kvq.kv_layers``,
+``kvq.kv_clip``, ``kvq.kv_rotate``, ``kvq.kv_dither``, ``kvq.window`` and ``kvq.sinks``, read by the patched llama.cpp
+itself wherever the caller gives no per-layer types, clip ratios, rotation, V dither, window or sinks (and checked by
+pykvq run / perplexity first). The
 rest records how they were chosen, for later methods.
 
-    kvq.version                    uint32   3
+    kvq.version                    uint32   4
     kvq.kv_layers                  string   per-layer K/V types, the --kv-layers form
     kvq.kv_clip                    string   SKVQ's per-layer K/V clip ratios, the --kv-clip form
     kvq.kv_rotate                  string   Hadamard rotation of the kivi layers' K/V: on, off, or per layer (the
                                             --kv-rotate form)
+    kvq.kv_dither                  string   spread of V's dithered rounding: one for every layer, or per layer (the
+                                            --kv-dither form)
     kvq.window                     uint32   default kivi window (recent tokens kept in fp16), at most 2^31-1
     kvq.sinks                      uint32   default kivi sinks (first tokens kept in fp16), at most 2^31-1
     kvq.kv_budget                  float32  mean code bits per element the mix was chosen for
@@ -61,13 +64,14 @@ from pykvq.bindings.native import INT32_MAX
 
 log = logging.getLogger("pykvq.gguf")
 
-KVQ_VERSION = 3
-# what this pykvq reads: version 1 lacks kvq.kv_clip, 2 kvq.kv_rotate, and they mean the same otherwise
-READ_VERSIONS = (1, 2, 3)
+KVQ_VERSION = 4
+# what this pykvq reads: version 1 lacks kvq.kv_clip, 2 kvq.kv_rotate, 3 kvq.kv_dither, and they mean the same otherwise
+READ_VERSIONS = (1, 2, 3, 4)
 KEY_VERSION = "kvq.version"
 KEY_LAYERS = "kvq.kv_layers"
 KEY_CLIP = "kvq.kv_clip"
 KEY_ROTATE = "kvq.kv_rotate"
+KEY_DITHER = "kvq.kv_dither"
 KEY_SELECT = "kvq.select"  # MiniKV's prompt selection, "HH,RW[,N[,D]]" as --kv-select takes it
 KEY_WINDOW = "kvq.window"
 KEY_SINKS = "kvq.sinks"
@@ -173,8 +177,8 @@ def _kind(value: object) -> str:
 
 
 def validate_settings(kvq: dict[str, object], n_layer: int) -> None:
-    """GgufError when the kvq.* settings a KV cache takes (per-layer types, clip ratios and rotation, window, sinks,
-    prompt selection), or the whole numbers recorded with them, are of the wrong kind or do not fit a model of
+    """GgufError when the kvq.* settings a KV cache takes (per-layer types, clip ratios, rotation, V dither, window,
+    sinks, prompt selection), or the whole numbers recorded with them, are of the wrong kind or do not fit a model of
     ``n_layer`` layers."""
     from pykvq import kv_types
 
@@ -193,7 +197,8 @@ def validate_settings(kvq: dict[str, object], n_layer: int) -> None:
                                 "type needs a kivi V type and the other way round")
     from pykvq.bindings import native
 
-    for key, resolve in ((KEY_CLIP, native.resolve_clip), (KEY_ROTATE, native.resolve_rotation)):
+    for key, resolve in ((KEY_CLIP, native.resolve_clip), (KEY_ROTATE, native.resolve_rotation),
+                         (KEY_DITHER, native.resolve_dither)):
         spec = kvq.get(key)
         if spec is None:
             continue

@@ -154,7 +154,7 @@ def test_inspect_shows_the_metadata_and_the_memory(calibrated: tuple[Path, subpr
 
 
 @pytest.mark.parametrize("metadata, needle", [
-    ({"kvq.version": 4}, "version 4"),
+    ({"kvq.version": 5}, "version 5"),
     ({gguf_metadata.KEY_ROTATE: "k:*=sideways"}, "not on or off"),
     ({gguf_metadata.KEY_ROTATE: "k:0-1=on"}, "kvq.kv_rotate does not fit its 3 layers"),
     ({gguf_metadata.KEY_CLIP: "k:*=1.5"}, "not a clip ratio in (0, 1]"),

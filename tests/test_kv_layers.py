@@ -137,13 +137,13 @@ def test_the_cache_allocates_the_metadata_layers(tagged: Path, model: Model) -> 
 
 def test_metadata_of_another_version_is_refused(smollm2: Path, tmp_path: Path) -> None:
     future = tmp_path / "future.gguf"
-    gguf_metadata.write_copy(smollm2, future, {"kvq.version": 4, gguf_metadata.KEY_LAYERS: "asymkv:20/5"})
-    with pytest.raises(gguf_metadata.GgufError, match="version 4; this pykvq reads versions 1 to 3"):
+    gguf_metadata.write_copy(smollm2, future, {"kvq.version": 5, gguf_metadata.KEY_LAYERS: "asymkv:20/5"})
+    with pytest.raises(gguf_metadata.GgufError, match="version 5; this pykvq reads versions 1 to 4"):
         gguf_metadata.read_kvq(future)
     proc = subprocess.run(["pykvq", "run", *device.TOOL_ARGS,
                            "-m", str(future), "-p", "hi", "-n", "2"], capture_output=True, text=True,
                           cwd=tmp_path, timeout=120)
-    assert proc.returncode == 1 and "version 4; this pykvq reads versions 1 to 3" in proc.stderr
+    assert proc.returncode == 1 and "version 5; this pykvq reads versions 1 to 4" in proc.stderr
 
 
 @pytest.mark.parametrize(("metadata", "message"), [

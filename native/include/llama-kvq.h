@@ -63,7 +63,7 @@ LLAMA_API const char *            llama_kvq_last_error(void);
 
 // One setting by name, as the tools' command lines give it: "window", "sinks" and "rollback" take a count,
 // "rotate" a rotation spec (llama_kvq_set_rotation), "layers" a per-layer spec (llama_kvq_set_layer_types), "clip" a per-layer clip spec
-// (llama_kvq_set_clip), "type_swa" a type name
+// (llama_kvq_set_clip), "dither" a V dither spec (llama_kvq_set_dither), "type_swa" a type name
 // (llama_kvq_set_swa_types). Returns false (see llama_kvq_last_error) for an unknown name or a bad value.
 LLAMA_API bool llama_kvq_set_param(const char * name, const char * value);
 
@@ -117,6 +117,23 @@ LLAMA_API const char * llama_kvq_get_rotation(void);   // valid until the next l
 // everywhere); false (see llama_kvq_last_error) when it does not parse or does not fit the layers.
 LLAMA_API bool llama_kvq_resolve_rotation(const char * spec, int32_t n_layer, bool fallback, bool * rotate_k,
                                           bool * rotate_v);
+
+// V's dithered rounding for the kivi layers of KV caches created afterwards. Rounded to nearest, identical tokens get
+// identical V codes and so identical errors, which add up wherever attention spreads over repeated content (a 1-bit V
+// layer can lose a pass key in repeated filler that way); dithered, a code rounds up once its value's fraction reaches
+// a threshold drawn from [1/2 - spread/2, 1/2 + spread/2] (spread 1: stochastic rounding, unbiased, twice nearest's
+// mean squared error; 0: nearest), the draw a fixed hash of (layer, the token's cell in its sequence, channel):
+// deterministic, the same on every backend and cache layout. Only the stored codes change: format, attention and speed
+// stay. A bare spread for every layer ("0.5"), or the per-layer form with a v: part only that names every layer, e.g.
+// "v:0-9=1,10-=0"; K takes none. "" (or NULL): no spec, a model's "kvq.kv_dither" metadata applies if it has one (pykvq
+// calibrate writes it); "none": nearest everywhere, metadata ignored. Returns false (see llama_kvq_last_error) when the
+// spec does not parse. Also "dither" in llama_kvq_set_param.
+LLAMA_API bool         llama_kvq_set_dither(const char * spec);
+LLAMA_API const char * llama_kvq_get_dither(void);   // valid until the next llama_kvq_set_dither
+
+// A dither spec resolved for n_layer layers into spread_v[n_layer]; false (see llama_kvq_last_error) when it does not
+// parse or does not fit the layers.
+LLAMA_API bool llama_kvq_resolve_dither(const char * spec, int32_t n_layer, float * spread_v);
 
 // What a context's KV cache holds and costs. bytes: all of its buffers (scales, fp16 window and sinks and
 // alignment included); f16_bytes: what f16 K and V for the same cells and layers would take.

@@ -51,11 +51,11 @@ static size_t kvq_plain_part_offset(const ggml_tensor * t, uint32_t part, bool i
 // a per-layer spec of the model's own (pykvq calibrate writes them), "" when it has none; `flag` overrides it
 static std::string kvq_model_spec(const llama_model & model, const char * key, const char * flag) {
     char buf[4096];
-    // version 2 added kvq.kv_clip, 3 kvq.kv_rotate; older files are read as they are
-    if (llama_model_meta_val_str(&model, "kvq.version", buf, sizeof(buf)) >= 0 && std::string(buf) != "1" &&
-        std::string(buf) != "2" && std::string(buf) != "3") {
-        throw std::runtime_error(std::string("the model's kvq.* metadata is version ") + buf +
-                                 "; this pykvq reads versions 1 to 3 (" + flag + " none ignores it)");
+    // version 2 added kvq.kv_clip, 3 kvq.kv_rotate, 4 kvq.kv_dither; older files are read as they are
+    const std::string version = llama_model_meta_val_str(&model, "kvq.version", buf, sizeof(buf)) >= 0 ? buf : "1";
+    if (version != "1" && version != "2" && version != "3" && version != "4") {
+        throw std::runtime_error("the model's kvq.* metadata is version " + version +
+                                 "; this pykvq reads versions 1 to 4 (" + std::string(flag) + " none ignores it)");
     }
     const int32_t n = llama_model_meta_val_str(&model, key, buf, sizeof(buf));
     if (n >= (int32_t) sizeof(buf)) {
@@ -231,6 +231,9 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
     std::string rotation_spec;
     kvq_rotation = kvq_plan_setting(model, llama_kvq_rotation_spec(), "kvq.kv_rotate", "--kv-rotate", rotation_spec,
             [n_layer, this](const std::string & s) { return llama_kvq_resolve_rotation_spec(s, n_layer, kvq_params.rotate); });
+    std::string dither_spec;
+    kvq_v_spread = kvq_plan_setting(model, llama_kvq_dither_spec(), "kvq.kv_dither", "--kv-dither", dither_spec,
+            [n_layer](const std::string & s) { return llama_kvq_resolve_dither_spec(s, n_layer); });
     kvq_rotated = { std::vector<bool>(n_layer, false), std::vector<bool>(n_layer, false) };
 
     bool any_kivi = false;
@@ -277,11 +280,12 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
     if (rotation_spec.empty()) {
         rotation_spec = kvq_params.rotate ? "on" : "off";
     }
-    LLAMA_LOG_INFO("%s: kivi %sKV cache: window = %d, sinks = %d, rollback = %d, rotation = %s, %u %s of %u cells%s%s%s%s\n",
+    LLAMA_LOG_INFO("%s: kivi %sKV cache: window = %d, sinks = %d, rollback = %d, rotation = %s, %u %s of %u cells%s%s%s%s%s%s\n",
             __func__, n_swa != 0 ? "sliding-window " : "", kvq_params.window, kvq_params.n_sink, kvq_params.n_rollback, rotation_spec.c_str(),
             kvq_n_part, unified ? "sequence regions" : "sequence streams", kvq_part_cells,
             spec.empty() || spec == "none" ? "" : ", layer types = ", spec == "none" ? "" : spec.c_str(),
-            clip_spec.empty() ? "" : ", clip = ", clip_spec.c_str());
+            clip_spec.empty() ? "" : ", clip = ", clip_spec.c_str(),
+            dither_spec.empty() ? "" : ", V dither = ", dither_spec.c_str());
 }
 
 static std::string kvq_select_name(bool from_model) {
@@ -1339,6 +1343,13 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     ggml_tensor * v_rows = ggml_reshape_2d(ctx, layer.v, layer.v->ne[0], layer.v->ne[1]*layer.v->ne[2]);
     const float clip_k = kvq_clips.k[layer.il];
     const float clip_v = kvq_clips.v[layer.il];
+    // every store of the layer's V rows rounds its codes the layer's way
+    const auto dithered = [&](ggml_tensor * store) {
+        if (kvq_v_spread[layer.il] > 0.0f) {
+            ggml_kvq_store_set_v_dither(store, kvq_v_spread[layer.il], (int32_t) layer.il, kv_size);
+        }
+        return store;
+    };
     const int64_t n_tokens = q_cur->ne[2];
     const bool    wide = n_tokens/n_seq >= kvq_wide_min_tokens(ggml_backend_buffer_is_host(layer.k->buffer));
     const int64_t n_kv = std::min<int64_t>(kv_size, kq_mask->ne[0]);
@@ -1363,13 +1374,13 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
         step.v_cur = v_cur;
     }
     if (owns && decode) {
-        step.k_sealed = ggml_kvq_store(ctx, layer.k, v_rows, layer.k_fp16, layer.v_fp16, k_cur, v_cur, k_idxs, v_idxs,
-                                       n_sink, n_seq, clip_k, clip_v);
+        step.k_sealed = dithered(ggml_kvq_store(ctx, layer.k, v_rows, layer.k_fp16, layer.v_fp16, k_cur, v_cur, k_idxs,
+                                                v_idxs, n_sink, n_seq, clip_k, clip_v));
         step.v_stored = v_rows;
         ggml_build_forward_expand(gf, step.k_sealed);
     } else if (owns) {
-        step.v_stored = ggml_kvq_store_v(ctx, v_rows, ggml_view_2d(ctx, v_cur, v_rows->ne[0], v_cur->ne[2], v_cur->nb[2], 0),
-                                         v_idxs, clip_v);
+        step.v_stored = dithered(ggml_kvq_store_v(ctx, v_rows, ggml_view_2d(ctx, v_cur, v_rows->ne[0], v_cur->ne[2],
+                                                                           v_cur->nb[2], 0), v_idxs, clip_v));
         step.k_sealed = ggml_kvq_seal_k(ctx, layer.k, layer.k_fp16, k_cur, k_idxs, n_sink, n_seq, clip_k);
         ggml_build_forward_expand(gf, step.k_sealed);
         ggml_build_forward_expand(gf, step.v_stored);
@@ -1425,9 +1436,9 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
         ggml_tensor * keep_v_idxs = ggml_view_1d(ctx, v_idxs, n_keep, 0);
         ggml_build_forward_expand(gf, ggml_kvq_seal_k(ctx, step.k_sealed, layer.k_fp16, step.k_ring, ring_idxs, n_sink, 1,
                                                       clip_k));
-        ggml_build_forward_expand(gf, ggml_kvq_store_v(ctx, step.v_stored,
-                                                       ggml_reshape_2d(ctx, step.v_ring, v_rows->ne[0], n_keep),
-                                                       keep_v_idxs, clip_v));
+        ggml_build_forward_expand(gf, dithered(ggml_kvq_store_v(ctx, step.v_stored,
+                                                                ggml_reshape_2d(ctx, step.v_ring, v_rows->ne[0], n_keep),
+                                                                keep_v_idxs, clip_v)));
     }
 
     // the ring changes only after the attention has read it

@@ -1,5 +1,6 @@
 // Per-layer KV cache settings: the spec language of --kv-layers and llama_kvq_set_layer_types, for types, of
-// --kv-clip and llama_kvq_set_clip, for clip ratios, and of --kv-rotate and llama_kvq_set_rotation, for rotation.
+// --kv-clip and llama_kvq_set_clip, for clip ratios, of --kv-rotate and llama_kvq_set_rotation, for rotation, and of
+// --kv-dither and llama_kvq_set_dither, for the spread of V's dithered rounding.
 //
 //   spec    := "asymkv:" L_K "/" L_V | part (";" part)*      (asymkv: types only)
 //   part    := ("k" | "v") ":" rule ("," rule)*
@@ -115,6 +116,15 @@ float kvq_parse_clip(const std::string & value, const std::string & where) {
     return v;
 }
 
+float kvq_parse_spread(const std::string & value, const std::string & where) {
+    char * end = nullptr;
+    const float v = std::strtof(value.c_str(), &end);
+    if (value.empty() || *end != '\0' || !(v >= 0.0f && v <= 1.0f)) {
+        kvq_fail(where, "'" + value + "' is not a spread in [0, 1]");
+    }
+    return v;
+}
+
 bool kvq_parse_on_off(const std::string & value, const std::string & where) {
     if (value != "on" && value != "off") {
         kvq_fail(where, "'" + value + "' is not on or off");
@@ -125,6 +135,7 @@ bool kvq_parse_on_off(const std::string & value, const std::string & where) {
 const kvq_values<ggml_type> kvq_types    = { "TYPE",   "type",     "layer types", "0-15=kivi2", true,  kvq_parse_type };
 const kvq_values<float>     kvq_clips    = { "RATIO",  "ratio",    "clip ratios", "0-15=0.9",   false, kvq_parse_clip };
 const kvq_values<bool>      kvq_switches = { "on|off", "rotation", "rotation",    "0-15=on",    false, kvq_parse_on_off };
+const kvq_values<float>     kvq_spreads  = { "SPREAD", "spread",   "V dither",    "0-15=0.5",   false, kvq_parse_spread };
 
 // a rotation spec that sets every layer alike: on/off as the switches of the tools take them
 bool kvq_rotation_everywhere(const std::string & spec, bool & on) {
@@ -324,6 +335,46 @@ llama_kvq_layer_rotation llama_kvq_resolve_rotation_spec(const std::string & spe
                  kvq_resolve_part(parsed.v, "v", n_layer, false, kvq_switches) };
     } catch (const std::invalid_argument & err) {
         kvq_fail_spec(spec, kvq_switches.label, err);
+    }
+}
+
+// a bare spread: every V layer alike
+static bool kvq_dither_everywhere(const std::string & spec) {
+    return spec.find(':') == std::string::npos;
+}
+
+void llama_kvq_check_dither_spec(const std::string & spec) {
+    if (spec.empty() || spec == "none") {
+        return;
+    }
+    if (kvq_dither_everywhere(spec)) {
+        try {
+            kvq_parse_spread(spec, spec);
+        } catch (const std::invalid_argument &) {
+            throw std::invalid_argument("V dither '" + spec + "' is neither a spread in [0, 1] nor a per-layer spec " +
+                                        "(valid: none, 0.5, or per layer, e.g. v:0-9=1,10-=0)");
+        }
+        return;
+    }
+    kvq_check(spec, kvq_spreads);
+    if (kvq_parse(spec, kvq_spreads).k.given) {
+        throw std::invalid_argument("V dither '" + spec + "' has a k: part: K's codes are always rounded to nearest " +
+                                    "(a key's error moves every score it enters), give a v: part only");
+    }
+}
+
+std::vector<float> llama_kvq_resolve_dither_spec(const std::string & spec, int32_t n_layer) {
+    llama_kvq_check_dither_spec(spec);
+    if (spec.empty() || spec == "none") {
+        return std::vector<float>(n_layer, 0.0f);
+    }
+    if (kvq_dither_everywhere(spec)) {
+        return std::vector<float>(n_layer, kvq_parse_spread(spec, spec));
+    }
+    try {
+        return kvq_resolve_part(kvq_parse(spec, kvq_spreads).v, "v", n_layer, 0.0f, kvq_spreads);
+    } catch (const std::invalid_argument & err) {
+        kvq_fail_spec(spec, kvq_spreads.label, err);
     }
 }
 

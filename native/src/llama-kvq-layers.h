@@ -1,4 +1,4 @@
-// Per-layer KV cache types, clip ratios and rotation (llama-kvq-layers.cpp has the spec language).
+// Per-layer KV cache types, clip ratios, rotation and V's dither (llama-kvq-layers.cpp has the spec language).
 #pragma once
 
 #include "ggml.h"
@@ -52,3 +52,11 @@ llama_kvq_layer_rotation llama_kvq_resolve_rotation_spec(const std::string & spe
 
 // the process-wide spec set with llama_kvq_set_rotation ("" when none)
 std::string llama_kvq_rotation_spec(void);
+
+// the spread of V's dithered rounding in each layer (ggml_kvq_store_set_v_dither; 0: nearest): "" and "none" (0
+// everywhere), a bare spread in [0, 1] for every layer, or the per-layer form with a v: part only (every layer named)
+void               llama_kvq_check_dither_spec(const std::string & spec);
+std::vector<float> llama_kvq_resolve_dither_spec(const std::string & spec, int32_t n_layer);
+
+// the process-wide spec set with llama_kvq_set_dither ("" when none)
+std::string llama_kvq_dither_spec(void);

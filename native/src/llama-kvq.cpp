@@ -28,6 +28,8 @@ static std::string      kvq_clip_spec;
 static std::string      kvq_clip_spec_out;    // what llama_kvq_get_clip hands out
 static std::string      kvq_rotation_spec;
 static std::string      kvq_rotation_spec_out; // what llama_kvq_get_rotation hands out
+static std::string      kvq_dither_spec;
+static std::string      kvq_dither_spec_out;  // what llama_kvq_get_dither hands out
 static ggml_type        kvq_swa_type_k = GGML_TYPE_COUNT;
 static ggml_type        kvq_swa_type_v = GGML_TYPE_COUNT;
 
@@ -136,11 +138,13 @@ bool llama_kvq_set_param(const char * name, const char * value) {
         return llama_kvq_set_layer_types(value);
     } else if (std::strcmp(name, "clip") == 0) {
         return llama_kvq_set_clip(value);
+    } else if (std::strcmp(name, "dither") == 0) {
+        return llama_kvq_set_dither(value);
     } else if (std::strcmp(name, "type_swa") == 0) {
         return kvq_set_swa_type_name(value);
     } else {
         std::lock_guard<std::mutex> lock(kvq_params_mutex);
-        kvq_error = std::string("unknown kivi setting '") + name + "' (valid: window, sinks, rollback, rotate, select, layers, clip, type_swa)";
+        kvq_error = std::string("unknown kivi setting '") + name + "' (valid: window, sinks, rollback, rotate, select, layers, clip, dither, type_swa)";
         return false;
     }
     if (!ok) {
@@ -233,6 +237,31 @@ const char * llama_kvq_get_rotation(void) {
 std::string llama_kvq_rotation_spec(void) {
     std::lock_guard<std::mutex> lock(kvq_params_mutex);
     return kvq_rotation_spec;
+}
+
+bool llama_kvq_set_dither(const char * spec) {
+    return kvq_set_spec(spec, llama_kvq_check_dither_spec, kvq_dither_spec);
+}
+
+const char * llama_kvq_get_dither(void) {
+    return kvq_get_spec(kvq_dither_spec, kvq_dither_spec_out);
+}
+
+std::string llama_kvq_dither_spec(void) {
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    return kvq_dither_spec;
+}
+
+bool llama_kvq_resolve_dither(const char * spec, int32_t n_layer, float * spread_v) {
+    try {
+        const std::vector<float> spreads = llama_kvq_resolve_dither_spec(spec ? spec : "", n_layer);
+        std::copy(spreads.begin(), spreads.end(), spread_v);
+    } catch (const std::invalid_argument & err) {
+        std::lock_guard<std::mutex> lock(kvq_params_mutex);
+        kvq_error = err.what();
+        return false;
+    }
+    return true;
 }
 
 // a per-layer spec resolved into the caller's K and V arrays; false, with the reason kept, when it does not fit

@@ -68,7 +68,9 @@ class KvConfig:
     ``clip``: SKVQ's clipped quantization, per-layer ratios in the ``layers`` form (``"k:*=0.9;v:*=0.85"``); None
     lets a model's kvq.kv_clip metadata apply, ``"none"`` ignores it. ``rotate``: upstream's Hadamard rotation of the
     kivi layers, True/False for all, or per layer in the ``layers`` form with on/off (``"k:*=on;v:0-3=off,4-=on"``);
-    None lets a model's kvq.kv_rotate apply, else off."""
+    None lets a model's kvq.kv_rotate apply, else off. ``dither``: V's dithered rounding, a spread in [0, 1] for every
+    layer (``"0.5"``; 1: stochastic rounding) or per layer with a v: part only (``"v:0-9=1,10-=0"``), which keeps
+    repeated tokens' V errors from adding up; None lets a model's kvq.kv_dither apply, ``"none"`` rounds to nearest."""
 
     type_k: str = "f16"
     type_v: str = "f16"
@@ -80,6 +82,7 @@ class KvConfig:
     type_swa: str | None = None
     select: Selection | None = None
     clip: str | None = None
+    dither: str | None = None
 
     @classmethod
     def preset(cls, name: str, **settings) -> KvConfig:
@@ -227,11 +230,13 @@ def kvq_params_applied(kv: KvConfig) -> Iterator[None]:
     with _context_lock:
         previous, previous_layers, previous_swa = native.kvq_params(), native.kvq_layer_types(), native.swa_types()
         previous_clip, previous_rotation = native.kvq_clip(), native.kvq_rotation()
+        previous_dither = native.kvq_dither()
         try:
             native.set_kvq_params(kv.kvq_params())
             native.set_kvq_layer_types(kv.layers or "")
             native.set_kvq_clip(kv.clip or "")
             native.set_kvq_rotation(kv.rotation_spec)
+            native.set_kvq_dither(kv.dither or "")
             native.set_swa_type_name(kv.type_swa)
             yield
         finally:
@@ -239,6 +244,7 @@ def kvq_params_applied(kv: KvConfig) -> Iterator[None]:
             native.set_kvq_layer_types(previous_layers)
             native.set_kvq_clip(previous_clip)
             native.set_kvq_rotation(previous_rotation)
+            native.set_kvq_dither(previous_dither)
             native.set_swa_types(*previous_swa)
 
 

@@ -193,6 +193,9 @@ LLAMA_CDEF = """
     bool llama_kvq_set_clip(const char * spec);
     const char * llama_kvq_get_clip(void);
     bool llama_kvq_resolve_clip(const char * spec, int32_t n_layer, float * clip_k, float * clip_v);
+    bool llama_kvq_set_dither(const char * spec);
+    const char * llama_kvq_get_dither(void);
+    bool llama_kvq_resolve_dither(const char * spec, int32_t n_layer, float * spread_v);
     bool llama_kvq_set_rotation(const char * spec);
     const char * llama_kvq_get_rotation(void);
     bool llama_kvq_resolve_rotation(const char * spec, int32_t n_layer, bool fallback, bool * rotate_k,

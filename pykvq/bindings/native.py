@@ -260,6 +260,26 @@ def resolve_clip(spec: str, n_layer: int) -> tuple[list[float], list[float]]:
     return list(clip_k), list(clip_v)
 
 
+def kvq_dither() -> str:
+    """The process-wide V dither spec ("" when none: a model's kvq.kv_dither applies)."""
+    return _str(libs().llama.llama_kvq_get_dither())
+
+
+def set_kvq_dither(spec: str) -> None:
+    """Set the process-wide V dither spec (a spread for every layer, or per layer); ValueError naming the offending
+    part when it does not parse."""
+    _set_spec(libs().llama.llama_kvq_set_dither, spec)
+
+
+def resolve_dither(spec: str, n_layer: int) -> list[float]:
+    """The spread of each layer's V dither under a dither spec (0: nearest); ValueError naming the offending part."""
+    lib = libs()
+    spread_v = lib.ffi.new("float[]", n_layer)
+    if not lib.llama.llama_kvq_resolve_dither(spec.encode(), n_layer, spread_v):
+        raise ValueError(_str(lib.llama.llama_kvq_last_error()))
+    return list(spread_v)
+
+
 def kvq_rotation() -> str:
     """The process-wide rotation spec ("" when none: a model's kvq.kv_rotate applies, else the params' rotate)."""
     return _str(libs().llama.llama_kvq_get_rotation())

@@ -38,6 +38,7 @@ class Settings:
     type_swa: str | None = None
     clip: str = "none"      # SKVQ's per-layer clip ratios of every kivi run (the --kv-clip form)
     rotate: str = "off"     # the Hadamard rotation of every kivi run but the +rot ones (the --kv-rotate form)
+    dither: str = "none"    # V's dithered rounding of every kivi run (the --kv-dither form)
 
 
 @dataclass
@@ -67,7 +68,8 @@ def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
             "-ctk", spec.name, "-ctv", spec.name]
     if spec.is_kivi:
         args += ["--kv-window", str(settings.window), "--kv-sinks", str(settings.n_sink),
-                 "--kv-rotate", "on" if spec.rotate else settings.rotate, "--kv-clip", settings.clip]
+                 "--kv-rotate", "on" if spec.rotate else settings.rotate, "--kv-clip", settings.clip,
+                 "--kv-dither", settings.dither]
     if settings.type_swa is not None:
         args += ["--kv-type-swa", settings.type_swa]
     # "none": the runs compare the named types, whatever per-layer types the model's metadata suggests
@@ -218,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     # the model's kvq.* metadata: its window and sinks are the defaults, its per-layer types one more run
     overrides = ((gguf_metadata.KEY_LAYERS, args.kv_layers or None), (gguf_metadata.KEY_WINDOW, args.kv_window),
                  (gguf_metadata.KEY_SINKS, args.kv_sinks), (gguf_metadata.KEY_CLIP, args.kv_clip),
-                 (gguf_metadata.KEY_ROTATE, args.kv_rotate))
+                 (gguf_metadata.KEY_ROTATE, args.kv_rotate), (gguf_metadata.KEY_DITHER, args.kv_dither))
     given = [key for key, value in overrides if value is not None]
     kvq = model_info.checked_kvq(args.model, ignored=given)
     model_layers_spec = kvq.get(gguf_metadata.KEY_LAYERS)
@@ -242,8 +244,12 @@ def run(args: argparse.Namespace) -> int:
     native.resolve_rotation(rotate, n_layer)
     if rotate != "off":
         log.info("kivi runs rotate with %s", rotate)
+    dither = str(kvq.get(gguf_metadata.KEY_DITHER, "none") if args.kv_dither is None else args.kv_dither)
+    native.resolve_dither(dither, n_layer)
+    if dither != "none":
+        log.info("kivi runs dither V with %s", dither)
     settings = Settings(args.model, args.file, args.ctx_size, args.chunks, args.threads, window, n_sink,
-                        args.kv_type_swa, clip, rotate)
+                        args.kv_type_swa, clip, rotate, dither)
     runs = compare(settings, specs)
     print(format_table(runs))
     out = Path(args.output)
@@ -279,6 +285,10 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-rotate", metavar="on|off|SPEC", type=arguments.rotation,
                    help="kivi runs without +rot: Hadamard rotation, on, off or per layer, e.g. 'k:*=on;v:0-3=off' "
                         "(default: the model's kvq.kv_rotate, else off)")
+    p.add_argument("--kv-dither", metavar="SPREAD|SPEC",
+                   help="kivi runs: V's dithered rounding, a spread in [0, 1] or per layer, e.g. 0.5 or "
+                        "'v:0-9=1,10-=0'; 'none' ignores a model's kvq.kv_dither (default: the model's kvq.kv_dither, "
+                        "else none)")
     p.add_argument("--kv-type-swa", metavar="TYPE",
                    help="every run: K and V type of the sliding-window cache of a model with sliding-window layers "
                         "(Gemma 2/3, gpt-oss), e.g. f16 (default: each run's type)")

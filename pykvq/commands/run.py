@@ -71,6 +71,11 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
                    help="kivi: SKVQ's clipping, per-layer ratios in (0, 1] that narrow each quantization group's "
                         "range, e.g. 'k:*=0.9;v:*=0.85'; 'none' ignores a model's kvq.kv_clip (default: the model's "
                         "kvq.kv_clip, else none)")
+    p.add_argument("--kv-dither", metavar="SPREAD|SPEC",
+                   help="kivi: V's dithered rounding, a spread in [0, 1] (0: nearest, 1: stochastic rounding) for "
+                        "every layer or per layer, e.g. 0.5 or 'v:0-9=1,10-=0': repeated tokens' V errors then "
+                        "average out instead of adding up; 'none' ignores a model's kvq.kv_dither (default: the "
+                        "model's kvq.kv_dither, else nearest)")
     p.add_argument("--kv-type-swa", metavar="TYPE",
                    help="K and V type of the sliding-window cache of a model with sliding-window layers (Gemma 2/3, "
                         "gpt-oss), e.g. f16 beside a kivi2 global cache (default: as the global layers)")
@@ -115,7 +120,7 @@ def kv_config(args: argparse.Namespace) -> KvConfig:
     if args.kv_type_swa is not None:
         kv_types.type_id(args.kv_type_swa)  # an unknown name is refused here, with the valid ones
     return KvConfig(type_k, type_v, args.kv_window, args.kv_sinks, rotate, layers, args.kv_rollback,
-                    args.kv_type_swa, args.kv_select, args.kv_clip)
+                    args.kv_type_swa, args.kv_select, args.kv_clip, args.kv_dither)
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -208,12 +213,12 @@ def _batch_sizes(args: argparse.Namespace, model: Model, kv: KvConfig,
 
 _METADATA_FIELDS = (("layers", gguf_metadata.KEY_LAYERS), ("window", gguf_metadata.KEY_WINDOW),
                     ("sinks", gguf_metadata.KEY_SINKS), ("clip", gguf_metadata.KEY_CLIP),
-                    ("rotate", gguf_metadata.KEY_ROTATE))
+                    ("rotate", gguf_metadata.KEY_ROTATE), ("dither", gguf_metadata.KEY_DITHER))
 
 
 def with_model_metadata(kv: KvConfig, model_path: Path) -> KvConfig:
-    """The model's kvq.* defaults (per-layer types, window, sinks, clip ratios, rotation) where the command line
-    gives none: it wins. The rest of its kvq.* metadata is checked as `pykvq inspect` checks it."""
+    """The model's kvq.* defaults (per-layer types, window, sinks, clip ratios, rotation, V dither) where the command
+    line gives none: it wins. The rest of its kvq.* metadata is checked as `pykvq inspect` checks it."""
     given = [key for field, key in _METADATA_FIELDS if getattr(kv, field) is not None]
     kvq = model_info.checked_kvq(model_path, ignored=given)
     from_model = {field: kvq[key] for field, key in _METADATA_FIELDS if key in kvq}
@@ -223,13 +228,14 @@ def with_model_metadata(kv: KvConfig, model_path: Path) -> KvConfig:
 
 
 def check_layers(kv: KvConfig, model: Model) -> None:
-    """Per-layer types, clip ratios and rotation checked against the model's layers before the context: the message
-    names the part."""
+    """Per-layer types, clip ratios, rotation and V dither checked against the model's layers before the context: the
+    message names the part."""
     if kv.layers not in (None, "none"):
         kv_types.layer_types(kv.layers, model.n_layer, kv.type_k, kv.type_v)
     if kv.clip not in (None, "none"):
         native.resolve_clip(kv.clip, model.n_layer)
     native.resolve_rotation(kv.rotation_spec, model.n_layer)
+    native.resolve_dither(kv.dither or "", model.n_layer)
 
 
 def _generate(model: Model, ctx: Context, args: argparse.Namespace, kv: KvConfig,
@@ -316,7 +322,8 @@ def _report(timings: Timings, memory: KvMemory, kv: KvConfig) -> None:
         clip = f", clip {kv.clip}" if kv.clip not in (None, "none") else ""
         rotation = kv.rotation_spec or ("on" if params.rotate else "off")
         rotated = "" if rotation == "off" else ", rotated" if rotation == "on" else f", rotation {rotation}"
-        settings = f" (window {window}, sinks {sinks}{rollback}{clip}{rotated})"
+        dither = f", V dither {kv.dither}" if kv.dither not in (None, "none") else ""
+        settings = f" (window {window}, sinks {sinks}{rollback}{clip}{rotated}{dither})"
     types = f"layers {kv.layers}" if kv.layers not in (None, "none") else f"K {kv.type_k}, V {kv.type_v}"
     print(f"pykvq: KV cache {types}{settings}: {memory.bytes / MIB:.2f} MiB for "
           f"{memory.n_cells} cells, {memory.bits_per_element:.2f} bits per element; f16 KV would use "

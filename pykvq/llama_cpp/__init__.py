@@ -86,13 +86,13 @@ def check_kv_type(type_id: int | None) -> None:
 
 def _kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None, rotate: bool | str | None = None,
                layers: str | None = None, rollback: int | None = None, type_swa: str | None = None,
-               select: Selection | None = None, clip: str | None = None) -> KvConfig:
+               select: Selection | None = None, clip: str | None = None, dither: str | None = None) -> KvConfig:
     """Our view of a Llama's KV settings; the type ints are already checked (check_kv_type)."""
     def name(type_id: int | None) -> str:
         return "f16" if type_id is None else kv_types.type_name(type_id)
 
     return KvConfig(name(kwargs.get("type_k")), name(kwargs.get("type_v")), window, sinks, rotate, layers, rollback,
-                    type_swa, select, clip)
+                    type_swa, select, clip, dither)
 
 
 def _share_log() -> None:
@@ -117,7 +117,9 @@ def _llama_class() -> type:
         sliding-window cache of a Gemma-2/3 or gpt-oss model (default: type_k / type_v), kv_select MiniKV's prompt
         selection as (heavy-hitter share, recent share[, observation window[, pyramid depth]]), e.g. (0.25, 0.25):
         n_batch and n_ubatch then default to n_ctx, as a prompt must reach the cache in one ubatch; kv_clip SKVQ's
-        per-layer clip ratios (e.g. "k:*=0.9;v:*=0.85"; default: the model's kvq.kv_clip). Flash attention is
+        per-layer clip ratios (e.g. "k:*=0.9;v:*=0.85"; default: the model's kvq.kv_clip); kv_dither V's dithered
+        rounding, a spread in [0, 1] or per layer (e.g. "0.5", "v:0-9=1,10-=0"; default: the model's kvq.kv_dither,
+        else nearest). Flash attention is
         switched on for kivi types, which are read by the fused attention only."""
 
         def __new__(cls, *args, **kwargs) -> Llama:
@@ -132,13 +134,13 @@ def _llama_class() -> type:
                      kv_rotate: bool | str | None = None, kv_layers: str | None = None,
                      kv_rollback: int | None = None,
                      kv_type_swa: str | None = None, kv_select: Selection | None = None, kv_clip: str | None = None,
-                     **kwargs) -> None:
+                     kv_dither: str | None = None, **kwargs) -> None:
             # llama-cpp-python's rpc_servers (its server's --rpc_servers): upstream now registers them as devices
             rpc_servers = kwargs.pop("rpc_servers", None)
             if rpc_servers:
                 add_rpc_servers(rpc_servers)
             kv = _kv_config(kwargs, kv_window, kv_sinks, kv_rotate, kv_layers, kv_rollback, kv_type_swa, kv_select,
-                            kv_clip)
+                            kv_clip, kv_dither)
             if kv.is_kivi:
                 kwargs["flash_attn"] = True
             if kv_types.selects(kv.select):

@@ -4,8 +4,8 @@
 
 takes every option of ``python -m llama_cpp.server`` plus pykvq's: ``--kv-type`` (any form `pykvq run` takes:
 kivi2, kivi2+rot, asymkv:16/0) sets --type_k, --type_v and --flash_attn true; ``--kv-window``, ``--kv-sinks``,
-``--kv-rollback``, ``--kv-rotate``, ``--kv-layers``, ``--kv-clip`` and ``--kv-type-swa`` set the kivi layers of every
-model the server loads.
+``--kv-rollback``, ``--kv-rotate``, ``--kv-layers``, ``--kv-clip``, ``--kv-dither`` and ``--kv-type-swa`` set the kivi
+layers of every model the server loads.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                              "model's kvq.kv_rotate, else off)")
     parser.add_argument("--kv-layers", help="per-layer K/V types, e.g. asymkv:16/0 or k:0-15=kivi2,16-=kivi1;v:*=kivi1")
     parser.add_argument("--kv-clip", help="kivi: SKVQ's per-layer clip ratios, e.g. k:*=0.9;v:*=0.85")
+    parser.add_argument("--kv-dither", help="kivi: V's dithered rounding, a spread in [0, 1] or per layer, e.g. 0.5 or "
+                                            "v:0-9=1,10-=0 (default: the model's kvq.kv_dither, else nearest)")
     parser.add_argument("--kv-type-swa", help="K and V type of a Gemma-2/3 or gpt-oss model's sliding-window cache")
     return parser.parse_known_args(argv)
 
@@ -72,6 +74,8 @@ def server_argv(argv: list[str]) -> list[str]:
         native.set_kvq_layer_types(layers)
     if ours.kv_clip is not None:
         native.set_kvq_clip(ours.kv_clip)
+    if ours.kv_dither is not None:
+        native.set_kvq_dither(ours.kv_dither)
     native.set_swa_type_name(ours.kv_type_swa)
     if (spec is not None and spec.is_kivi) or layers is not None or ours.kv_type_swa in kv_types.KIVI_BITS:
         rest += ["--flash_attn", "true"]
