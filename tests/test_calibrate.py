@@ -54,6 +54,9 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     # the rotation measured lowest among none, all and per layer (left out when none)
     rotate = meta.get(gguf_metadata.KEY_ROTATE, "off")
     assert f"-> --kv-rotate '{rotate}'" in proc.stdout and "off: " in proc.stdout and "on: " in proc.stdout
+    # V's dither measured on the finished mix, nearest among the candidates (left out when chosen)
+    dither = meta.get(gguf_metadata.KEY_DITHER, "none")
+    assert f"-> --kv-dither '{dither}'" in proc.stdout and "V dither: none: " in proc.stdout
     types_k, types_v = kv_types.layer_types(meta[gguf_metadata.KEY_LAYERS], N_LAYER, "kivi2", "kivi2")
     bits = [BITS[t] for t in types_k + types_v]
     assert sum(bits) / len(bits) <= 2.0
@@ -65,6 +68,7 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     assert f"(window 16, sinks {sinks}" in run.stderr
     assert clip == "none" or f"clip {clip}" in run.stderr
     assert rotate == "off" or ("rotated" if rotate == "on" else f"rotation {rotate}") in run.stderr
+    assert dither == "none" or f"V dither {dither}" in run.stderr
 
 
 @pytest.mark.parametrize("case, message", [
@@ -77,6 +81,7 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     ("clip-layers", "the model has 30 layers"),
     ("bad-rotate", "'sometimes' is not on or off"),
     ("rotate-layers", "the model has 30 layers"),
+    ("bad-dither", "has a k: part: K's codes are always rounded to nearest"),
     ("recall-near", "--recall 400 with -c 512: the recalled tokens would lie 104 tokens back"),
     ("recall-all", "--recall 512: give 0 (none) up to fewer than the -c 512 tokens"),
     ("window-ctx", "--kv-window-ctx 0: give the context length the model will run at"),
@@ -103,6 +108,7 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, ha
         "clip-layers": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-clip", "v:0-31=0.9"],
         "bad-rotate": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-rotate", "k:*=sometimes"],
         "rotate-layers": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-rotate", "v:0-31=on"],
+        "bad-dither": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-dither", "k:*=1"],
         "recall-near": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--recall", "400"],
         "recall-all": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--recall", "512"],
         "window-ctx": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-window-ctx", "0"],

@@ -1,7 +1,8 @@
 """`pykvq calibrate`: choose the kivi sinks count, the rotation, SKVQ's clip ratios and the fp16 window, find each
 layer's K and V sensitivity on a text (from the f16 run's attention, or measured one tensor at a time), choose
-per-layer widths for a budget, refine them by measuring mixes, and write them into a copy of the model as kvq.*
-metadata. The choices from measurements live in pykvq.calibration; the model runs here.
+per-layer widths for a budget, refine them by measuring mixes, choose V's dithered rounding for the finished mix, and
+write them into a copy of the model as kvq.* metadata. The choices from measurements live in pykvq.calibration; the
+model runs here.
 
 Every choice is judged by the KL divergence against f16 KV of a probe: the text's first tokens, then (the recall
 span) a stretch of the text from its start repeated, so that those tokens are predicted by copying from further
@@ -21,11 +22,12 @@ import numpy as np
 from tqdm import tqdm
 
 from pykvq import gguf_metadata, kv_types
-from pykvq.calibration import attention_sensitivity, clip_ratios, retrieval, rotation, window_choice
+from pykvq.calibration import attention_sensitivity, clip_ratios, dither_choice, retrieval, rotation, window_choice
 from pykvq.calibration.allocation import (BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, format_allocation,
                                           refine)
 from pykvq.calibration.attention_sensitivity import WidthErrors
 from pykvq.calibration.clip_choice import ClipChoice, choose_clip
+from pykvq.calibration.dither_choice import DitherChoice, choose_dither
 from pykvq.calibration.window_choice import WindowChoice
 from pykvq.api.capture import AttentionCapture, TensorObserver
 from pykvq.api.llama import ContextConfig, KvConfig, Model
@@ -60,6 +62,7 @@ class Probe:
     clip: str = "none"      # SKVQ's clip ratios while measuring, the --kv-clip form
     rotate: str = "off"     # the Hadamard rotation while measuring, the --kv-rotate form
     recall: int = 0         # the last n_tokens: the text from RECALL_START again (0: the text alone)
+    dither: str = "none"    # V's dithered rounding while measuring, the --kv-dither form
 
     def __post_init__(self) -> None:
         """ValueError unless the recall span reads tokens that the cache holds quantized (past the fp16 window and
@@ -147,7 +150,8 @@ class Calibrator:
         return KvConfig(REFERENCE, REFERENCE, self.probe.window if window is None else window,
                         self.probe.sinks if sinks is None else sinks,
                         rotate=self.probe.rotate if rotate is None else rotate, layers=layers,
-                        clip=self.probe.clip if clip is None else clip, select=kv_types.SELECT_OFF)
+                        clip=self.probe.clip if clip is None else clip, select=kv_types.SELECT_OFF,
+                        dither=self.probe.dither)
 
     def kld(self, layers: str, sinks: int | None = None, clip: str | None = None, rotate: str | None = None,
             window: int | None = None, weights: np.ndarray | None = None) -> float:
@@ -235,6 +239,21 @@ class Calibrator:
         layers, clip = self._mix(types, widths)
         return MixCost(self.kld(layers, clip=clip), self.retrieval_kld(layers, clip))
 
+    def dither_choice(self, types: dict[tuple[str, int], str], widths: list[WidthErrors]) -> DitherChoice:
+        """The finished mix's cost with its low-bit V layers at each candidate spread (dither_choice)."""
+        types_v = [types[("v", il)] for il in range(self.model.n_layer)]
+        probe = self.probe
+
+        def measure(spec: str) -> float:
+            self.probe = replace(probe, dither=spec)
+            return self.mix_cost(types, widths).total
+
+        try:
+            with tqdm(total=len(dither_choice.SPREADS), unit="run", desc="V dither") as progress:
+                return choose_dither(types_v, measure, progress.update)
+        finally:
+            self.probe = probe
+
     def attention_sensitivities(self, widths: list[WidthErrors]) -> list[Sensitivity]:
         """The attention errors in KL divergence: each part's scale from one measured mix, that part kivi2 and the
         other kivi4 everywhere."""
@@ -318,6 +337,8 @@ def metadata(allocation: Allocation, clip: str, budget: float, sensitivities: li
         record[gguf_metadata.KEY_CLIP] = clip
     if probe.rotate != "off":
         record[gguf_metadata.KEY_ROTATE] = probe.rotate
+    if probe.dither != "none":
+        record[gguf_metadata.KEY_DITHER] = probe.dither
     for part in PARTS:
         for name in PROBED:
             record[f"kvq.calibration.kld_{part}_{name}"] = [s.cost[name] for s in sensitivities if s.part == part]
@@ -346,8 +367,9 @@ def run(args: argparse.Namespace) -> int:
     rotate = "off" if args.kv_rotate == "auto" else args.kv_rotate
     recall = args.ctx_size // 4 if args.recall is None else args.recall
     window = native.kvq_default_params().window if args.kv_window in (None, "auto") else args.kv_window
+    dither = "none" if args.kv_dither == "auto" else args.kv_dither
     probe = Probe(args.ctx_size, window, 0 if args.kv_sinks == "auto" else args.kv_sinks, args.threads, clip, rotate,
-                  recall)
+                  recall, dither)
     if args.kv_window == "auto":
         probe.window_candidates()
     windows = None
@@ -356,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
         if clip != "none":
             native.resolve_clip(clip, model.n_layer)
         native.resolve_rotation(rotate, model.n_layer)
+        native.resolve_dither(dither, model.n_layer)
         tokens = model.tokenize(args.file.read_text(encoding="utf-8", errors="replace"))
         if len(tokens) < probe.n_tokens:
             raise ValueError(f"the calibration text has {len(tokens)} tokens; -c asks for {probe.n_tokens}")
@@ -394,6 +417,10 @@ def run(args: argparse.Namespace) -> int:
             sensitivities = calibrator.measured_sensitivities(widths)
         additive = allocate(sensitivities, model.n_layer, args.kv_budget)
         result, costs = refined(calibrator, additive, sensitivities, args.kv_budget, args.refine, widths)
+        if args.kv_dither == "auto":
+            dithers = calibrator.dither_choice(result.allocation.types, widths)
+            probe = replace(probe, dither=dithers.chosen)
+            print(format_dither_choice(dithers) + f" -> --kv-dither '{probe.dither}'")
     allocation = result.allocation
     clip = attention_sensitivity.clip_spec(widths, allocation.types)
     print(format_allocation(allocation))
@@ -420,6 +447,10 @@ def format_clip_choice(choice: ClipChoice) -> str:
     by_part = "; ".join(f"{part.upper()} " + ", ".join(f"{label}: {kld:.4f}" for label, kld in klds.items())
                         for part, klds in choice.klds.items())
     return f"kivi2 everywhere, KL divergence against f16 KV by clip ratio (V's with K unclipped, then K's): {by_part}"
+
+
+def format_dither_choice(choice: DitherChoice) -> str:
+    return "the mix's cost by V dither: " + ", ".join(f"{spec}: {cost:.4f}" for spec, cost in choice.costs.items())
 
 
 def format_window_choice(choice: WindowChoice, n_tokens: int) -> str:
@@ -451,10 +482,11 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                     "(priced at what its memory would buy as code bits), finds how much each layer's K and V at 4 "
                     "and at 1 bits, kivi2 elsewhere, changes the output's KL divergence (from the f16 run's "
                     "attention, or measured), picks the widths with the least total for the budget, refines them by "
-                    "measuring mixes, and writes them as kvq.kv_layers, kvq.kv_clip, kvq.kv_rotate, kvq.window and "
-                    "kvq.sinks into a copy of the model, which run then uses. Every KL divergence is taken over the "
-                    "text's first tokens and a recall span (--recall) that repeats its start, so that "
-                    "reading distant tokens exactly counts as much as the prose.")
+                    "measuring mixes, chooses V's dithered rounding for the result, and writes them as kvq.kv_layers, "
+                    "kvq.kv_clip, kvq.kv_rotate, kvq.kv_dither, kvq.window and kvq.sinks into a copy of the model, "
+                    "which run then uses. Every KL divergence is taken over the text's first tokens and a recall span "
+                    "(--recall) that repeats its start, so that reading distant tokens exactly counts as much as the "
+                    "prose.")
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
     p.add_argument("-f", "--file", type=Path, required=True, help="calibration text")
     p.add_argument("-o", "--output", type=Path, required=True, help="the GGUF copy to write")
@@ -490,6 +522,12 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                         "against f16 KV, none, every layer, and each layer's K and V rotated where that lowers its "
                         "attention-output error on the text, and keeps the lowest; or give on, off or a --kv-rotate "
                         "spec (default %(default)s); written as the model's kvq.kv_rotate and used while measuring")
+    p.add_argument("--kv-dither", default="auto", metavar="auto|none|SPREAD|SPEC",
+                   help="V's dithered rounding: auto measures the finished mix, by the cache's KL divergence against "
+                        "f16 KV, with its 1- and 2-bit V layers rounded to nearest and at spreads "
+                        f"{', '.join(f'{s:g}' for s in dither_choice.SPREADS[1:])}, and keeps the lowest; or give "
+                        "none or a --kv-dither spec (default %(default)s); written as the model's kvq.kv_dither and "
+                        "used while measuring")
     p.add_argument("--kv-select", metavar="HH,RW[,N[,D]]", type=arguments.selection,
                    help="MiniKV's prompt selection for the copy (as `pykvq run --kv-select` takes it), written as "
                         "its kvq.select; not measured here: the calibration judges whole prompts, whose logits "
