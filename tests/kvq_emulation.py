@@ -69,6 +69,7 @@ def _loaded(lib: Path):
         ffi.cdef(f"void {name}(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth,"
                  " void * userdata);")
     ffi.cdef("void kvq_emu_store(const struct ggml_tensor * store);")
+    ffi.cdef("void kvq_emu_store_v(const struct ggml_tensor * store_v);")
     return ffi.dlopen(str(lib))
 
 
@@ -82,3 +83,8 @@ def attention_op(lib: Path, kernel: str = "tensor cores"):
 def run_store(lib: Path, store) -> None:
     """A ggml_kvq_store node's writes through the emulated CUDA kernel, instead of computing the node."""
     _loaded(lib).kvq_emu_store(store)
+
+
+def run_store_v(lib: Path, store_v) -> None:
+    """A ggml_kvq_store_v node's writes through the emulated CUDA set_rows kernel, instead of computing the node."""
+    _loaded(lib).kvq_emu_store_v(store_v)

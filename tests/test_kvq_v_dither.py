@@ -2,10 +2,14 @@
 against the numpy model of the format (tests/kvq_oracle.py) on every backend the op-level harness reaches, each row
 drawn by its cell's index in its part (so a sequence's codes do not depend on the cache's layout), and what the
 dither is for: identical rows at different cells get different codes whose errors average out. STORE's decode path
-and its CUDA kernel are compared with these in tests/test_kvq_store.py."""
+and its CUDA kernel are compared with these in tests/test_kvq_store.py; STORE_V's CUDA kernel (upstream's set_rows into
+a kivi type as well) runs emulated on the CPU here."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import kvq_emulation
 import kvq_graph as g
 import kvq_oracle as oracle
 import numpy as np
@@ -19,15 +23,20 @@ LAYER = 5
 
 
 def dithered_rows(type_id: int, rows: np.ndarray, cells: np.ndarray, spread: float, clip: float,
-                  backend: g.Backend | None, n_cells: int = 2 * PART_CELLS) -> np.ndarray:
-    """The bytes of a kivi tensor of n_cells rows after a dithered ggml_kvq_store_v wrote ``rows`` into ``cells``."""
+                  backend: g.Backend | None, n_cells: int = 2 * PART_CELLS,
+                  emulation: Path | None = None) -> np.ndarray:
+    """The bytes of a kivi tensor of n_cells rows after a dithered ggml_kvq_store_v wrote ``rows`` into ``cells``
+    (through the emulated CUDA kernel with ``emulation``)."""
     lib = g.libs().base
     ctx = g.Context(backend=backend)
     try:
         v_rows = ctx.new(type_id, N_EMBD, n_cells)
         stored = lib.ggml_kvq_store_v(ctx.ctx, v_rows, ctx.tensor(rows), ctx.tensor(cells.astype(np.int64)), clip)
         lib.ggml_kvq_store_set_v_dither(stored, spread, LAYER, PART_CELLS)
-        ctx.compute(stored)
+        if emulation is None:
+            ctx.compute(stored)
+        else:
+            kvq_emulation.run_store_v(emulation, stored)
         return ctx.read(v_rows, np.uint8, (n_cells, -1))[cells]
     finally:
         ctx.close()
@@ -43,6 +52,16 @@ def test_dithered_rows_match_the_format(type_id: int, spread: float, clip: float
     got = dithered_rows(type_id, rows, cells, spread, clip, kvq_backend)
     want = oracle.quantize_rows(rows, KIVI_BITS[type_id], clip, spread, LAYER, cells % PART_CELLS)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("type_id", [GGML_TYPE_KIVI2, GGML_TYPE_KIVI4, GGML_TYPE_KIVI1],
+                         ids=["kivi2", "kivi4", "kivi1"])
+@pytest.mark.parametrize("spread", [0.0, 0.5, 1.0])
+def test_the_emulated_cuda_kernel_writes_what_the_cpu_writes(cuda_emulation: Path, type_id: int, spread: float) -> None:
+    rows = hostile_rows(9, seed=type_id + 7)
+    cells = np.array([95, 3, 47, 48, 50, 0, 20, 68, 31])
+    np.testing.assert_array_equal(dithered_rows(type_id, rows, cells, spread, 0.9, None, emulation=cuda_emulation),
+                                  dithered_rows(type_id, rows, cells, spread, 0.9, None))
 
 
 def test_no_spread_is_nearest_rounding() -> None:

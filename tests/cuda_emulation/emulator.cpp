@@ -1,9 +1,9 @@
 // Runs pykvq's attention kernels (ggml-kvq/src/cuda: kvq-cuda-attn-kernel.cuh on CUDA cores,
-// kvq-cuda-mma-kernel.cuh on tensor cores) and its store kernel (kvq-cuda-store.cuh) on the CPU: one OS thread per CUDA thread of a block, blocks one after
+// kvq-cuda-mma-kernel.cuh on tensor cores) and its store kernels (kvq-cuda-store.cuh) on the CPU: one OS thread per CUDA thread of a block, blocks one after
 // another, warp collectives and mma.m16n8k16 computed from what every lane of the warp published.
 // kvq_emu_attn_cuda_cores and kvq_emu_attn_mma are ggml custom ops (ggml_map_custom1) over a GGML_OP_KVQ attention
 // node: each plans and launches its kernel as kvq-cuda.cu does, on the node's host tensors; kvq_emu_store runs a
-// GGML_OP_KVQ store node in place of its CPU kernel.
+// GGML_OP_KVQ store node in place of its CPU kernel, kvq_emu_store_v a STORE_V node.
 
 #include "kvq-cuda-attn-kernel.cuh"
 #include "kvq-cuda-mma-kernel.cuh"
@@ -261,4 +261,17 @@ extern "C" void kvq_emu_store(const ggml_tensor * store) {
     const kvq_store_params p = kvq_store_make_params(store);
     emu_launch(dim3(kvq_store_grid_x(p), p.k.n_tokens), KVQ_BLOCK_SIZE, kvq_smem, sizeof(kvq_smem), 0,
                [&]() { kvq_store_kernel(p); });
+}
+
+// a STORE_V node's writes (ggml_kvq_store_v) through the CUDA set_rows kernel, on the node's host tensors
+extern "C" void kvq_emu_store_v(const ggml_tensor * store_v) {
+    const kvq_set_rows_params p = kvq_set_rows_make_params(store_v->src[1], store_v->src[2], store_v,
+                                                           ggml_get_op_params_f32(store_v, GGML_KVQ_CLIP_PARAM),
+                                                           kvq_v_dither_of(store_v));
+    if (p.n_blocks == 0) {
+        return;
+    }
+    kvq_set_rows_dispatch(store_v->src[2], ggml_kvq_bits(store_v->type), [&](auto kernel) {
+        emu_launch(dim3(kvq_set_rows_grid(p)), KVQ_BLOCK_SIZE, kvq_smem, sizeof(kvq_smem), 0, [&]() { kernel(p); });
+    });
 }

@@ -132,6 +132,11 @@ static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fdiv_rn(float a, float b) { return a/b; }
 static inline float __frcp_rn(float a) { return 1.0f/a; }
 
+// ggml-cuda's fastdiv values: here the divisor alone (in z, where common.cuh keeps it), divided plainly
+static inline uint3 init_fastdiv_values(uint64_t d) { return make_uint3(0, 0, (unsigned) d); }
+static inline uint2 fast_div_modulo(uint32_t n, const uint3 d) { return make_uint2(n / d.z, n % d.z); }
+static inline uint32_t fastmodulo(uint32_t n, const uint3 d) { return n % d.z; }
+
 // programmatic dependent launch: the emulation runs one kernel at a time
 static inline void ggml_cuda_pdl_sync() {}
 static inline void ggml_cuda_pdl_lc() {}

@@ -1,6 +1,6 @@
 // The kernels that write a batch into a kivi cache layer (kvq-cpu.c is the specification, byte for byte):
-// SEAL_K, RING_PUT and STORE, which does SEAL_K, STORE_V and both RING_PUTs of a one-token-per-segment batch
-// in one launch. Launched by kvq-cuda.cu; tests/cuda_emulation runs them on the CPU.
+// SEAL_K, RING_PUT, STORE_V (and upstream's set_rows into a kivi type), and STORE, which does SEAL_K, STORE_V and both
+// RING_PUTs of a one-token-per-segment batch in one launch. Launched by kvq-cuda.cu; tests/cuda_emulation runs them on the CPU.
 #pragma once
 
 #include "kvq-cuda-quantize.cuh"
@@ -171,4 +171,97 @@ static kvq_store_params kvq_store_make_params(const ggml_tensor * dst) {
 
 static unsigned kvq_store_grid_x(const kvq_store_params & p) {
     return (unsigned) ((max(p.n_embd_k, p.n_embd_v) + KVQ_BLOCK_SIZE - 1)/KVQ_BLOCK_SIZE);
+}
+
+//
+// STORE_V and upstream's set_rows into a kivi tensor: rows broadcast over dims 2 and 3 (as set-rows.cu), one thread
+// per 32-value block, grid kvq_set_rows_grid(p)
+//
+
+struct kvq_set_rows_params {
+    const char * src0;
+    const char * src1;
+    char       * dst;
+    int64_t      n_blocks;
+    size_t       nb01, nb02, nb03;
+    size_t       nb10, nb11, nb12;
+    size_t       nb1, nb2, nb3;
+    uint3        blocks_per_row, ne01, ne02, ne11, ne12;   // fastdiv values
+    float        clip;
+    kvq_v_dither dither;
+};
+
+template <typename idx_t, int bits>
+static __global__ void kvq_set_rows_kernel(const kvq_set_rows_params p) {
+    const int64_t i = (int64_t) blockDim.x*blockIdx.x + threadIdx.x;
+    if (i >= p.n_blocks) {
+        return;
+    }
+    uint2 dm = fast_div_modulo((uint32_t) i, p.blocks_per_row);
+    const uint32_t ib = dm.y;
+    dm = fast_div_modulo(dm.x, p.ne01);
+    const uint32_t i01 = dm.y;
+    dm = fast_div_modulo(dm.x, p.ne02);
+    const uint32_t i02 = dm.y;
+    const uint32_t i03 = dm.x;
+    const uint32_t i11 = fastmodulo(i02, p.ne11);
+    const uint32_t i12 = fastmodulo(i03, p.ne12);
+
+    const int64_t row = *(const idx_t *) (p.src1 + i01*p.nb10 + i11*p.nb11 + i12*p.nb12);
+    const float * x   = (const float *) (p.src0 + i01*p.nb01 + i02*p.nb02 + i03*p.nb03) + ib*QK_KIVI;
+
+    float xs[QK_KIVI];
+#pragma unroll
+    for (int u = 0; u < QK_KIVI; ++u) {
+        xs[u] = x[u];
+    }
+    kvq_quantize_block<bits>(xs, (uint32_t *) (p.dst + row*p.nb1 + i02*p.nb2 + i03*p.nb3 + (size_t) ib*kvq_block_bytes(bits)),
+                             p.clip, p.dither.spread16, kvq_v_dither_key(p.dither, row, (int64_t) ib*QK_KIVI));
+}
+
+// rows src0 F32 into the rows src1 (I64 or I32) of the kivi tensor dst, ranges clipped by `clip`, codes dithered as
+// `dither` says
+static kvq_set_rows_params kvq_set_rows_make_params(const ggml_tensor * src0, const ggml_tensor * src1, const ggml_tensor * dst,
+                                                    const float clip, const kvq_v_dither & dither) {
+    GGML_ASSERT(src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float));
+    GGML_ASSERT(src1->type == GGML_TYPE_I64 || src1->type == GGML_TYPE_I32);
+    GGML_ASSERT(ggml_kvq_is_kivi(dst->type) && src0->ne[0] % QK_KIVI == 0 && src0->ne[0] == dst->ne[0]);
+    kvq_assert_words(dst);
+    GGML_TENSOR_BINARY_OP_LOCALS
+
+    kvq_set_rows_params p;
+    p.src0 = (const char *) src0->data;
+    p.src1 = (const char *) src1->data;
+    p.dst  = (char *) dst->data;
+    p.n_blocks = ne00/QK_KIVI*ne01*ne02*ne03;
+    // fastdiv works on 32-bit indices
+    GGML_ASSERT(p.n_blocks <= INT32_MAX);
+    p.nb01 = nb01; p.nb02 = nb02; p.nb03 = nb03;
+    p.nb10 = nb10; p.nb11 = nb11; p.nb12 = nb12;
+    p.nb1  = nb1;  p.nb2  = nb2;  p.nb3  = nb3;
+    if (p.n_blocks > 0) {
+        p.blocks_per_row = init_fastdiv_values(ne00/QK_KIVI);
+        p.ne01 = init_fastdiv_values(ne01);
+        p.ne02 = init_fastdiv_values(ne02);
+        p.ne11 = init_fastdiv_values(ne11);
+        p.ne12 = init_fastdiv_values(ne12);
+    }
+    p.clip   = clip;
+    p.dither = dither;
+    return p;
+}
+
+static unsigned kvq_set_rows_grid(const kvq_set_rows_params & p) {
+    return (unsigned) ((p.n_blocks + KVQ_BLOCK_SIZE - 1)/KVQ_BLOCK_SIZE);
+}
+
+// run(kernel) with the kernel for src1's index type and the destination's code width
+template <typename F>
+static void kvq_set_rows_dispatch(const ggml_tensor * src1, const int bits, F run) {
+    const bool i64 = src1->type == GGML_TYPE_I64;
+    switch (bits) {
+        case 1:  i64 ? run(kvq_set_rows_kernel<int64_t, 1>) : run(kvq_set_rows_kernel<int32_t, 1>); break;
+        case 2:  i64 ? run(kvq_set_rows_kernel<int64_t, 2>) : run(kvq_set_rows_kernel<int32_t, 2>); break;
+        default: i64 ? run(kvq_set_rows_kernel<int64_t, 4>) : run(kvq_set_rows_kernel<int32_t, 4>); break;
+    }
 }

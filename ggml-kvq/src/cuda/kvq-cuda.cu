@@ -7,45 +7,6 @@
 #include "kvq-cuda-store.cuh"
 
 //
-// set_rows into a kivi tensor: upstream's ggml_set_rows (rows broadcast over dims 2 and 3, like
-// set-rows.cu), and STORE_V (the same with a clip ratio and V's dither), one thread per 32-value block
-//
-
-template <typename idx_t, int bits>
-static __global__ void kvq_set_rows_kernel(
-        const char * src0, const char * src1, char * dst, const int64_t n_blocks,
-        const size_t nb01, const size_t nb02, const size_t nb03,
-        const size_t nb10, const size_t nb11, const size_t nb12,
-        const size_t nb1, const size_t nb2, const size_t nb3,
-        const uint3 blocks_per_row, const uint3 ne01, const uint3 ne02, const uint3 ne11, const uint3 ne12,
-        const float clip, const kvq_v_dither dither) {
-    const int64_t i = (int64_t) blockDim.x*blockIdx.x + threadIdx.x;
-    if (i >= n_blocks) {
-        return;
-    }
-    uint2 dm = fast_div_modulo((uint32_t) i, blocks_per_row);
-    const uint32_t ib = dm.y;
-    dm = fast_div_modulo(dm.x, ne01);
-    const uint32_t i01 = dm.y;
-    dm = fast_div_modulo(dm.x, ne02);
-    const uint32_t i02 = dm.y;
-    const uint32_t i03 = dm.x;
-    const uint32_t i11 = fastmodulo(i02, ne11);
-    const uint32_t i12 = fastmodulo(i03, ne12);
-
-    const int64_t row = *(const idx_t *) (src1 + i01*nb10 + i11*nb11 + i12*nb12);
-    const float * x   = (const float *) (src0 + i01*nb01 + i02*nb02 + i03*nb03) + ib*QK_KIVI;
-
-    float xs[QK_KIVI];
-#pragma unroll
-    for (int u = 0; u < QK_KIVI; ++u) {
-        xs[u] = x[u];
-    }
-    kvq_quantize_block<bits>(xs, (uint32_t *) (dst + row*nb1 + i02*nb2 + i03*nb3 + (size_t) ib*kvq_block_bytes(bits)), clip,
-                             dither.spread16, kvq_v_dither_key(dither, row, (int64_t) ib*QK_KIVI));
-}
-
-//
 // host side
 //
 
@@ -160,50 +121,19 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     }
 }
 
-template <typename idx_t, int bits>
-static void kvq_set_rows_launch(const ggml_tensor * src0, const ggml_tensor * src1, ggml_tensor * dst, float clip,
-                                const kvq_v_dither & dither, cudaStream_t stream) {
-    GGML_TENSOR_BINARY_OP_LOCALS
-
-    const int64_t n_blocks = ne00/QK_KIVI*ne01*ne02*ne03;
-    if (n_blocks == 0) {
-        return;
-    }
-    // fastdiv works on 32-bit indices
-    GGML_ASSERT(n_blocks <= INT32_MAX);
-    kvq_set_rows_kernel<idx_t, bits><<<(n_blocks + KVQ_BLOCK_SIZE - 1)/KVQ_BLOCK_SIZE, KVQ_BLOCK_SIZE, 0, stream>>>(
-        (const char *) src0->data, (const char *) src1->data, (char *) dst->data, n_blocks,
-        nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3,
-        init_fastdiv_values(ne00/QK_KIVI), init_fastdiv_values(ne01), init_fastdiv_values(ne02),
-        init_fastdiv_values(ne11), init_fastdiv_values(ne12), clip, dither);
-    CUDA_CHECK(cudaGetLastError());
-}
-
-template <int bits>
-static void kvq_set_rows_bits(const ggml_tensor * src0, const ggml_tensor * src1, ggml_tensor * dst, float clip,
-                              const kvq_v_dither & dither, cudaStream_t stream) {
-    if (src1->type == GGML_TYPE_I64) {
-        kvq_set_rows_launch<int64_t, bits>(src0, src1, dst, clip, dither, stream);
-    } else {
-        kvq_set_rows_launch<int32_t, bits>(src0, src1, dst, clip, dither, stream);
-    }
-}
-
 // rows src0 F32 into the rows src1 (I64 or I32) of the kivi tensor dst, ranges clipped by `clip`, codes dithered as
-// `dither` says
+// `dither` says (kvq_set_rows_kernel)
 static void kvq_set_rows(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
                          ggml_tensor * dst, float clip, const kvq_v_dither & dither) {
-    GGML_ASSERT(src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float));
-    GGML_ASSERT(src1->type == GGML_TYPE_I64 || src1->type == GGML_TYPE_I32);
-    GGML_ASSERT(ggml_kvq_is_kivi(dst->type) && src0->ne[0] % QK_KIVI == 0 && src0->ne[0] == dst->ne[0]);
-    kvq_assert_words(dst);
-
-    cudaStream_t stream = ctx.stream();
-    switch (ggml_kvq_bits(dst->type)) {
-        case 1:  kvq_set_rows_bits<1>(src0, src1, dst, clip, dither, stream); break;
-        case 2:  kvq_set_rows_bits<2>(src0, src1, dst, clip, dither, stream); break;
-        default: kvq_set_rows_bits<4>(src0, src1, dst, clip, dither, stream); break;
+    const kvq_set_rows_params p = kvq_set_rows_make_params(src0, src1, dst, clip, dither);
+    if (p.n_blocks == 0) {
+        return;
     }
+    cudaStream_t stream = ctx.stream();
+    kvq_set_rows_dispatch(src1, ggml_kvq_bits(dst->type), [&](auto kernel) {
+        kernel<<<kvq_set_rows_grid(p), KVQ_BLOCK_SIZE, 0, stream>>>(p);
+    });
+    CUDA_CHECK(cudaGetLastError());
 }
 
 void ggml_cuda_kvq_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
