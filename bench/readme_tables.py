@@ -313,13 +313,19 @@ def window_words(calibration: dict) -> str:
     return f"a {calibration['kvq.window']}-token window (--kv-window auto), "
 
 
+def dither_words(calibration: dict) -> str:
+    """V's dither the recipe chose (records from before it had none: nearest)."""
+    dither = calibration.get("kvq.kv_dither")
+    return f", V dither {dither}" if dither else ""
+
+
 def recipe_record_table(record: dict) -> str:
     c = record["calibration"]
     lines = [f"The calibrated recipe against upstream's 4-bit KV ({record['model']}, {record['text']}, n_ctx "
              f"{record['n_ctx']}, {record['chunks']} chunks; `pykvq calibrate` on {c['n_tokens']} tokens of Macbeth "
              f"{recall_words(c)}in {c['seconds'] / 60:.1f} min on {c['threads']} threads chose {c['kvq.sinks']} sinks, "
              f"{window_words(c)}"
-             f"{rotation_words(c)}{clip_words(c['kvq.kv_clip'])} and the mix below; "
+             f"{rotation_words(c)}{clip_words(c['kvq.kv_clip'])}{dither_words(c)} and the mix below; "
              "bench/recipe.py):", "",
              "| KV cache | code bits | K, V bpe | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in record["rows"]:

@@ -3,12 +3,13 @@
     python bench/recipe.py [--model smollm2|qwen2.5-coder-1.5b|PATH] [--ctx 2048] [--chunks 4]
 
 1. `pykvq calibrate` (its defaults: 2.0 code bits, sinks, rotation and clip ratios chosen, the mix refined by
-   measuring it; with --kv-window auto the window too, priced at --ctx; with --retrieval N the refined mixes also
-   judged on N pass-key prompts) on --calibration-tokens of Macbeth writes a calibrated copy of the model.
+   measuring it, V's dither chosen for it; with --kv-window auto the window too, priced at --ctx; with --retrieval N
+   the refined mixes also judged on N pass-key prompts) on --calibration-tokens of Macbeth writes a calibrated copy of
+   the model.
 2. `pykvq perplexity` scores Hamlet (never the calibration text), the same chunks for every row: f16, upstream's
    q4_0 and q4_1 (rotated, their default) and plain kivi2 on the model; kivi2 with the calibrated sinks, window and
    rotation and the clip ratios calibrated for kivi2 everywhere ("uniform calibrated kivi2"); the copy as it is, its
-   kvq.kv_layers with its sinks, window, rotation and per-width clip ratios (the calibrated mix).
+   kvq.kv_layers with its sinks, window, rotation, per-width clip ratios and V dither (the calibrated mix).
 
 Targets: the mix (<= 2.0 code bits) at a ΔPPL no larger than q4_0's, uniform calibrated kivi2 no larger than
 q4_1's; where an upstream type collapses (ΔPPL over COLLAPSE_PCT) the bar is +1.5% and +1.0% instead.
@@ -69,7 +70,7 @@ def calibrate(model: Path, n_tokens: int, window: str | None, n_ctx: int, retrie
                                                 gguf_metadata.KEY_SINKS, gguf_metadata.KEY_WINDOW,
                                                 gguf_metadata.KEY_WINDOW_CTX,
                                                 gguf_metadata.KEY_BUDGET,
-                                                gguf_metadata.KEY_ROTATE,
+                                                gguf_metadata.KEY_ROTATE, gguf_metadata.KEY_DITHER,
                                                 gguf_metadata.KEY_KIVI2_CLIP, gguf_metadata.KEY_SENSITIVITY,
                                                 gguf_metadata.KEY_RECALL, "kvq.calibration.retrieval",
                                                 "kvq.calibration.retrieval_ctx")}}

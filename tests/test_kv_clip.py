@@ -3,6 +3,7 @@ graph, on the backend tests/device.py names. Exact comparisons run the same kern
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -61,17 +62,24 @@ def test_per_layer_ratios_apply_to_their_layers(model: Model, tokens: list[int])
     np.testing.assert_array_equal(logits(model, tokens, clip=f"k:{spelled};v:{spelled_v}"), split)
 
 
+def assert_model_setting_applies_and_the_call_wins(smollm2: Path, tagged: Path, model: Model, key: str, field: str,
+                                                   value: str, override: str,
+                                                   logits_of: Callable[..., np.ndarray]) -> None:
+    """A copy of the model whose ``key`` holds ``value`` gives what KvConfig's ``field`` = value gives on the model;
+    ``override`` given on the copy wins, and "none" ignores the copy's value."""
+    gguf_metadata.write_copy(smollm2, tagged, {key: value})
+    with device.load_model(tagged) as m:
+        got = [logits_of(m, **{field: given}) for given in (None, override, "none")]
+    want = [logits_of(model, **{field: given}) for given in (value, override, None)]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_the_model_s_ratios_apply_and_the_command_line_wins(smollm2: Path, tmp_path: Path, model: Model,
                                                             tokens: list[int]) -> None:
-    tagged = tmp_path / "clipped.gguf"
-    gguf_metadata.write_copy(smollm2, tagged, {gguf_metadata.KEY_CLIP: "k:*=0.85;v:*=0.8"})
-    with device.load_model(tagged) as m:
-        from_model = logits(m, tokens)
-        overridden = logits(m, tokens, clip="v:*=0.9")
-        ignored = logits(m, tokens, clip="none")
-    np.testing.assert_array_equal(from_model, logits(model, tokens, clip="k:*=0.85;v:*=0.8"))
-    np.testing.assert_array_equal(overridden, logits(model, tokens, clip="v:*=0.9"))
-    np.testing.assert_array_equal(ignored, logits(model, tokens))
+    assert_model_setting_applies_and_the_call_wins(smollm2, tmp_path / "clipped.gguf", model, gguf_metadata.KEY_CLIP,
+                                                   "clip", "k:*=0.85;v:*=0.8", "v:*=0.9",
+                                                   lambda m, **kv: logits(m, tokens, **kv))
 
 
 @pytest.mark.parametrize(("spec", "needle"), [
@@ -95,20 +103,27 @@ def test_ratios_for_layers_the_model_lacks_are_refused_at_context_creation(model
         logits(model, tokens, clip="k:0-9=0.9")
 
 
-def test_llama_perplexity_takes_the_flag_and_the_model_s_ratios(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
+def assert_tool_takes_flag_and_metadata(smollm2: Path, hamlet: Path, tagged: Path, flag: str, key: str, value: str,
+                                        type_v: str = "kivi2") -> None:
+    """llama-perplexity (kivi2 K, ``type_v`` V) with ``flag value`` differs from without it, equals a copy of the model
+    whose ``key`` holds the value, and ``flag none`` on that copy equals the plain model."""
     base = [*device.TOOL_ARGS, "-f", str(hamlet), "-c", "256", "-b", "256", "--chunks", "1", "-t", "2", "-fa", "on",
-            "-ctk", "kivi2", "-ctv", "kivi2", "--kv-window", "16"]
+            "-ctk", "kivi2", "-ctv", type_v, "--kv-window", "16"]
 
     def ppl(model: Path, *args: str) -> float:
         return llama_tools.parse_perplexity(llama_tools.run_tool("llama-perplexity",
                                                                  [*base, "-m", str(model), *args])).ppl
 
-    tagged = tmp_path / "clipped.gguf"
-    gguf_metadata.write_copy(smollm2, tagged, {gguf_metadata.KEY_CLIP: "k:*=0.85;v:*=0.8"})
-    flagged = ppl(smollm2, "--kv-clip", "k:*=0.85;v:*=0.8")
+    gguf_metadata.write_copy(smollm2, tagged, {key: value})
+    flagged = ppl(smollm2, flag, value)
     assert flagged != ppl(smollm2)
     assert ppl(tagged) == flagged
-    assert ppl(tagged, "--kv-clip", "none") == ppl(smollm2)
+    assert ppl(tagged, flag, "none") == ppl(smollm2)
+
+
+def test_llama_perplexity_takes_the_flag_and_the_model_s_ratios(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
+    assert_tool_takes_flag_and_metadata(smollm2, hamlet, tmp_path / "clipped.gguf", "--kv-clip", gguf_metadata.KEY_CLIP,
+                                        "k:*=0.85;v:*=0.8")
 
 
 def test_a_version_1_file_is_still_read(smollm2: Path, tmp_path: Path, model: Model, tokens: list[int]) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_kv_clip import assert_model_setting_applies_and_the_call_wins, assert_tool_takes_flag_and_metadata
 from test_kvq_sequences import LAYOUTS, assert_as_alone, multi
 
 from pykvq import gguf_metadata, llama_tools
@@ -80,15 +81,9 @@ def test_a_sequence_draws_the_same_codes_in_any_part(model: Model, hamlet: Path,
 def test_the_model_s_spreads_apply_and_the_command_line_wins(smollm2: Path, tmp_path: Path, model: Model,
                                                              tokens: list[int]) -> None:
     tagged = tmp_path / "dithered.gguf"
-    gguf_metadata.write_copy(smollm2, tagged, {gguf_metadata.KEY_DITHER: "v:0-14=1,15-=0.5"})
+    assert_model_setting_applies_and_the_call_wins(smollm2, tagged, model, gguf_metadata.KEY_DITHER, "dither",
+                                                   "v:0-14=1,15-=0.5", "0.25", lambda m, **kv: logits(m, tokens, **kv))
     assert gguf_metadata.read_kvq(tagged)[gguf_metadata.KEY_VERSION] == gguf_metadata.KVQ_VERSION
-    with device.load_model(tagged) as m:
-        from_model = logits(m, tokens)
-        overridden = logits(m, tokens, dither="0.25")
-        ignored = logits(m, tokens, dither="none")
-    np.testing.assert_array_equal(from_model, logits(model, tokens, dither="v:0-14=1,15-=0.5"))
-    np.testing.assert_array_equal(overridden, logits(model, tokens, dither="0.25"))
-    np.testing.assert_array_equal(ignored, logits(model, tokens))
 
 
 @pytest.mark.parametrize(("spec", "needle"), [
@@ -124,16 +119,5 @@ def test_a_bad_model_spread_is_refused_by_every_reader(smollm2: Path, hamlet: Pa
 
 
 def test_llama_perplexity_takes_the_flag_and_the_model_s_spreads(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
-    base = [*device.TOOL_ARGS, "-f", str(hamlet), "-c", "256", "-b", "256", "--chunks", "1", "-t", "2", "-fa", "on",
-            "-ctk", "kivi2", "-ctv", "kivi1", "--kv-window", "16"]
-
-    def ppl(model: Path, *args: str) -> float:
-        return llama_tools.parse_perplexity(llama_tools.run_tool("llama-perplexity",
-                                                                 [*base, "-m", str(model), *args])).ppl
-
-    tagged = tmp_path / "dithered.gguf"
-    gguf_metadata.write_copy(smollm2, tagged, {gguf_metadata.KEY_DITHER: "1"})
-    flagged = ppl(smollm2, "--kv-dither", "1")
-    assert flagged != ppl(smollm2)
-    assert ppl(tagged) == flagged
-    assert ppl(tagged, "--kv-dither", "none") == ppl(smollm2)
+    assert_tool_takes_flag_and_metadata(smollm2, hamlet, tmp_path / "dithered.gguf", "--kv-dither",
+                                        gguf_metadata.KEY_DITHER, "1", type_v="kivi1")

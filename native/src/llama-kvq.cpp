@@ -195,6 +195,12 @@ static const char * kvq_get_spec(const std::string & setting, std::string & out)
     return out.c_str();
 }
 
+// a copy of a spec setting, for a cache being made
+static std::string kvq_spec_copy(const std::string & setting) {
+    std::lock_guard<std::mutex> lock(kvq_params_mutex);
+    return setting;
+}
+
 bool llama_kvq_check_layer_types(const char * spec) {
     std::lock_guard<std::mutex> lock(kvq_params_mutex);
     return kvq_parses(spec ? spec : "", llama_kvq_check_layer_spec);
@@ -209,8 +215,7 @@ const char * llama_kvq_get_layer_types(void) {
 }
 
 std::string llama_kvq_layer_spec(void) {
-    std::lock_guard<std::mutex> lock(kvq_params_mutex);
-    return kvq_layer_spec;
+    return kvq_spec_copy(kvq_layer_spec);
 }
 
 bool llama_kvq_set_clip(const char * spec) {
@@ -222,8 +227,7 @@ const char * llama_kvq_get_clip(void) {
 }
 
 std::string llama_kvq_clip_spec(void) {
-    std::lock_guard<std::mutex> lock(kvq_params_mutex);
-    return kvq_clip_spec;
+    return kvq_spec_copy(kvq_clip_spec);
 }
 
 bool llama_kvq_set_rotation(const char * spec) {
@@ -235,8 +239,7 @@ const char * llama_kvq_get_rotation(void) {
 }
 
 std::string llama_kvq_rotation_spec(void) {
-    std::lock_guard<std::mutex> lock(kvq_params_mutex);
-    return kvq_rotation_spec;
+    return kvq_spec_copy(kvq_rotation_spec);
 }
 
 bool llama_kvq_set_dither(const char * spec) {
@@ -248,8 +251,7 @@ const char * llama_kvq_get_dither(void) {
 }
 
 std::string llama_kvq_dither_spec(void) {
-    std::lock_guard<std::mutex> lock(kvq_params_mutex);
-    return kvq_dither_spec;
+    return kvq_spec_copy(kvq_dither_spec);
 }
 
 bool llama_kvq_resolve_dither(const char * spec, int32_t n_layer, float * spread_v) {
