@@ -13,6 +13,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -160,6 +161,27 @@ static inline GGML_KVQ_HOST_DEVICE int64_t ggml_kvq_dither_threshold(int32_t spr
     h ^= h >> 33; h *= 0xff51afd7ed558ccdULL; h ^= h >> 33; h *= 0xc4ceb9fe1a85ec53ULL; h ^= h >> 33;
     const int64_t offset = (int64_t) (h >> 40) - (1 << 23);
     return (1 << 23) - offset*spread16/65536;
+}
+
+// V's dither as a STORE_V or STORE node holds it (ggml_kvq_store_set_v_dither; all 0 when not set: nearest)
+struct ggml_kvq_v_dither {
+    int32_t spread16;
+    int32_t layer;
+    int32_t part_cells;
+};
+
+static inline struct ggml_kvq_v_dither ggml_kvq_store_v_dither(const struct ggml_tensor * store) {
+    float spread;
+    memcpy(&spread, &store->op_params[GGML_KVQ_V_SPREAD_PARAM], sizeof(spread));
+    const struct ggml_kvq_v_dither dither = { ggml_kvq_spread16(spread), store->op_params[GGML_KVQ_V_LAYER_PARAM],
+                                              store->op_params[GGML_KVQ_V_PART_PARAM] };
+    return dither;
+}
+
+// the key of the block that starts at `channel` of V row `row` (0 when not dithered)
+static inline GGML_KVQ_HOST_DEVICE uint64_t ggml_kvq_v_dither_key(struct ggml_kvq_v_dither dither, int64_t row,
+                                                                  int64_t channel) {
+    return dither.spread16 == 0 ? 0 : ggml_kvq_dither_key(dither.layer, row % dither.part_cells, channel);
 }
 
 // the code of t (already clamped to [0, qmax]) under that threshold; t's fraction taken exactly

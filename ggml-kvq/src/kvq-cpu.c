@@ -67,9 +67,7 @@ static void kvq_store_rows(const struct ggml_compute_params * params, const stru
     const int     bits     = ggml_kvq_bits(v_rows->type);
     const size_t  bb       = ggml_kvq_block_bytes(bits);
     const int64_t n_blocks = v_rows->ne[0]/QK_KIVI;
-    const int32_t spread16 = ggml_kvq_spread16(ggml_get_op_params_f32(dst, GGML_KVQ_V_SPREAD_PARAM));
-    const int32_t layer    = ggml_get_op_params_i32(dst, GGML_KVQ_V_LAYER_PARAM);
-    const int32_t part     = ggml_get_op_params_i32(dst, GGML_KVQ_V_PART_PARAM);
+    const struct ggml_kvq_v_dither dither = ggml_kvq_store_v_dither(dst);
 
     for (int64_t r = params->ith; r < n_rows; r += params->nth) {
         const int64_t row = ((const int64_t *) idxs->data)[r];
@@ -77,8 +75,8 @@ static void kvq_store_rows(const struct ggml_compute_params * params, const stru
         const float * xr = (const float *) (x + r*nb1);
         uint8_t     * y  = (uint8_t *) v_rows->data + row*v_rows->nb[1];
         for (int64_t ib = 0; ib < n_blocks; ++ib) {
-            const uint64_t key = spread16 == 0 ? 0 : ggml_kvq_dither_key(layer, row % part, ib*QK_KIVI);
-            ggml_kvq_quantize_block_dithered(xr + ib*QK_KIVI, y + ib*bb, bits, clip, spread16, key);
+            ggml_kvq_quantize_block_dithered(xr + ib*QK_KIVI, y + ib*bb, bits, clip, dither.spread16,
+                                             ggml_kvq_v_dither_key(dither, row, ib*QK_KIVI));
         }
     }
 }

@@ -145,25 +145,25 @@ class Calibrator:
             return log_softmax(np.atleast_2d(ctx.eval(tokens, all_logits=not last_only)))
 
     def _kv(self, layers: str, sinks: int | None = None, clip: str | None = None, rotate: str | None = None,
-            window: int | None = None) -> KvConfig:
+            window: int | None = None, dither: str | None = None) -> KvConfig:
         # a copy calibrated again keeps its kvq.select out of the measurement (one whole prompt either way)
         return KvConfig(REFERENCE, REFERENCE, self.probe.window if window is None else window,
                         self.probe.sinks if sinks is None else sinks,
                         rotate=self.probe.rotate if rotate is None else rotate, layers=layers,
                         clip=self.probe.clip if clip is None else clip, select=kv_types.SELECT_OFF,
-                        dither=self.probe.dither)
+                        dither=self.probe.dither if dither is None else dither)
 
     def kld(self, layers: str, sinks: int | None = None, clip: str | None = None, rotate: str | None = None,
-            window: int | None = None, weights: np.ndarray | None = None) -> float:
-        """KL divergence against f16 KV of a per-layer mix, with the probe's sinks, clip ratios, rotation, window
-        and token weights or those given."""
-        kv = self._kv(layers, sinks, clip, rotate, window)
+            window: int | None = None, weights: np.ndarray | None = None, dither: str | None = None) -> float:
+        """KL divergence against f16 KV of a per-layer mix, with the probe's sinks, clip ratios, rotation, window,
+        token weights and V dither or those given."""
+        kv = self._kv(layers, sinks, clip, rotate, window, dither)
         return mean_kld(self.reference, self._log_probs(self.tokens, kv), self.weights if weights is None else weights)
 
-    def retrieval_kld(self, layers: str, clip: str) -> float:
+    def retrieval_kld(self, layers: str, clip: str, dither: str | None = None) -> float:
         """Mean over the pass-key prompts of the KL divergence against f16 KV at the answer's first token (0.0
         without prompts)."""
-        kv = self._kv(layers, clip=clip)
+        kv = self._kv(layers, clip=clip, dither=dither)
         klds = [mean_kld(ref, self._log_probs(p, kv, last_only=True), np.ones(1))
                 for p, ref in zip(self.retrieval, self.retrieval_reference, strict=True)]
         return float(np.mean(klds)) if klds else 0.0
@@ -234,25 +234,18 @@ class Calibrator:
         layers, clip = self._mix(types, widths)
         return self.kld(layers, clip=clip)
 
-    def mix_cost(self, types: dict[tuple[str, int], str], widths: list[WidthErrors]) -> MixCost:
-        """What the refinement weighs: a mix's KL divergence on the probe and at the pass-key answers."""
+    def mix_cost(self, types: dict[tuple[str, int], str], widths: list[WidthErrors],
+                 dither: str | None = None) -> MixCost:
+        """What the refinement weighs: a mix's KL divergence on the probe and at the pass-key answers, with the
+        probe's V dither or ``dither``."""
         layers, clip = self._mix(types, widths)
-        return MixCost(self.kld(layers, clip=clip), self.retrieval_kld(layers, clip))
+        return MixCost(self.kld(layers, clip=clip, dither=dither), self.retrieval_kld(layers, clip, dither))
 
     def dither_choice(self, types: dict[tuple[str, int], str], widths: list[WidthErrors]) -> DitherChoice:
         """The finished mix's cost with its low-bit V layers at each candidate spread (dither_choice)."""
         types_v = [types[("v", il)] for il in range(self.model.n_layer)]
-        probe = self.probe
-
-        def measure(spec: str) -> float:
-            self.probe = replace(probe, dither=spec)
-            return self.mix_cost(types, widths).total
-
-        try:
-            with tqdm(total=len(dither_choice.SPREADS), unit="run", desc="V dither") as progress:
-                return choose_dither(types_v, measure, progress.update)
-        finally:
-            self.probe = probe
+        with tqdm(total=len(dither_choice.SPREADS), unit="run", desc="V dither") as progress:
+            return choose_dither(types_v, lambda spec: self.mix_cost(types, widths, spec).total, progress.update)
 
     def attention_sensitivities(self, widths: list[WidthErrors]) -> list[Sensitivity]:
         """The attention errors in KL divergence: each part's scale from one measured mix, that part kivi2 and the

@@ -267,7 +267,7 @@ extern "C" void kvq_emu_store(const ggml_tensor * store) {
 extern "C" void kvq_emu_store_v(const ggml_tensor * store_v) {
     const kvq_set_rows_params p = kvq_set_rows_make_params(store_v->src[1], store_v->src[2], store_v,
                                                            ggml_get_op_params_f32(store_v, GGML_KVQ_CLIP_PARAM),
-                                                           kvq_v_dither_of(store_v));
+                                                           ggml_kvq_store_v_dither(store_v));
     if (p.n_blocks == 0) {
         return;
     }

@@ -98,19 +98,3 @@ static __device__ __forceinline__ void kvq_quantize_block_bits(const float * x, 
     }
 }
 
-// V's dithered rounding as a STORE_V or STORE node asks it (ggml_kvq_store_set_v_dither)
-struct kvq_v_dither {
-    int32_t spread16;
-    int32_t layer;
-    int32_t part_cells;
-};
-
-static kvq_v_dither kvq_v_dither_of(const ggml_tensor * dst) {
-    return { ggml_kvq_spread16(ggml_get_op_params_f32(dst, GGML_KVQ_V_SPREAD_PARAM)),
-             ggml_get_op_params_i32(dst, GGML_KVQ_V_LAYER_PARAM), ggml_get_op_params_i32(dst, GGML_KVQ_V_PART_PARAM) };
-}
-
-// the key of the block starting at `channel` of V row `row`
-static __device__ __forceinline__ uint64_t kvq_v_dither_key(const kvq_v_dither & dither, const int64_t row, const int64_t channel) {
-    return dither.spread16 == 0 ? 0 : ggml_kvq_dither_key(dither.layer, row % dither.part_cells, channel);
-}

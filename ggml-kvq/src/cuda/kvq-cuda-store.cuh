@@ -99,7 +99,7 @@ struct kvq_store_params {
     int             v_bits;
     float           clip_k;
     float           clip_v;
-    kvq_v_dither    v_dither;
+    ggml_kvq_v_dither v_dither;
 };
 
 static __global__ void kvq_store_kernel(const kvq_store_params p) {
@@ -135,7 +135,7 @@ static __global__ void kvq_store_kernel(const kvq_store_params p) {
             }
             kvq_quantize_block_bits(x, (uint32_t *) (p.v_rows + p.v_cells[s]*p.v_rows_nb1 +
                                                      (size_t) (c/QK_KIVI)*kvq_block_bytes(p.v_bits)), p.v_bits, p.clip_v,
-                                    p.v_dither.spread16, kvq_v_dither_key(p.v_dither, p.v_cells[s], c));
+                                    p.v_dither.spread16, ggml_kvq_v_dither_key(p.v_dither, p.v_cells[s], c));
         }
     }
 }
@@ -165,7 +165,7 @@ static kvq_store_params kvq_store_make_params(const ggml_tensor * dst) {
     p.v_bits      = ggml_kvq_bits(v_rows->type);
     p.clip_k      = ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM);
     p.clip_v      = ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_V_PARAM);
-    p.v_dither    = kvq_v_dither_of(dst);
+    p.v_dither    = ggml_kvq_store_v_dither(dst);
     return p;
 }
 
@@ -179,16 +179,16 @@ static unsigned kvq_store_grid_x(const kvq_store_params & p) {
 //
 
 struct kvq_set_rows_params {
-    const char * src0;
-    const char * src1;
-    char       * dst;
-    int64_t      n_blocks;
-    size_t       nb01, nb02, nb03;
-    size_t       nb10, nb11, nb12;
-    size_t       nb1, nb2, nb3;
-    uint3        blocks_per_row, ne01, ne02, ne11, ne12;   // fastdiv values
-    float        clip;
-    kvq_v_dither dither;
+    const char      * src0;
+    const char      * src1;
+    char            * dst;
+    int64_t           n_blocks;
+    size_t            nb01, nb02, nb03;
+    size_t            nb10, nb11, nb12;
+    size_t            nb1, nb2, nb3;
+    uint3             blocks_per_row, ne01, ne02, ne11, ne12;   // fastdiv values
+    float             clip;
+    ggml_kvq_v_dither dither;
 };
 
 template <typename idx_t, int bits>
@@ -216,13 +216,13 @@ static __global__ void kvq_set_rows_kernel(const kvq_set_rows_params p) {
         xs[u] = x[u];
     }
     kvq_quantize_block<bits>(xs, (uint32_t *) (p.dst + row*p.nb1 + i02*p.nb2 + i03*p.nb3 + (size_t) ib*kvq_block_bytes(bits)),
-                             p.clip, p.dither.spread16, kvq_v_dither_key(p.dither, row, (int64_t) ib*QK_KIVI));
+                             p.clip, p.dither.spread16, ggml_kvq_v_dither_key(p.dither, row, (int64_t) ib*QK_KIVI));
 }
 
 // rows src0 F32 into the rows src1 (I64 or I32) of the kivi tensor dst, ranges clipped by `clip`, codes dithered as
 // `dither` says
 static kvq_set_rows_params kvq_set_rows_make_params(const ggml_tensor * src0, const ggml_tensor * src1, const ggml_tensor * dst,
-                                                    const float clip, const kvq_v_dither & dither) {
+                                                    const float clip, const ggml_kvq_v_dither & dither) {
     GGML_ASSERT(src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float));
     GGML_ASSERT(src1->type == GGML_TYPE_I64 || src1->type == GGML_TYPE_I32);
     GGML_ASSERT(ggml_kvq_is_kivi(dst->type) && src0->ne[0] % QK_KIVI == 0 && src0->ne[0] == dst->ne[0]);

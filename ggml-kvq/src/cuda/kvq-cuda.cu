@@ -124,7 +124,7 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 // rows src0 F32 into the rows src1 (I64 or I32) of the kivi tensor dst, ranges clipped by `clip`, codes dithered as
 // `dither` says (kvq_set_rows_kernel)
 static void kvq_set_rows(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
-                         ggml_tensor * dst, float clip, const kvq_v_dither & dither) {
+                         ggml_tensor * dst, float clip, const ggml_kvq_v_dither & dither) {
     const kvq_set_rows_params p = kvq_set_rows_make_params(src0, src1, dst, clip, dither);
     if (p.n_blocks == 0) {
         return;
@@ -137,12 +137,12 @@ static void kvq_set_rows(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
 }
 
 void ggml_cuda_kvq_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    kvq_set_rows(ctx, dst->src[0], dst->src[1], dst, 1.0f, kvq_v_dither { 0, 0, 1 });
+    kvq_set_rows(ctx, dst->src[0], dst->src[1], dst, 1.0f, ggml_kvq_v_dither { 0, 0, 1 });
 }
 
 // STORE_V: upstream's set_rows with a clip ratio and V's dither; dst is a view of the V rows (src[0])
 static void kvq_store_v(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    kvq_set_rows(ctx, dst->src[1], dst->src[2], dst, ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM), kvq_v_dither_of(dst));
+    kvq_set_rows(ctx, dst->src[1], dst->src[2], dst, ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM), ggml_kvq_store_v_dither(dst));
 }
 
 void ggml_cuda_op_kvq(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
