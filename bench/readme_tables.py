@@ -314,9 +314,13 @@ def window_words(calibration: dict) -> str:
 
 
 def dither_words(calibration: dict) -> str:
-    """V's dither the recipe chose (records from before it had none: nearest)."""
+    """V's dither the recipe chose: a spread, nearest after measuring the spreads, or nothing in records from before
+    calibrate measured them."""
     dither = calibration.get("kvq.kv_dither")
-    return f", V dither {dither}" if dither else ""
+    if dither:
+        return f", V dither {dither}"
+    measured = any(line.startswith("the mix's cost by V dither") for line in calibration.get("summary", []))
+    return ", V rounded to nearest (no dither spread measured lower)" if measured else ""
 
 
 def recipe_record_table(record: dict) -> str:

@@ -43,3 +43,20 @@ def test_the_table_names_the_mix_and_the_verdicts() -> None:
     assert "calibrated kivi2: +3.00% against q4_1's +2.80%: **not met**" in table
     assert "`--kv-layers 'k:0=kivi4,1-=kivi1;v:*=kivi2'`" in table
     assert "chose 4 sinks, a 64-token window (--kv-window auto), " in table
+
+
+def test_the_table_says_which_v_dither_was_chosen_or_that_none_was_measured() -> None:
+    measured = ["the mix's cost by V dither: none: 0.0060, v:*=0.5: 0.0074, v:*=1: 0.0109 -> --kv-dither 'none'"]
+    scored = rows(q4_0=5.5, q4_1=2.8, mix=5.0, uniform=3.0)
+
+    def table(**calibration: object) -> str:
+        c = {"n_tokens": 512, "seconds": 60.0, "threads": 2, "kvq.sinks": 8, "kvq.window": 128,
+             "kvq.kv_clip": "k:*=0.9", **calibration}
+        return recipe_record_table({"model": "m", "text": "t", "n_ctx": 2048, "chunks": 4, "rows": scored,
+                                    "targets": recipe.judged(scored), "calibration": c})
+
+    assert ", V dither v:*=0.5 and the mix below" in table(**{"kvq.kv_dither": "v:*=0.5", "summary": measured})
+    assert ", V rounded to nearest (no dither spread measured lower) and" in table(**{"kvq.kv_dither": None,
+                                                                                      "summary": measured})
+    old = table(**{"summary": ["mean code bits 2.000 (budget 2)"]})
+    assert "dither" not in old and "nearest" not in old
