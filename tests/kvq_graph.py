@@ -75,7 +75,8 @@ _CDEF = """
         struct ggml_tensor * mask, struct ggml_tensor * k_idxs, int32_t window, int32_t n_sink, float scale,
         int32_t n_seq, bool mask_all_streams);
     void ggml_kvq_attn_set_softcap(struct ggml_tensor * attn, float softcap);
-    void ggml_kvq_store_set_v_dither(struct ggml_tensor * store, float spread, int32_t layer, int64_t part_cells);
+    void ggml_kvq_store_set_v_dither(struct ggml_tensor * store, float spread, int32_t layer, int64_t part_cells,
+                                     int64_t period);
     void ggml_kvq_attn_set_sinks(struct ggml_tensor * attn, struct ggml_tensor * sinks);
     void ggml_flash_attn_ext_add_sinks(struct ggml_tensor * a, struct ggml_tensor * sinks);
     struct ggml_tensor * ggml_sum(struct ggml_context * ctx, struct ggml_tensor * a);

@@ -326,6 +326,23 @@ def test_cells_that_leave_the_window_are_dropped_exactly(gemma3: Model, tokens: 
     assert (got[False][2].swa_n_cells, got[True][2].swa_n_cells) == (192 if rollback == 0 else 320, N_CTX)
 
 
+def test_a_dithered_window_keeps_each_token_s_codes_through_its_drops(gemma3: Model, tokens: list[int]) -> None:
+    """V's dither in a sliding-window cache draws by the cell modulo the ring, which a drop keeps: the cache that
+    drops is --swa-full's, and the ubatch size that decides when cells drop changes nothing (keyed by the cell in
+    the part, the tokens after the first drop took other codes)."""
+    def run(dither: str | None, swa_full: bool, n_ubatch: int) -> np.ndarray:
+        kv = KvConfig("kivi2", "kivi2", window=32, dither=dither)
+        config = device.context_config(kv=kv, swa_full=swa_full, **{**DROPPING, "n_ubatch": n_ubatch})
+        with gemma3.context(config) as ctx:
+            prefill = ctx.eval(tokens[:300], all_logits=True)
+            return np.concatenate([prefill, np.stack([ctx.eval([t]) for t in tokens[300:340]])])
+
+    dropping = run("1", False, 32)
+    device.assert_same_logits(dropping, run("1", True, 32))
+    device.assert_same_logits(dropping, run("1", False, 48))
+    assert not np.array_equal(dropping, run(None, False, 32))
+
+
 @pytest.mark.parametrize(("rollback", "n_removed"), [(0, 1), (40, 38)])
 def test_a_removal_after_drops_continues_exactly(gemma3: Model, tokens: list[int], rollback: int,
                                                  n_removed: int) -> None:

@@ -101,7 +101,8 @@ class Cache:
     def dithered(self, store):
         """A store node with the case's V dither, a stream being a sequence's part."""
         if self.case.v_spread:
-            g.libs().base.ggml_kvq_store_set_v_dither(store, self.case.v_spread, DITHER_LAYER, self.n_alloc)
+            g.libs().base.ggml_kvq_store_set_v_dither(store, self.case.v_spread, DITHER_LAYER, self.n_alloc,
+                                                      self.n_alloc)
         return store
 
 

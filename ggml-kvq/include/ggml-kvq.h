@@ -125,10 +125,11 @@ enum ggml_kvq_op {
 // the op param (F32) that holds STORE's clip ratio for V (its K's at GGML_KVQ_CLIP_PARAM)
 #define GGML_KVQ_CLIP_V_PARAM 9
 // the op params of STORE_V's and STORE's V rounding (ggml_kvq_store_set_v_dither): its spread (F32, 0: nearest),
-// the layer and the cells of a sequence's part (I32)
+// the layer, the cells of a sequence's part and the period of the draws in it (I32)
 #define GGML_KVQ_V_SPREAD_PARAM 10
 #define GGML_KVQ_V_LAYER_PARAM  11
 #define GGML_KVQ_V_PART_PARAM   12
+#define GGML_KVQ_V_PERIOD_PARAM 13
 
 // the contract's arithmetic below is shared by the CPU and the CUDA kernels
 #ifdef __CUDACC__
@@ -142,8 +143,11 @@ enum ggml_kvq_op {
 // add up rather than average out where attention spreads over repeated content. Dithered, a value's code is
 // floor(t) + 1 when the fraction of t reaches a threshold drawn uniformly from [1/2 - spread/2, 1/2 + spread/2]
 // (spread 1: stochastic rounding, unbiased; 0: nearest), the draw a hash of (layer, the cell's index in its
-// sequence's part, channel): deterministic, the same whatever the cache's layout and on every backend. The
-// arithmetic is integer so that every backend draws the same codes; spread16 is the spread in 1/65536ths.
+// sequence's part modulo a period, channel): deterministic, the same whatever the cache's layout and on every
+// backend. The period is the part's size, except in a sliding-window cache: its parts drop whole rings of cells from
+// the front, so the draws repeat every ring there, and a token keeps its draw whenever and however often its part
+// dropped before it came. The arithmetic is integer so that every backend draws the same codes; spread16 is the
+// spread in 1/65536ths.
 //
 
 static inline GGML_KVQ_HOST_DEVICE int32_t ggml_kvq_spread16(float spread) {
@@ -168,20 +172,22 @@ struct ggml_kvq_v_dither {
     int32_t spread16;
     int32_t layer;
     int32_t part_cells;
+    int32_t period;
 };
 
 static inline struct ggml_kvq_v_dither ggml_kvq_store_v_dither(const struct ggml_tensor * store) {
     float spread;
     memcpy(&spread, &store->op_params[GGML_KVQ_V_SPREAD_PARAM], sizeof(spread));
     const struct ggml_kvq_v_dither dither = { ggml_kvq_spread16(spread), store->op_params[GGML_KVQ_V_LAYER_PARAM],
-                                              store->op_params[GGML_KVQ_V_PART_PARAM] };
+                                              store->op_params[GGML_KVQ_V_PART_PARAM],
+                                              store->op_params[GGML_KVQ_V_PERIOD_PARAM] };
     return dither;
 }
 
 // the key of the block that starts at `channel` of V row `row` (0 when not dithered)
 static inline GGML_KVQ_HOST_DEVICE uint64_t ggml_kvq_v_dither_key(struct ggml_kvq_v_dither dither, int64_t row,
                                                                   int64_t channel) {
-    return dither.spread16 == 0 ? 0 : ggml_kvq_dither_key(dither.layer, row % dither.part_cells, channel);
+    return dither.spread16 == 0 ? 0 : ggml_kvq_dither_key(dither.layer, row % dither.part_cells % dither.period, channel);
 }
 
 // the code of t (already clamped to [0, qmax]) under that threshold; t's fraction taken exactly
@@ -292,8 +298,10 @@ GGML_API struct ggml_tensor * ggml_kvq_store(
         float                 clip_v);
 
 // V's dithered rounding for a STORE_V or STORE node of `layer` (see ggml_kvq_dithered_code): spread in [0, 1] (0, the
-// default: nearest); the cell a row lands in is its index modulo part_cells (a stream, or a unified cache's region)
-GGML_API void ggml_kvq_store_set_v_dither(struct ggml_tensor * store, float spread, int32_t layer, int64_t part_cells);
+// default: nearest); the cell a row lands in is its index modulo part_cells (a stream, or a unified cache's region),
+// and its draw repeats every `period` cells of it (part_cells, or a sliding-window cache's ring)
+GGML_API void ggml_kvq_store_set_v_dither(struct ggml_tensor * store, float spread, int32_t layer, int64_t part_cells,
+                                          int64_t period);
 
 // attention of q [head_dim, n_head, n_tokens] over cells 0 .. n_kv-1 of its stream (n_kv = mask->ne[0]), reading the
 // quantized tiles and rows directly. Query at cell i attends cell j through its fp16 value when

@@ -130,17 +130,20 @@ struct ggml_tensor * ggml_kvq_store(
     return result;
 }
 
-void ggml_kvq_store_set_v_dither(struct ggml_tensor * store, float spread, int32_t layer, int64_t part_cells) {
+void ggml_kvq_store_set_v_dither(struct ggml_tensor * store, float spread, int32_t layer, int64_t part_cells,
+        int64_t period) {
     GGML_ASSERT(store->op == GGML_OP_KVQ);
     const int32_t op = ggml_get_op_params_i32(store, 0);
     GGML_ASSERT(op == GGML_KVQ_OP_STORE_V || op == GGML_KVQ_OP_STORE);
     GGML_ASSERT(spread >= 0.0f && spread <= 1.0f);
     // the key's fields (ggml_kvq_dither_key): 16 bits of layer, 28 of cell, 20 of channel
     GGML_ASSERT(layer >= 0 && layer < (1 << 16) && part_cells > 0 && part_cells <= (1 << 28));
+    GGML_ASSERT(period > 0 && period <= part_cells);
     GGML_ASSERT(store->src[op == GGML_KVQ_OP_STORE ? 4 : 0]->ne[0] <= (1 << 20));
     ggml_set_op_params_f32(store, GGML_KVQ_V_SPREAD_PARAM, spread);
     ggml_set_op_params_i32(store, GGML_KVQ_V_LAYER_PARAM, layer);
     ggml_set_op_params_i32(store, GGML_KVQ_V_PART_PARAM, (int32_t) part_cells);
+    ggml_set_op_params_i32(store, GGML_KVQ_V_PERIOD_PARAM, (int32_t) period);
 }
 
 struct ggml_tensor * ggml_kvq_attn(

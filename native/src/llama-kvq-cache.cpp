@@ -43,6 +43,12 @@ static int64_t kvq_n_fp16(const kv_layers & layers) {
     return 0;
 }
 
+// the fp16 ring's cells (after the sinks): what a sliding-window part drops at a time, whole rings
+template <typename kv_layers>
+static uint32_t kvq_n_ring(const kv_layers & layers, int32_t n_sink) {
+    return (uint32_t) (kvq_n_fp16(layers) - n_sink);
+}
+
 // where the rows of a part start in a non-kivi layer of a kivi cache: its stream, or its region of the one stream
 static size_t kvq_plain_part_offset(const ggml_tensor * t, uint32_t part, bool in_regions, uint32_t part_cells) {
     return in_regions ? (size_t) part*part_cells*t->nb[1] : (size_t) part*t->nb[2];
@@ -391,7 +397,7 @@ uint32_t llama_kv_cache::kvq_n_droppable(const llama_kv_cells & cells, llama_seq
     if (!kvq_drop_dead || n_held + n_new <= kvq_part_cells) {
         return 0;
     }
-    const uint32_t  n_ring  = (uint32_t) (kvq_n_fp16(layers) - kvq_params.n_sink);
+    const uint32_t  n_ring  = kvq_n_ring(layers, kvq_params.n_sink);
     const llama_pos pos_min = cells.seq_pos_min(seq);
     const llama_pos p_next  = cells.seq_pos_max(seq) + 1 - (llama_pos) n_ring;
     uint32_t n_dead = 0;
@@ -1144,7 +1150,7 @@ bool llama_kv_cache::kvq_can_remove_stream(llama_pos n, llama_pos p0, llama_pos 
     // A suffix: sealed tiles before p0 and V rows stay valid, a tile p0 cuts goes back to fp16 (the ring still
     // holds its cells), stale ring slots belong to removed cells. Exact as long as the ring still holds every
     // cell the next query reads in fp16: those the removed cells' slots did not overwrite.
-    const llama_pos n_ring = kvq_n_fp16(layers) - kvq_params.n_sink;
+    const llama_pos n_ring = (llama_pos) kvq_n_ring(layers, kvq_params.n_sink);
     const llama_pos oldest = std::max(kvq_oldest_fp16_cell(p0, kvq_params.window), (llama_pos) kvq_params.n_sink);
     if (to_end && oldest >= n - n_ring) {
         return true;
@@ -1343,10 +1349,12 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     ggml_tensor * v_rows = ggml_reshape_2d(ctx, layer.v, layer.v->ne[0], layer.v->ne[1]*layer.v->ne[2]);
     const float clip_k = kvq_clips.k[layer.il];
     const float clip_v = kvq_clips.v[layer.il];
-    // every store of the layer's V rows rounds its codes the layer's way
+    // every store of the layer's V rows rounds its codes the layer's way; a sliding-window cache's draws repeat
+    // every ring, which its drops keep (kvq_n_droppable), so that --swa-full and the batch sizes change no code
+    const int64_t dither_period = swa_type == LLAMA_SWA_TYPE_NONE ? kv_size : kvq_n_ring(layers, kvq_params.n_sink);
     const auto dithered = [&](ggml_tensor * store) {
         if (kvq_v_spread[layer.il] > 0.0f) {
-            ggml_kvq_store_set_v_dither(store, kvq_v_spread[layer.il], (int32_t) layer.il, kv_size);
+            ggml_kvq_store_set_v_dither(store, kvq_v_spread[layer.il], (int32_t) layer.il, kv_size, dither_period);
         }
         return store;
     };
