@@ -1,6 +1,6 @@
 """The calibrated recipe against upstream's 4-bit KV, run as a user runs it: issue 19's targets in one run per model.
 
-    python bench/recipe.py [--model smollm2|qwen2.5-coder-1.5b|PATH] [--ctx 2048] [--chunks 4]
+    python bench/recipe.py [--model smollm2|qwen2.5-coder-1.5b|gemma3-270m|PATH] [--ctx 2048] [--chunks 4]
 
 1. `pykvq calibrate` (its defaults: 2.0 code bits, sinks, rotation and clip ratios chosen, the mix refined by
    measuring it, V's dither chosen for it; with --kv-window auto the window too, priced at --ctx; with --retrieval N
@@ -123,7 +123,7 @@ def plot(path: Path, record: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="smollm2, qwen2.5-coder-1.5b or a GGUF path")
+    parser.add_argument("--model", default="smollm2", help="smollm2, qwen2.5-coder-1.5b, gemma3-270m or a GGUF path")
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--calibration-tokens", type=int, default=512, help="pykvq calibrate -c (default: its own)")
