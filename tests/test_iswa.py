@@ -224,13 +224,15 @@ def test_a_refused_removal_leaves_both_caches_as_they_were(gemma3: Model, tokens
                                       twin.eval(tokens[299:340], all_logits=True))
 
 
+@pytest.mark.parametrize("dither", [None, "1"], ids=["nearest", "dithered"])
 @pytest.mark.parametrize("n_ubatch", [512, 32], ids=["whole", "dropping"])
 @pytest.mark.parametrize("unified", [False, True], ids=["streams", "unified"])
 def test_sequences_of_one_context_attend_as_alone(gemma3: Model, tokens: list[int], unified: bool,
-                                                  n_ubatch: int) -> None:
+                                                  n_ubatch: int, dither: str | None) -> None:
     """Two sequences in the same batches (a unified kivi iSWA cache aborted on them: its batches were not split
-    per sequence); with small ubatches each sequence's part drops cells on its own."""
-    kv = KvConfig.preset("kivi2", window=32)
+    per sequence); with small ubatches each sequence's part drops cells on its own. Dithered, a token's V draw
+    follows its cell in its part modulo the ring, whatever the part's size and however it dropped."""
+    kv = KvConfig("kivi2", "kivi2", window=32, dither=dither)
     a, b = tokens[:200], tokens[200:330]
     both = device.context_config(n_ctx=2 * N_CTX, n_batch=N_CTX, n_ubatch=n_ubatch, n_threads=2, kv=kv,
                                  flash_attn="on", n_seq_max=2, kv_unified=unified)
