@@ -187,7 +187,8 @@ static inline struct ggml_kvq_v_dither ggml_kvq_store_v_dither(const struct ggml
 // the key of the block that starts at `channel` of V row `row` (0 when not dithered)
 static inline GGML_KVQ_HOST_DEVICE uint64_t ggml_kvq_v_dither_key(struct ggml_kvq_v_dither dither, int64_t row,
                                                                   int64_t channel) {
-    return dither.spread16 == 0 ? 0 : ggml_kvq_dither_key(dither.layer, row % dither.part_cells % dither.period, channel);
+    return dither.spread16 == 0 ? 0
+                                : ggml_kvq_dither_key(dither.layer, row % dither.part_cells % dither.period, channel);
 }
 
 // the code of t (already clamped to [0, qmax]) under that threshold; t's fraction taken exactly

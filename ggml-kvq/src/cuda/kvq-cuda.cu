@@ -137,7 +137,7 @@ static void kvq_set_rows(ggml_backend_cuda_context & ctx, const ggml_tensor * sr
 }
 
 void ggml_cuda_kvq_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    kvq_set_rows(ctx, dst->src[0], dst->src[1], dst, 1.0f, ggml_kvq_v_dither { 0, 0, 1 });
+    kvq_set_rows(ctx, dst->src[0], dst->src[1], dst, 1.0f, ggml_kvq_v_dither {});
 }
 
 // STORE_V: upstream's set_rows with a clip ratio and V's dither; dst is a view of the V rows (src[0])
