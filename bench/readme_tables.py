@@ -120,17 +120,25 @@ def passkey_table(path: Path) -> str:
     study = f" --study {record['study']}" if record.get("study") else ""
     filler = f"the lines of {record['filler']}" if record.get("filler") else "the filler"
     note = f" {record['note']}" if "note" in record else ""
+    pooled = "pooled_from" in record
+    bench = (f"bench/passkey_pool.py{study} over seeds {', '.join(map(str, record['seeds']))}" if pooled
+             else f"bench/passkey.py{study}")
     lines = [f"Pass-key retrieval ({record['model']}, lengths {lengths}, key at {depths} of {filler}, "
-             f"{record['trials']} keys each, bench/passkey.py{study}){note}:",
+             f"{record['trials']} keys each, {bench}){note}:",
              "", "| KV type | accuracy | below f16 where f16 is right (length@depth) |", "| --- | ---: | --- |"]
     # records since the margin was kept: the key's first token's mean lead over the likeliest other token
     margins = all("mean_margin" in s for s in record["summary"])
     if margins:
         lines[-2:] = ["| KV type | accuracy | mean lead of the key's first token | below f16 where f16 is right "
                       "(length@depth) |", "| --- | ---: | ---: | --- |"]
+    if pooled:
+        lines[-2] += " keys only f16 finds / only this type finds (McNemar p) |"
+        lines[-1] += " ---: |"
     for s in record["summary"]:
         lead = f" {s['mean_margin']:+.3f} |" if margins else ""
-        lines.append(f"| {s['kv_type']} | {s['accuracy']:.2f} |{lead} {', '.join(s['below_f16']) or 'none'} |")
+        pairs = s.get("paired")
+        split = f" {pairs['only_f16']} / {pairs['only_type']} ({pairs['p_value']:.2f}) |" if pairs else " |" * pooled
+        lines.append(f"| {s['kv_type']} | {s['accuracy']:.2f} |{lead} {', '.join(s['below_f16']) or 'none'} |{split}")
     return "\n".join(lines)
 
 
