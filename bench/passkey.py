@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import tempfile
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,7 @@ QUESTION = "\nWhat is the pass key? The pass key is"
 N_ANSWER = 8  # tokens decoded: a five-digit key and some slack
 DEPTHS = [0, 25, 50, 75, 100]  # percent of the filler before the key
 _NUMBER = re.compile(r"\d+")
+TITLE_WIDTH = 40  # characters of a heat map's title per line
 
 
 @dataclass(frozen=True)
@@ -259,11 +261,14 @@ def plot(path: Path, record: dict) -> None:
     import matplotlib.pyplot as plt
 
     kv_types, lengths, depths = record["kv_types"], record["lengths"], record["depths"]
-    fig, axes = plt.subplots(1, len(kv_types), figsize=(2.6 * len(kv_types) + 1, 3.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(kv_types), figsize=(2.6 * len(kv_types) + 1, 3.2), squeeze=False,
+                             layout="constrained")
     for ax, kv_type in zip(axes[0], kv_types, strict=True):
         grid = np.array([[accuracy(record["rows"], kv_type, n, d) for n in lengths] for d in depths])
         image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
-        ax.set_title(kv_type, fontsize=9)
+        # a per-layer mix's spec is hundreds of characters: wrapped, it stays over its own map
+        title = textwrap.fill(kv_type, TITLE_WIDTH, break_on_hyphens=False)
+        ax.set_title(title, fontsize=9 if len(kv_type) <= TITLE_WIDTH else 6)
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
         ax.set_yticks(range(len(depths)), [f"{d}%" for d in depths], fontsize=7)
         ax.set_xlabel("context length", fontsize=8)
