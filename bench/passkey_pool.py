@@ -52,7 +52,7 @@ def check(record: object, source: str) -> None:
         raise ValueError(f"{source}: not a record of bench/passkey.py (it has {', '.join(needed)})")
 
 
-def pool(records: list[dict], sources: list[str]) -> dict:
+def pool(records: list[dict], sources: list[str], study: str | None = None) -> dict:
     """One record of every run's rows, each row with its run's seed (the pairs are made within a seed's prompts).
     ValueError naming what differs when the records cannot be pooled."""
     for source, record in zip(sources, records, strict=True):
@@ -70,7 +70,7 @@ def pool(records: list[dict], sources: list[str]) -> dict:
                              "would count twice")
     pooled = {field: first.get(field) for field in SHARED}
     pooled.update({"trials": sum(r["trials"] for r in records), "seeds": list(seeds), "pooled_from": sources,
-                   "study": None, "rows": [{**row, "seed": r["seed"]} for r in records for row in r["rows"]]})
+                   "study": study, "rows": [{**row, "seed": r["seed"]} for r in records for row in r["rows"]]})
     pooled["summary"] = passkey.summary(pooled)
     for entry in pooled["summary"][1:]:
         entry["paired"] = paired(pooled, entry["kv_type"])
@@ -103,10 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         records = [json.loads(path.read_text()) for path in args.records]
-        record = pool(records, [path.name for path in args.records])
+        record = pool(records, [path.name for path in args.records], args.study)
     except (OSError, json.JSONDecodeError, KeyError, ValueError) as e:
         raise SystemExit(f"error: {e}") from e
-    record["study"] = args.study
     seeds = "-".join(map(str, record["seeds"]))
     study = f"-{args.study}" if args.study else ""
     lengths = "-".join(map(str, record["lengths"]))

@@ -137,7 +137,8 @@ def passkey_table(path: Path) -> str:
     for s in record["summary"]:
         lead = f" {s['mean_margin']:+.3f} |" if margins else ""
         pairs = s.get("paired")
-        split = f" {pairs['only_f16']} / {pairs['only_type']} ({pairs['p_value']:.2f}) |" if pairs else " |" * pooled
+        split = (f" {pairs['only_f16']} / {pairs['only_type']} ({pairs['p_value']:.2f}) |" if pairs
+                 else " |" if pooled else "")
         lines.append(f"| {s['kv_type']} | {s['accuracy']:.2f} |{lead} {', '.join(s['below_f16']) or 'none'} |{split}")
     return "\n".join(lines)
 
