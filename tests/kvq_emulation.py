@@ -80,6 +80,13 @@ def attention_op(lib: Path, kernel: str = "tensor cores"):
     return ffi.cast("void *", ffi.addressof(_loaded(lib), KERNELS[kernel]))
 
 
+def forced_tiles_per_split(tiles: int):
+    """The userdata that makes an emulated attention op (attention_op) split the context every `tiles` tiles instead
+    of at its kernel's own size; the tensor cores take 4, 8, 28 and 56 (tiles per warp: emulator.cpp's
+    emu_mma_kernel) at head size 128, the CUDA cores any number. Keep it alive while the op runs."""
+    return g.libs().ffi.new("int *", tiles)
+
+
 def run_store(lib: Path, store) -> None:
     """A ggml_kvq_store node's writes through the emulated CUDA kernel, instead of computing the node."""
     _loaded(lib).kvq_emu_store(store)

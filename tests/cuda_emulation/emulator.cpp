@@ -218,16 +218,20 @@ void emu_cuda_cores_cols(const emu_attn & a, const int ncols) {
     }
 }
 
+// The tiles per split a launch takes: the kernel's own unless `userdata` points to a number a test forces
+static int emu_tiles_per_split(const void * userdata, const int own) {
+    return userdata != nullptr ? *(const int *) userdata : own;
+}
+
 // ggml_custom1_op_t: the attention node's output through the CUDA-core kernel
 extern "C" void kvq_emu_attn_cuda_cores(ggml_tensor * dst, const ggml_tensor * attn, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
-    GGML_UNUSED(userdata);
     if (ith != 0) {
         return;
     }
     const kvq_attn_params p0 = kvq_attn_make_params(attn);
     const int ncols = kvq_attn_ncols(p0.n_gqa, p0.k.head_dim, p0.v.head_dim);
-    const emu_attn a(dst, attn, ncols, KVQ_TILES_PER_SPLIT);
+    const emu_attn a(dst, attn, ncols, emu_tiles_per_split(userdata, KVQ_TILES_PER_SPLIT));
     switch (a.p.v.head_dim <= 128 ? 1 : (a.p.v.head_dim <= 256 ? 2 : 4)) {
         case 1:  emu_cuda_cores_cols<1>(a, ncols); break;
         case 2:  emu_cuda_cores_cols<2>(a, ncols); break;
@@ -235,23 +239,45 @@ extern "C" void kvq_emu_attn_cuda_cores(ggml_tensor * dst, const ggml_tensor * a
     }
 }
 
+// The tensor-core kernel for head size D at tpw tiles per warp: the product's for any D, the forced ones the split
+// tests use (tests/test_kvq_split_invariance.py) for D = 128 only
+template <int D>
+static auto emu_mma_kernel(const int tpw) {
+    constexpr int own = KVQ_MMA_TILES_PER_SPLIT/KVQ_NWARPS;
+    if (tpw == own) {
+        return kvq_attn_mma_kernel<D, own>;
+    }
+    if constexpr (D == 128) {
+        switch (tpw) {
+            case 1:  return kvq_attn_mma_kernel<D, 1>;
+            case 2:  return kvq_attn_mma_kernel<D, 2>;
+            case 7:  return kvq_attn_mma_kernel<D, 7>;
+            case 14: return kvq_attn_mma_kernel<D, 14>;
+            default: break;
+        }
+    }
+    GGML_ABORT("no emulated tensor-core kernel for head size %d at %d tiles per warp", D, tpw);
+}
+
 // ggml_custom1_op_t: the attention node's output through the tensor-core kernel
 extern "C" void kvq_emu_attn_mma(ggml_tensor * dst, const ggml_tensor * attn, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
-    GGML_UNUSED(userdata);
     if (ith != 0) {
         return;
     }
-    const emu_attn a(dst, attn, KVQ_MMA_COLS, KVQ_MMA_TILES_PER_SPLIT);
+    const int tiles_per_split = emu_tiles_per_split(userdata, KVQ_MMA_TILES_PER_SPLIT);
+    GGML_ASSERT(tiles_per_split % KVQ_NWARPS == 0);
+    const emu_attn a(dst, attn, KVQ_MMA_COLS, tiles_per_split);
     GGML_ASSERT(a.p.n_gqa <= KVQ_MMA_COLS && a.p.k.head_dim == a.p.v.head_dim);
     const size_t smem = kvq_attn_mma_smem(a.p.k.head_dim, a.p.k_bits, a.p.v_bits);
     const auto   run  = [&](auto kernel) {
         emu_launch(a.grid(), KVQ_NWARPS*WARP_SIZE, kvq_mma_smem, sizeof(kvq_mma_smem), smem, [&]() { kernel(a.p); });
     };
+    const int tpw = tiles_per_split/KVQ_NWARPS;
     switch (a.p.k.head_dim) {
-        case 64:  run(kvq_attn_mma_kernel<64>);  break;
-        case 128: run(kvq_attn_mma_kernel<128>); break;
-        case 256: run(kvq_attn_mma_kernel<256>); break;
+        case 64:  run(emu_mma_kernel<64>(tpw));  break;
+        case 128: run(emu_mma_kernel<128>(tpw)); break;
+        case 256: run(emu_mma_kernel<256>(tpw)); break;
         default:  GGML_ABORT("no tensor-core kernel for head size %d", a.p.k.head_dim);
     }
 }

@@ -183,12 +183,13 @@ static __device__ __forceinline__ int kvq_v_col_cell(const int tq, const int ks,
     return 16*ks + 2*tq + e % 2 + 8*(e/2);
 }
 
-template <int D>
+// TPW tiles per warp and split: the product's is KVQ_MMA_TILES_PER_SPLIT's share; the emulation's tests force others
+// to hold the merge to any number of splits
+template <int D, int TPW = KVQ_MMA_TILES_PER_SPLIT/KVQ_NWARPS>
 static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_kernel(const kvq_attn_params p) {
 #ifdef AMPERE_MMA_AVAILABLE
     constexpr int NK  = D/16;        // k-steps of Q.K^T
     constexpr int NB  = D/QK_KIVI;   // V blocks of a head
-    constexpr int TPW = KVQ_MMA_TILES_PER_SPLIT/KVQ_NWARPS;
     static_assert(KVQ_MMA_TILES_PER_SPLIT % KVQ_NWARPS == 0, "whole tiles per warp");
     extern __shared__ __align__(16) char kvq_mma_smem[];
     // launched with programmatic dependent launch: nothing is read before the store before it has finished
@@ -241,7 +242,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
     // the warp's k-th tile of the split: what it knows of it, its copies to stage k % KVQ_MMA_STAGES issued
     const auto prefetch = [&](const int k) {
         kvq_mma_tile ti;
-        ti.tile = split*KVQ_MMA_TILES_PER_SPLIT + warp + k*KVQ_NWARPS;
+        ti.tile = split*(TPW*KVQ_NWARPS) + warp + k*KVQ_NWARPS;
         const int64_t j = (int64_t) ti.tile*QK_KIVI + lane;
         ti.mv       = ti.tile < n_tiles && j < qr.end ? kvq_mask_value(p, t, qr.col0 + j) : -INFINITY;
         const bool attended = ti.mv != -INFINITY;
