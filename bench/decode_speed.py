@@ -43,9 +43,10 @@ _ROW = re.compile(r"^\|\s*(\d+) \|\s*(\d+) \|\s*(\d+) \|\s*(\d+) \|"
 PEAK_GBS = {"H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0}
 
 
-def measure(model: Path, spec: KvSpec, depth: int, tg: int, npl: int, threads: int, ngl: int, repeat: int = 1) -> dict:
+def measure(model: Path, spec: KvSpec, depth: int, tg: int, npl: int, threads: int, ngl: int, repeat: int = 1,
+            ubatch: int = 512) -> dict:
     """The best prefill and decode rates of `repeat` runs (a shared machine only ever slows a run down)."""
-    runs = [measure_once(model, spec, depth, tg, npl, threads, ngl) for _ in range(repeat)]
+    runs = [measure_once(model, spec, depth, tg, npl, threads, ngl, ubatch) for _ in range(repeat)]
     best = dict(runs[0])
     for key in ("prefill_tps", "decode_tps"):
         rates = [r[key] for r in runs if r[key] is not None]
@@ -53,12 +54,13 @@ def measure(model: Path, spec: KvSpec, depth: int, tg: int, npl: int, threads: i
     return best
 
 
-def measure_once(model: Path, spec: KvSpec, depth: int, tg: int, npl: int, threads: int, ngl: int) -> dict:
+def measure_once(model: Path, spec: KvSpec, depth: int, tg: int, npl: int, threads: int, ngl: int,
+                 ubatch: int = 512) -> dict:
     row = {"kv_type": spec.label, "depth": depth, "tg": tg, "npl": npl}
     # several sequences (npl > 1) sit in per-sequence streams (llama.cpp's default, which kivi caches need);
     # decode_tps is then the throughput of all of them together
     n_ctx = npl * (depth + tg) + 256
-    args = ["-m", str(model), "-c", str(n_ctx), "-b", "2048", "-ub", "512", "-npp", str(depth), "-ntg", str(tg),
+    args = ["-m", str(model), "-c", str(n_ctx), "-b", "2048", "-ub", str(ubatch), "-npp", str(depth), "-ntg", str(tg),
             "-npl", str(npl), "-t", str(threads), "-fa", "on", "-ngl", str(ngl), "-ctk", spec.name, "-ctv", spec.name,
             "--kv-layers", spec.layers or "none"]
     try:

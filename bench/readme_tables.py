@@ -58,13 +58,19 @@ def batched_table(path: Path) -> str:
 
 def prefill_table(path: Path) -> str:
     record = json.loads(path.read_text())
-    lines = [f"Prefill speed ({record['machine']}), {record['model']}, batch 1, ubatch 512 (`python "
-             "bench/prefill_speed.py`; kivi prefill through the fused kernel, the CPU's default, or through flash "
-             "attention over wide cells, `LLAMA_KVQ_FA_PREFILL`, the GPU's default):", "",
-             "| context | KV type | prefill path | prefill t/s | vs f16 |", "| ---: | --- | --- | ---: | ---: |"]
+    lines = [f"Prefill speed ({record['machine']}), {record['model']}, batch 1 (`python bench/prefill_speed.py`; kivi "
+             "prefill through the fused kernel, the CPU's default, or through flash attention over wide cells, "
+             "`LLAMA_KVQ_FA_PREFILL`, the GPU's default, for every batch of `ubatch` tokens):", "",
+             "| context | ubatch | KV type | prefill path | prefill t/s | vs f16 |",
+             "| ---: | ---: | --- | --- | ---: | ---: |"]
     for r in record["rows"]:
-        lines.append(f"| {r['depth']} | {r['kv_type']} | {r['prefill_path']} | {r['prefill_tps']:.1f} | "
-                     f"{r['prefill_vs_f16']:.2f} |")
+        # records from before the batch-size sweep ran at prefill_speed.py's default, 512
+        lines.append(f"| {r['depth']} | {r.get('ubatch', 512)} | {r['kv_type']} | {r['prefill_path']} | "
+                     f"{r['prefill_tps']:.1f} | {r['prefill_vs_f16']:.2f} |")
+    if "flash_from" in record:
+        found = [f"{f['kv_type']} at {f['depth']}: {f['flash_from_ubatch'] or 'never'}" for f in record["flash_from"]]
+        lines += ["", "Flash attention over wide cells at least as fast as the fused kernel from ubatch: "
+                  + "; ".join(found) + "."]
     return "\n".join(lines)
 
 

@@ -10,9 +10,10 @@
 # The chain: build (CUDA, sm_90) -> diagnose (the linker record) -> smoke (`pykvq run`, the Python API, the
 # llama-cpp-python server) -> recheck (the tests that failed on the last GPU run, bench/gpu/recheck.txt) -> suite
 # (every test, model and KV cache on the GPU: PYKVQ_TEST_NGL=99) -> control (layers on the CPU, op offload off:
-# must pass as the CPU build does) -> bench (decode, prefill, largest context); mma (the tensor-core attention, issue 18:
-# its tests and decode speed against the CUDA-core kernel) and op (the attention op alone, bench/gpu/attn_op.py) run
-# when named. PYKVQ_GPU_STEPS picks and orders them.
+# must pass as the CPU build does) -> bench (decode, prefill, largest context). Run only when named: mma (the
+# tensor-core attention, issue 18: its tests and decode speed against the CUDA-core kernel), op (the attention op
+# alone, bench/gpu/attn_op.py) and threshold (prefill by batch size through each kivi path, bench/prefill_speed.py
+# --ubatch). PYKVQ_GPU_STEPS picks and orders them.
 # The suite waits for the model assets, which travel in parts (.gpu-carry/partN, one per command).
 # Each step leaves <step>.log and <step>.json under /tmp/pykvq-gpu; every poll copies them to $OUT.
 set -uo pipefail
@@ -67,6 +68,15 @@ wait_for_assets() {
 }
 
 gpu_name() { nvidia-smi --query-gpu=name --format=csv,noheader | head -1; }
+
+# one JSON object of the records given (keyed by file name) at $1, for collect to bring back
+bundle() {
+    python3 - "$@" <<'EOF'
+import json, sys
+json.dump({p.split("/")[-1]: json.load(open(p)) for p in sys.argv[2:] if p.endswith(".json")},
+          open(sys.argv[1], "w"), indent=1)
+EOF
+}
 
 step_build() {
     rm -rf "$SRC" && mkdir -p "$SRC"
@@ -166,10 +176,19 @@ step_mma() {
         --depth 4096 32768 131072 --npl 1 --kv-types f16,q4_0,kivi2 --tg 32 --workdir /tmp || rc=1
     GGML_KVQ_CUDA_MMA=0 python3 bench/decode_speed.py --model random:llama3-8b --ngl 99 \
         --depth 4096 32768 131072 --npl 1 --kv-types f16,kivi2 --tg 32 --workdir /tmp || rc=1
-    python3 - "$WORK/mma-bench.json" bench/results/decode-speed-h*-4096-32768-131072.json <<'EOF'
-import json, sys
-json.dump({p.split("/")[-1]: json.load(open(p)) for p in sys.argv[2:]}, open(sys.argv[1], "w"), indent=1)
-EOF
+    bundle "$WORK/mma-bench.json" bench/results/decode-speed-h*-4096-32768-131072.json
+    return $rc
+}
+
+# where flash attention over wide cells should take over from the fused kernel in a prefill (LLAMA_KVQ_FA_PREFILL's
+# threshold, KVQ_WIDE_MIN_TOKENS in native/src/llama-kvq-cache.cpp; issue 18): kivi2 through each path at batches of
+# 8-256 tokens, with the tensor-core kernel unless GGML_KVQ_CUDA_MMA says otherwise
+step_threshold() {
+    cd "$SRC"
+    GGML_KVQ_CUDA_MMA=${GGML_KVQ_CUDA_MMA:-1} python3 bench/prefill_speed.py --model random:llama3-8b --ngl 99 \
+        --depth 4096 16384 --ubatch 8 16 32 64 128 256 --kv-types f16,kivi2 --repeat 1 --workdir /tmp
+    local rc=$?
+    bundle "$WORK/threshold.json" bench/results/prefill-speed-h*-ub8-*.json
     return $rc
 }
 
@@ -237,12 +256,8 @@ step_bench() {
     python3 bench/prefill_speed.py --model random:llama3-8b --ngl 99 --depth 4096 32768 --kv-types $types \
         --workdir /tmp || return 1
     python3 bench/max_context.py --model random:llama3-8b --workdir /tmp || return 1
-    python3 - "$WORK/bench.json" bench/results/decode-speed-h* bench/results/batched-speed-h* \
-        bench/results/prefill-speed-h* bench/results/max-context-* <<'EOF'
-import json, sys
-json.dump({p.split("/")[-1]: json.load(open(p)) for p in sys.argv[2:] if p.endswith(".json")},
-          open(sys.argv[1], "w"), indent=1)
-EOF
+    bundle "$WORK/bench.json" bench/results/decode-speed-h* bench/results/batched-speed-h* \
+        bench/results/prefill-speed-h* bench/results/max-context-*
 }
 
 chain() {
