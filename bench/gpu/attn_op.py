@@ -76,6 +76,11 @@ def upstream_bytes(shape: Shape, s: Setting) -> float:
     return s.depth * 2 * shape.n_embd * UPSTREAM_TYPES[s.kv_type][1] * s.seqs
 
 
+def op_bytes(shape: Shape, s: Setting) -> float:
+    """What the setting's op must read, whichever kernel runs it."""
+    return upstream_bytes(shape, s) if s.kv_type in UPSTREAM_TYPES else kivi_bytes(shape, s)
+
+
 class Bench:
     def __init__(self, backend: g.Backend | None, shape: Shape, repeat: int, rng: np.random.Generator) -> None:
         self.backend, self.shape, self.repeat, self.rng = backend, shape, repeat, rng
@@ -175,10 +180,11 @@ def kernels(backend: g.Backend | None) -> list[str]:
 
 def measure(bench: Bench, s: Setting, min_cache_mb: float) -> dict:
     if s.kv_type in UPSTREAM_TYPES:
-        seconds, moved = bench.upstream(s, min_cache_mb), upstream_bytes(bench.shape, s)
+        seconds = bench.upstream(s, min_cache_mb)
     else:
         os.environ["GGML_KVQ_CUDA_MMA"] = "1" if s.kernel == "tensor cores" else "0"
-        seconds, moved = bench.kivi(s, min_cache_mb), kivi_bytes(bench.shape, s)
+        seconds = bench.kivi(s, min_cache_mb)
+    moved = op_bytes(bench.shape, s)
     return {**asdict(s), "us": seconds * 1e6, "mb": moved / 2**20, "gbs": moved / seconds / 1e9}
 
 

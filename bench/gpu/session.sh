@@ -12,8 +12,9 @@
 # (every test, model and KV cache on the GPU: PYKVQ_TEST_NGL=99) -> control (layers on the CPU, op offload off:
 # must pass as the CPU build does) -> bench (decode, prefill, largest context). Run only when named: mma (the
 # tensor-core attention, issue 18: its tests and decode speed against the CUDA-core kernel), op (the attention op
-# alone, bench/gpu/attn_op.py) and threshold (prefill by batch size through each kivi path, bench/prefill_speed.py
-# --ubatch). PYKVQ_GPU_STEPS picks and orders them.
+# alone, bench/gpu/attn_op.py), profile (its DRAM bytes and instructions under ncu, bench/gpu/attn_profile.py) and
+# threshold (prefill by batch size through each kivi path, bench/prefill_speed.py --ubatch). PYKVQ_GPU_STEPS picks
+# and orders them.
 # The suite waits for the model assets, which travel in parts (.gpu-carry/partN, one per command).
 # Each step leaves <step>.log and <step>.json under /tmp/pykvq-gpu; every poll copies them to $OUT.
 set -uo pipefail
@@ -196,6 +197,12 @@ step_threshold() {
 step_op() {
     cd "$SRC"
     python3 bench/gpu/attn_op.py --kv-types kivi2,kivi1,f16,q4_0 --window 128 --sinks 0 --seqs 1 16 --out "$WORK/op"
+}
+
+# Nsight Compute's DRAM bytes and warp instructions of the decode attention op at 32k (bench/gpu/attn_profile.py)
+step_profile() {
+    cd "$SRC"
+    python3 bench/gpu/attn_profile.py --out "$WORK/profile"
 }
 
 # what a user does first: `pykvq run`, the Python API and llama-cpp-python's server, all at full offload
