@@ -10,6 +10,7 @@ target_sources(ggml-base PRIVATE
 target_include_directories(ggml-cpu PRIVATE ${PYKVQ_GGML_KVQ_DIR}/src)
 target_sources(ggml-cpu PRIVATE
     ${PYKVQ_GGML_KVQ_DIR}/src/kvq-cpu.c
+    ${PYKVQ_GGML_KVQ_DIR}/src/kvq-cpu-attn.c
     ${PYKVQ_GGML_KVQ_DIR}/src/kvq-cpu-source.c
     ${PYKVQ_GGML_KVQ_DIR}/src/kvq-cpu-wide.c
     ${PYKVQ_GGML_KVQ_DIR}/src/kvq-cpu-score.c

@@ -69,11 +69,11 @@ class LayerRun:
 
 def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches: list[int], *,
                wide: bool = False, n_swa: int = 0, mass: bool = False, observe: int = 0,
-               backend: g.Backend | None = None, attention_op=None) -> LayerRun:
+               backend: g.Backend | None = None, attention_op=None, n_threads: int = 2) -> LayerRun:
     """Feed the tokens through one cache layer in the given ubatch sizes: every query's output (through the fused
     kernel, or with `wide` through flash attention over wide cells; n_swa: a sliding-window mask) and, with
     `mass`, the attention mass the SCORE ops accumulate over the ubatches (from each ubatch's last `observe`
-    queries, 0: all); on the CPU, or on `backend`. attention_op: a ggml_custom1_op_t whose output over the fused
+    queries, 0: all); on the CPU (n_threads), or on `backend`. attention_op: a ggml_custom1_op_t whose output over the fused
     attention node replaces the node's (tests/kvq_emulation.py's emulated GPU kernel), on the CPU."""
     n_cells = k.shape[0]
     n_embd = case.n_head_kv * case.head_dim
@@ -125,7 +125,7 @@ def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches
                                                     n_sink, n_kv, observe, scale))
             nodes += [lib.ggml_kvq_ring_put(ctx.ctx, fp16, cur, idxs, nodes[-1], n_sink, 1, n_alloc)
                       for fp16, cur in ((k_fp16, k_cur), (v_fp16, v_cur))]
-            ctx.compute(*nodes)
+            ctx.compute(*nodes, n_threads=n_threads)
             outputs.append(ctx.read(attn, np.float32, (n, case.n_head, case.dv)))
             first += n
         got_mass = ctx.read(scores, np.float32, (case.n_head_kv, n_alloc)).T[:n_cells] if mass else None
@@ -135,10 +135,11 @@ def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches
 
 
 def run_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches: list[int],
-              wide: bool = False, n_swa: int = 0, backend: g.Backend | None = None, attention_op=None) -> np.ndarray:
+              wide: bool = False, n_swa: int = 0, backend: g.Backend | None = None, attention_op=None,
+              n_threads: int = 2) -> np.ndarray:
     """Every query's output after feeding the tokens in the given ubatch sizes (feed_layer)."""
     return feed_layer(case, q, k, v, ubatches, wide=wide, n_swa=n_swa, backend=backend,
-                      attention_op=attention_op).out
+                      attention_op=attention_op, n_threads=n_threads).out
 
 
 def random_qkv(case: Case, n_cells: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

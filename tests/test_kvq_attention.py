@@ -118,6 +118,18 @@ def test_batching_does_not_change_results(case: Case, kvq_backend: g.Backend | N
     np.testing.assert_array_equal(whole, mixed)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=lambda c: f"h{c.n_head}/{c.n_head_kv}")
+def test_the_cpu_result_depends_on_neither_threads_nor_batches(case: Case) -> None:
+    """The CPU kernel attends a KV head's queries in groups sized by the batch and the thread count (GQA 16: in
+    chunks of heads, split further when one token leaves threads idle); a query's arithmetic is the group's
+    business in nothing: bit for bit on 1, 3 and 4 threads, whole, token by token or in uneven batches."""
+    q, k, v = random_qkv(case, 120, seed=13)
+    alone = run_layer(case, q, k, v, [120], n_threads=1)
+    for n_threads in (3, 4):
+        for ubatches in ([120], [1] * 120, [7, 50, 63]):
+            np.testing.assert_array_equal(run_layer(case, q, k, v, ubatches, n_threads=n_threads), alone)
+
+
 def test_quantized_cells_are_really_quantized() -> None:
     """Sanity of the oracle comparison itself: with a window covering everything, the result is plain
     fp16 attention, and with a short window it measurably differs from it."""

@@ -1,5 +1,6 @@
-// Internals shared by the CPU kernels of GGML_OP_KVQ (kvq-cpu.c: seal, attention, ring; kvq-cpu-wide.c: the
-// wide cells of the flash-attention prefill); kvq-cpu-source.c defines the segment access both use.
+// Internals shared by the CPU kernels of GGML_OP_KVQ (kvq-cpu.c: seal, store, ring; kvq-cpu-attn.c:
+// attention; kvq-cpu-wide.c: the wide cells of the flash-attention prefill); kvq-cpu-source.c defines the segment
+// access they use.
 #pragma once
 
 #include "ggml-kvq.h"

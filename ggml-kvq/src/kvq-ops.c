@@ -1,4 +1,4 @@
-// Graph constructors of GGML_OP_KVQ (see ggml-kvq.h); the kernels are in kvq-cpu.c.
+// Graph constructors of GGML_OP_KVQ (see ggml-kvq.h); the CPU kernels are in kvq-cpu*.c.
 
 #include "ggml-kvq.h"
 #include "ggml-impl.h"

@@ -1,5 +1,5 @@
 // ATTN on CUDA cores, the kernel (kvq-cuda.cu plans and launches it; kvq-cuda-mma-kernel.cuh is its tensor-core
-// twin). kvq-cpu.c is the specification: every cell is read through the same value (fp16 or quantized) as there.
+// twin). kvq-cpu-attn.c is the specification: every cell is read through the same value (fp16 or quantized) as there.
 #pragma once
 
 #include "kvq-cuda-attn.cuh"
@@ -20,7 +20,7 @@ static __device__ __forceinline__ float4 kvq_load4(const T * row, int c) {
 }
 
 //
-// ATTN (kvq_attn_row in kvq-cpu.c)
+// ATTN (kvq-cpu-attn.c)
 //
 // One block serves ncols query heads of one KV head (GQA: each K/V tile is read once for all of them)
 // for one query token, over one split of the context: grid (n_splits, n_head_kv*n_groups, tokens of the launch),

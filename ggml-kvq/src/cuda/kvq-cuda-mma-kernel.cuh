@@ -1,5 +1,5 @@
 // ATTN on tensor cores, the kernel (kvq-cuda-mma.cu launches it): the decode attention of kvq-cuda-attn-kernel.cuh
-// (same grid, splits and merge, same contract: kvq_attn_row in kvq-cpu.c) with its two products on mma.m16n8k16
+// (same grid, splits and merge, same contract: kvq-cpu-attn.c) with its two products on mma.m16n8k16
 // (fp16 operands, fp32 accumulators), the shape of BitDecoding (arXiv 2503.18773).
 //
 // KIVI's factorisation keeps the codes raw. A quantized K tile is codes[c][u]*d_c + m_c per channel c, so

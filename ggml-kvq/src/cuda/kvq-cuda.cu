@@ -1,6 +1,6 @@
-// CUDA kernels of GGML_OP_KVQ and of ggml_set_rows into the kivi types. kvq-cpu.c is the specification:
-// every cell is read through the same value (fp16 or quantized) as there, and quantized blocks are
-// bit-identical to kvq-quants.c's.
+// CUDA kernels of GGML_OP_KVQ and of ggml_set_rows into the kivi types. The CPU kernels (kvq-cpu*.c) are the
+// specification: every cell is read through the same value (fp16 or quantized) as there, and quantized blocks
+// are bit-identical to kvq-quants.c's.
 
 #include "kvq-cuda-attn-kernel.cuh"
 #include "kvq-cuda-mma.cuh"

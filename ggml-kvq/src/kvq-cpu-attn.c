@@ -1,0 +1,519 @@
+// CPU kernel of GGML_KVQ_OP_ATTN (the attention contract is in ggml-kvq.h). The queries that share a KV head (its
+// query heads, over a run of the batch's tokens) are attended together, one K tile of QK_KIVI cells at a time: a
+// tile's codes, its V rows' codes and its fp16 cells are decoded once for the group, then each query runs its own
+// arithmetic over them. That arithmetic does not depend on the group, so a query's result has the same bits in a
+// batch of any shape and on any number of threads.
+
+#include "kvq-cpu-attn.h"
+#include "kvq-cpu-impl.h"
+#include "ggml-cpu.h"
+#include "vec.h"
+
+#include <math.h>
+#include <string.h>
+
+#define KVQ_MAX_HEAD          512
+#define KVQ_MAX_GROUP         8     // queries attended together
+#define KVQ_K_CHUNK           128   // K channels whose codes are decoded at a time
+#define KVQ_GROUPS_PER_THREAD 4     // fewer groups than this per thread leave the threads unevenly loaded
+
+// the attention of one segment (one stream's queries)
+typedef struct {
+    const struct ggml_tensor * q;
+    const struct ggml_tensor * mask;
+    const char * k_tiles;              // this stream's tiles
+    size_t       k_tiles_nb1;
+    const char * v_rows;               // this stream's rows
+    size_t       v_rows_nb1;
+    int64_t      t0;                   // the segment's first token in the batch
+    int64_t      mask_col0;            // the mask column of the stream's cell 0
+    int64_t      n_kv;                 // cells of the stream the mask covers
+    int64_t      n_head_kv;
+    kvq_source k;
+    kvq_source v;
+    int32_t window;
+    float   scale;
+    float   softcap;
+    const float * sinks;               // [n_head] learned sink logits, or NULL
+    int     k_bits;
+    int     v_bits;
+} kvq_attn_args;
+
+// one query of a group
+typedef struct {
+    int64_t t;                         // token of the segment
+    int64_t h;                         // query head
+    int64_t lim_k;                     // K below this is quantized (sinks aside)
+    int64_t lim_v;                     // V below this is quantized (sinks aside)
+    const char * mask_row;
+    bool    live;                      // the current tile has a cell it attends
+    float   max;                       // running softmax
+    float   sum;
+    float   q[KVQ_MAX_HEAD];           // in fp16 precision
+    float   acc[KVQ_MAX_HEAD];
+    float   mask[QK_KIVI];             // the current tile's mask
+    float   raw[QK_KIVI];              // its scores q.k
+    float   w[QK_KIVI];                // its softmax weights
+} kvq_query;
+
+// what a group decodes once for all its queries
+typedef struct {
+    float codes[KVQ_K_CHUNK*QK_KIVI];  // K: [channel][cell]; V: [cell][channel of a block]
+    float d[KVQ_K_CHUNK];              // K: per channel; V: per cell
+    float m[KVQ_K_CHUNK];
+    float row[KVQ_MAX_HEAD];           // one fp16 cell
+} kvq_scratch;
+
+//
+// codes
+//
+
+// Codes 8g .. 8g+7 of a block as floats (layout in ggml-kvq.h: code u in byte u % nbytes at bit
+// (u / nbytes)*bits). For 2 and 4 bits the eight codes are eight consecutive bytes under one shift; for
+// 1 bit, four bytes twice under two shifts.
+#if defined(__AVX2__)
+static inline __attribute__((always_inline)) __m256 kvq_codes8(const uint8_t * qs, int bits, int g) {
+    __m256i x;
+    switch (bits) {
+        case 1: {
+            uint32_t w;
+            memcpy(&w, qs, sizeof(w));
+            x = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_set1_epi32((int) w)),
+                                  _mm256_setr_epi32(2*g, 2*g, 2*g, 2*g, 2*g + 1, 2*g + 1, 2*g + 1, 2*g + 1));
+        } break;
+        case 2:
+            x = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) qs)), _mm256_set1_epi32(2*g));
+            break;
+        default:
+            x = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (qs + 8*(g % 2)))),
+                                  _mm256_set1_epi32(4*(g / 2)));
+            break;
+    }
+    return _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32((1 << bits) - 1)));
+}
+#endif
+
+// the QK_KIVI codes of each of n blocks (bb bytes apart) as floats, n*QK_KIVI of them, with each block's scale and
+// minimum
+static inline __attribute__((always_inline)) void kvq_decode_blocks_bits(
+        const uint8_t * blocks, size_t stride, int bits, int64_t n, float * codes, float * d, float * m) {
+    for (int64_t i = 0; i < n; ++i) {
+        const uint8_t * block = blocks + i*stride;
+        d[i] = kvq_block_d(block);
+        m[i] = kvq_block_m(block);
+#if defined(__AVX2__)
+        for (int g = 0; g < QK_KIVI/8; ++g) {
+            _mm256_storeu_ps(codes + i*QK_KIVI + 8*g, kvq_codes8(block + 4, bits, g));
+        }
+#else
+        kvq_block_codes(block, bits, codes + i*QK_KIVI);
+#endif
+    }
+}
+
+static void kvq_decode_blocks(const uint8_t * blocks, size_t stride, int bits, int64_t n, float * codes, float * d, float * m) {
+    switch (bits) {
+        case 1:  kvq_decode_blocks_bits(blocks, stride, 1, n, codes, d, m); break;
+        case 2:  kvq_decode_blocks_bits(blocks, stride, 2, n, codes, d, m); break;
+        default: kvq_decode_blocks_bits(blocks, stride, 4, n, codes, d, m); break;
+    }
+}
+
+//
+// one query's arithmetic
+//
+
+// raw[u] += sum_c (q_c d_c) codes[c][u] over n channels, *offset += sum_c q_c m_c (KIVI's factorisation: the
+// per-channel scale goes to the query)
+static void kvq_query_k_chunk(const float * q, const float * codes, const float * d, const float * m, int64_t n,
+                              float * raw, float * offset) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[QK_KIVI/8];
+    for (int g = 0; g < QK_KIVI/8; ++g) {
+        acc[g] = _mm256_loadu_ps(raw + 8*g);
+    }
+    for (int64_t c = 0; c < n; ++c) {
+        const __m256 qd = _mm256_set1_ps(q[c]*d[c]);
+        for (int g = 0; g < QK_KIVI/8; ++g) {
+            acc[g] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(codes + c*QK_KIVI + 8*g), acc[g]);
+        }
+    }
+    for (int g = 0; g < QK_KIVI/8; ++g) {
+        _mm256_storeu_ps(raw + 8*g, acc[g]);
+    }
+#else
+    for (int64_t c = 0; c < n; ++c) {
+        const float qd = q[c]*d[c];
+        for (int u = 0; u < QK_KIVI; ++u) {
+            raw[u] += qd*codes[c*QK_KIVI + u];
+        }
+    }
+#endif
+    float o = *offset;
+    for (int64_t c = 0; c < n; ++c) {
+        o += q[c]*m[c];
+    }
+    *offset = o;
+}
+
+// acc[0 .. QK_KIVI) += sum_u w_u (d_u codes[u] + m_u) over n V rows' blocks (cells with no weight are never read:
+// a masked cell may hold anything)
+static void kvq_query_v_block(const float * codes, const float * d, const float * m, const float * w, int64_t n,
+                              float * acc) {
+    float wd[QK_KIVI];
+    float bias = 0.0f;
+    for (int64_t u = 0; u < n; ++u) {
+        wd[u] = w[u] != 0.0f ? w[u]*d[u] : 0.0f;
+        bias += w[u] != 0.0f ? w[u]*m[u] : 0.0f;
+    }
+#if defined(__AVX2__) && defined(__FMA__)
+    for (int g = 0; g < QK_KIVI/8; ++g) {
+        __m256 r = _mm256_loadu_ps(acc + 8*g);
+        for (int64_t u = 0; u < n; ++u) {
+            r = _mm256_fmadd_ps(_mm256_set1_ps(wd[u]), _mm256_loadu_ps(codes + u*QK_KIVI + 8*g), r);
+        }
+        _mm256_storeu_ps(acc + 8*g, _mm256_add_ps(r, _mm256_set1_ps(bias)));
+    }
+#else
+    for (int k = 0; k < QK_KIVI; ++k) {
+        float r = acc[k];
+        for (int64_t u = 0; u < n; ++u) {
+            r += wd[u]*codes[u*QK_KIVI + k];
+        }
+        acc[k] = r + bias;
+    }
+#endif
+}
+
+// one more logit s in the online softmax, with a zero value: a learned sink
+static void kvq_query_add_sink(kvq_query * qy, float s, int64_t n) {
+    if (s > qy->max) {
+        const float rescale = expf(qy->max - s);
+        ggml_vec_scale_f32((int) n, qy->acc, rescale);
+        qy->sum = qy->sum*rescale + 1.0f;
+        qy->max = s;
+    } else {
+        qy->sum += expf(s - qy->max);
+    }
+}
+
+// the tile's scores into softmax weights qy->w (zero where masked), the running softmax rescaled to the tile's
+// maximum where it rises; false when the query attends no cell of the tile
+static bool kvq_query_softmax(const kvq_attn_args * a, kvq_query * qy, const float * raw, int64_t n_v) {
+    float s[QK_KIVI];
+    for (int u = 0; u < QK_KIVI; ++u) {
+        s[u] = qy->mask[u] == -INFINITY ? -INFINITY : ggml_kvq_capped(raw[u]*a->scale, a->softcap) + qy->mask[u];
+    }
+    float tile_max;
+    ggml_vec_max_f32(QK_KIVI, &tile_max, s);
+    if (tile_max == -INFINITY) {
+        return false;
+    }
+    if (tile_max > qy->max) {
+        if (qy->max != -INFINITY) {
+            const float rescale = expf(qy->max - tile_max);
+            ggml_vec_scale_f32((int) n_v, qy->acc, rescale);
+            qy->sum *= rescale;
+        }
+        qy->max = tile_max;
+    }
+    qy->sum += (float) ggml_vec_soft_max_f32(QK_KIVI, qy->w, s, qy->max);
+    return true;
+}
+
+//
+// a group's tile
+//
+
+static bool kvq_k_fp16(const kvq_attn_args * a, const kvq_query * qy, int64_t j) {
+    return j < a->k.n_sink || j >= qy->lim_k;
+}
+
+static bool kvq_v_fp16(const kvq_attn_args * a, const kvq_query * qy, int64_t j) {
+    return j < a->v.n_sink || j >= qy->lim_v;
+}
+
+// scores of the group's queries against the tile's quantized cells, its codes decoded a chunk of channels at a time
+static void kvq_group_k_tiles(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0,
+                              kvq_scratch * scr) {
+    const int64_t head_dim = a->k.head_dim;
+    const size_t  bb       = ggml_kvq_block_bytes(a->k_bits);
+    const uint8_t * tile = (const uint8_t *) a->k_tiles + (j0/QK_KIVI)*a->k_tiles_nb1 + hk*head_dim*bb;
+    kvq_query * need[KVQ_MAX_GROUP];
+    float offset[KVQ_MAX_GROUP];
+    int n_need = 0;
+    for (int g = 0; g < n_q; ++g) {
+        const int64_t lo = j0 > a->k.n_sink ? j0 : a->k.n_sink;
+        const int64_t hi = j0 + QK_KIVI < group[g]->lim_k ? j0 + QK_KIVI : group[g]->lim_k;
+        if (group[g]->live && lo < hi) {
+            memset(group[g]->raw, 0, sizeof(group[g]->raw));
+            offset[n_need] = 0.0f;
+            need[n_need++] = group[g];
+        }
+    }
+    if (n_need == 0) {
+        return;
+    }
+    for (int64_t c0 = 0; c0 < head_dim; c0 += KVQ_K_CHUNK) {
+        const int64_t n = head_dim - c0 < KVQ_K_CHUNK ? head_dim - c0 : KVQ_K_CHUNK;
+        kvq_decode_blocks(tile + c0*bb, bb, a->k_bits, n, scr->codes, scr->d, scr->m);
+        for (int g = 0; g < n_need; ++g) {
+            kvq_query_k_chunk(need[g]->q + c0, scr->codes, scr->d, scr->m, n, need[g]->raw, &offset[g]);
+        }
+    }
+    for (int g = 0; g < n_need; ++g) {
+        for (int u = 0; u < QK_KIVI; ++u) {
+            need[g]->raw[u] += offset[g];
+        }
+    }
+}
+
+// scores of the group's queries against the tile's fp16 cells, each cell read once
+static void kvq_group_k_fp16(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0, int64_t n,
+                             kvq_scratch * scr) {
+    for (int64_t u = 0; u < n; ++u) {
+        bool read = false;
+        for (int g = 0; g < n_q; ++g) {
+            kvq_query * qy = group[g];
+            if (!qy->live || qy->mask[u] == -INFINITY || !kvq_k_fp16(a, qy, j0 + u)) {
+                continue;
+            }
+            if (!read) {
+                kvq_read_fp16(&a->k, j0 + u, hk, a->k.head_dim, scr->row);
+                read = true;
+            }
+            ggml_vec_dot_f32((int) a->k.head_dim, &qy->raw[u], 0, qy->q, 0, scr->row, 0, 1);
+        }
+    }
+}
+
+// the group's quantized V rows of the tile into its queries' outputs, a block of channels at a time
+static void kvq_group_v_rows(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0, int64_t n,
+                             kvq_scratch * scr) {
+    const int64_t head_dim_v = a->v.head_dim;
+    const size_t  bb         = ggml_kvq_block_bytes(a->v_bits);
+    const int64_t lo = j0 > a->v.n_sink ? j0 : a->v.n_sink;
+    int64_t hi = lo;
+    for (int g = 0; g < n_q; ++g) {
+        const int64_t hi_g = j0 + n < group[g]->lim_v ? j0 + n : group[g]->lim_v;
+        if (group[g]->live && hi_g > hi) {
+            hi = hi_g;
+        }
+    }
+    if (lo >= hi) {
+        return;
+    }
+    const uint8_t * rows = (const uint8_t *) a->v_rows + lo*a->v_rows_nb1 + hk*head_dim_v/QK_KIVI*bb;
+    for (int64_t b = 0; b < head_dim_v/QK_KIVI; ++b) {
+        kvq_decode_blocks(rows + b*bb, a->v_rows_nb1, a->v_bits, hi - lo, scr->codes, scr->d, scr->m);
+        for (int g = 0; g < n_q; ++g) {
+            kvq_query * qy = group[g];
+            const int64_t hi_g = j0 + n < qy->lim_v ? j0 + n : qy->lim_v;
+            if (qy->live && lo < hi_g) {
+                kvq_query_v_block(scr->codes, scr->d, scr->m, qy->w + (lo - j0), hi_g - lo, qy->acc + b*QK_KIVI);
+            }
+        }
+    }
+}
+
+// the group's fp16 V cells of the tile into its queries' outputs, each cell read once
+static void kvq_group_v_fp16(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0, int64_t n,
+                             kvq_scratch * scr) {
+    for (int64_t u = 0; u < n; ++u) {
+        bool read = false;
+        for (int g = 0; g < n_q; ++g) {
+            kvq_query * qy = group[g];
+            if (!qy->live || qy->w[u] == 0.0f || !kvq_v_fp16(a, qy, j0 + u)) {
+                continue;
+            }
+            if (!read) {
+                kvq_read_fp16(&a->v, j0 + u, hk, a->v.head_dim, scr->row);
+                read = true;
+            }
+            ggml_vec_mad_f32((int) a->v.head_dim, qy->acc, scr->row, qy->w[u]);
+        }
+    }
+}
+
+// the mask of the tile's n cells for each query (-INFINITY past them); a query is live where it attends one
+static bool kvq_group_mask(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t j0, int64_t n) {
+    bool any = false;
+    for (int g = 0; g < n_q; ++g) {
+        kvq_query * qy = group[g];
+        const int64_t col = a->mask_col0 + j0;
+        if (a->mask->type == GGML_TYPE_F16) {
+            ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) qy->mask_row + col, qy->mask, n);
+        } else {
+            memcpy(qy->mask, (const float *) qy->mask_row + col, n*sizeof(float));
+        }
+        qy->live = false;
+        for (int u = 0; u < QK_KIVI; ++u) {
+            if (u >= n) {
+                qy->mask[u] = -INFINITY;
+            }
+            qy->live = qy->live || qy->mask[u] != -INFINITY;
+        }
+        any = any || qy->live;
+    }
+    return any;
+}
+
+static void kvq_group_tile(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0,
+                           kvq_scratch * scr) {
+    const int64_t n = a->n_kv - j0 < QK_KIVI ? a->n_kv - j0 : QK_KIVI;
+    if (!kvq_group_mask(a, group, n_q, j0, n)) {
+        return;
+    }
+    kvq_group_k_tiles(a, group, n_q, hk, j0, scr);
+    kvq_group_k_fp16(a, group, n_q, hk, j0, n, scr);
+    for (int g = 0; g < n_q; ++g) {
+        if (group[g]->live) {
+            group[g]->live = kvq_query_softmax(a, group[g], group[g]->raw, a->v.head_dim);
+        }
+    }
+    kvq_group_v_rows(a, group, n_q, hk, j0, n, scr);
+    kvq_group_v_fp16(a, group, n_q, hk, j0, n, scr);
+}
+
+//
+// the batch
+//
+
+static void kvq_query_init(const kvq_attn_args * a, kvq_query * qy, int64_t t, int64_t h) {
+    const struct ggml_tensor * mask = a->mask;
+    const int64_t i   = a->k.first + t;
+    const int64_t row = a->t0 + t;
+    const float * q_row = (const float *) ((const char *) a->q->data + row*a->q->nb[2] + h*a->q->nb[1]);
+    qy->t        = t;
+    qy->h        = h;
+    qy->lim_k    = ggml_kvq_lim_k(i, a->window);
+    qy->lim_v    = ggml_kvq_lim_v(i, a->window);
+    qy->mask_row = (const char *) mask->data + (row / mask->ne[1])*mask->nb[3] + (row % mask->ne[1])*mask->nb[1];
+    qy->max      = -INFINITY;
+    qy->sum      = 0.0f;
+    // Q in fp16, as upstream's flash attention takes it for f16 K: a window covering the whole context
+    // then reproduces f16 KV, and ΔPPL against f16 measures the quantization alone
+    for (int64_t c = 0; c < a->k.head_dim; ++c) {
+        qy->q[c] = kvq_round_fp16(q_row[c]);
+    }
+    memset(qy->acc, 0, a->v.head_dim*sizeof(float));
+}
+
+static void kvq_query_finish(const kvq_attn_args * a, kvq_query * qy, float * out) {
+    if (a->sinks != NULL) {
+        kvq_query_add_sink(qy, a->sinks[qy->h], a->v.head_dim);
+    }
+    const float inv = qy->sum > 0.0f ? 1.0f/qy->sum : 0.0f;
+    for (int64_t c = 0; c < a->v.head_dim; ++c) {
+        out[c] = qy->acc[c]*inv;
+    }
+}
+
+// How the segments' queries are grouped: a KV head's query heads (in chunks of at most KVQ_MAX_GROUP, fewer where
+// there would be fewer groups than threads) for a run of tokens (as long as the threads keep enough groups each)
+typedef struct {
+    int64_t n_gqa;                     // query heads per KV head
+    int64_t heads;                     // per group
+    int64_t head_chunks;               // groups per KV head and token run
+    int64_t tokens;                    // per group
+    int64_t token_runs;                // per segment
+    int64_t per_seg;                   // groups per segment
+} kvq_grouping;
+
+static kvq_grouping kvq_grouping_for(int64_t n_tps, int64_t n_head, int64_t n_head_kv, int32_t n_seq, int nth) {
+    kvq_grouping gr;
+    gr.n_gqa = n_head / n_head_kv;
+    gr.heads = gr.n_gqa < KVQ_MAX_GROUP ? gr.n_gqa : KVQ_MAX_GROUP;
+    const int64_t pairs = n_seq*n_tps*n_head_kv;
+    if (pairs < nth) {
+        const int64_t split = (nth + pairs - 1)/pairs;
+        gr.heads = (gr.n_gqa + split - 1)/split < gr.heads ? (gr.n_gqa + split - 1)/split : gr.heads;
+    }
+    gr.head_chunks = (gr.n_gqa + gr.heads - 1)/gr.heads;
+    const int64_t most  = KVQ_MAX_GROUP/gr.heads;
+    const int64_t even  = pairs*gr.head_chunks/((int64_t) KVQ_GROUPS_PER_THREAD*nth);
+    gr.tokens     = even < 1 ? 1 : (even < most ? even : most);
+    gr.token_runs = (n_tps + gr.tokens - 1)/gr.tokens;
+    gr.per_seg    = gr.token_runs*n_head_kv*gr.head_chunks;
+    return gr;
+}
+
+static void kvq_attn_group(const kvq_attn_args * a, const kvq_grouping * gr, int64_t n_tps, int64_t index,
+                           float * dst, int64_t dst_ne0, int64_t r_seg) {
+    kvq_query   queries[KVQ_MAX_GROUP];
+    kvq_query * group[KVQ_MAX_GROUP];
+    kvq_scratch scr;
+    const int64_t n_head = a->q->ne[1];
+    const int64_t run    = index / (a->n_head_kv*gr->head_chunks);
+    const int64_t hk     = index / gr->head_chunks % a->n_head_kv;
+    const int64_t h0     = hk*gr->n_gqa + index % gr->head_chunks*gr->heads;
+    const int64_t h1     = h0 + gr->heads < (hk + 1)*gr->n_gqa ? h0 + gr->heads : (hk + 1)*gr->n_gqa;
+    const int64_t t0     = run*gr->tokens;
+    const int64_t t1     = t0 + gr->tokens < n_tps ? t0 + gr->tokens : n_tps;
+    int n_q = 0;
+    for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t h = h0; h < h1; ++h) {
+            kvq_query_init(a, &queries[n_q], t, h);
+            group[n_q] = &queries[n_q];
+            ++n_q;
+        }
+    }
+    for (int64_t j0 = 0; j0 < a->n_kv; j0 += QK_KIVI) {
+        kvq_group_tile(a, group, n_q, hk, j0, &scr);
+    }
+    for (int g = 0; g < n_q; ++g) {
+        kvq_query_finish(a, group[g], dst + (r_seg + group[g]->t*n_head + group[g]->h)*dst_ne0);
+    }
+}
+
+void kvq_attn(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const int32_t n_sink  = ggml_get_op_params_i32(dst, 2);
+    const int32_t n_seq   = kvq_n_seq(dst);
+    const int64_t kv_size = kvq_kv_size(dst);
+    const struct ggml_tensor * k_tiles = dst->src[1];
+    const struct ggml_tensor * v_rows  = dst->src[2];
+    const struct ggml_tensor * mask    = dst->src[7];
+    const int64_t n_tps  = kvq_seg_tokens(dst->src[5], n_seq);
+    const int64_t n_head = dst->src[0]->ne[1];
+    GGML_ASSERT(dst->src[5]->ne[0] <= KVQ_MAX_HEAD && dst->src[6]->ne[0] <= KVQ_MAX_HEAD);
+    GGML_ASSERT(mask->ne[1]*mask->ne[3] == dst->src[5]->ne[2]);
+    GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
+
+    const kvq_grouping gr = kvq_grouping_for(n_tps, n_head, dst->src[5]->ne[1], n_seq, params->nth);
+    for (int64_t seg = 0; seg < n_seq; ++seg) {
+        kvq_attn_args a = {
+            /*.q           =*/ dst->src[0],
+            /*.mask        =*/ mask,
+            /*.k_tiles     =*/ NULL,
+            /*.k_tiles_nb1 =*/ k_tiles->nb[1],
+            /*.v_rows      =*/ NULL,
+            /*.v_rows_nb1  =*/ v_rows->nb[1],
+            /*.t0          =*/ seg*n_tps,
+            /*.mask_col0   =*/ 0,
+            /*.n_kv        =*/ 0,
+            /*.n_head_kv   =*/ dst->src[5]->ne[1],
+            /*.k           =*/ kvq_make_source(dst->src[3], dst->src[5], dst->src[8], n_sink, n_seq, kv_size, seg),
+            /*.v           =*/ kvq_make_source(dst->src[4], dst->src[6], dst->src[8], n_sink, n_seq, kv_size, seg),
+            /*.window      =*/ ggml_get_op_params_i32(dst, 1),
+            /*.scale       =*/ ggml_get_op_params_f32(dst, 3),
+            /*.softcap     =*/ ggml_get_op_params_f32(dst, GGML_KVQ_SOFTCAP_PARAM),
+            /*.sinks       =*/ dst->src[9] != NULL ? (const float *) dst->src[9]->data : NULL,
+            /*.k_bits      =*/ ggml_kvq_bits(k_tiles->type),
+            /*.v_bits      =*/ ggml_kvq_bits(v_rows->type),
+        };
+        // tiles [n_embd*QK_KIVI, kv_size/QK_KIVI, n_stream]; V rows contiguous, kv_size per stream
+        a.k_tiles = (const char *) k_tiles->data + a.k.stream*(kv_size/QK_KIVI)*k_tiles->nb[1];
+        a.v_rows  = (const char *) v_rows->data + a.k.stream*kv_size*v_rows->nb[1];
+        // a per-stream mask counts cells from the stream's first, a unified cache's from the cache's first
+        a.mask_col0 = kvq_mask_all_streams(dst) ? a.k.stream*kv_size : 0;
+        a.n_kv      = mask->ne[0] - a.mask_col0 < kv_size ? mask->ne[0] - a.mask_col0 : kv_size;
+        GGML_ASSERT(a.n_kv >= a.k.first + n_tps);
+
+        // groups are dealt to threads over the whole batch, as with one segment
+        const int64_t g0 = seg*gr.per_seg;
+        for (int64_t k = g0 + ((params->ith - g0) % params->nth + params->nth) % params->nth; k < g0 + gr.per_seg;
+             k += params->nth) {
+            kvq_attn_group(&a, &gr, n_tps, k - g0, (float *) dst->data, dst->ne[0], seg*n_tps*n_head);
+        }
+    }
+}
