@@ -123,23 +123,64 @@ static void kvq_decode_blocks(const uint8_t * blocks, size_t stride, int bits, i
 // one query's arithmetic
 //
 
+// Each query's sums below run in two interleaved chains (even and odd terms), each of QK_KIVI/8 vectors: one chain
+// would wait on the FMA latency at every term.
+
+#if defined(__AVX2__) && defined(__FMA__)
+// the eight lanes of x summed, always in the same order
+static inline float kvq_hsum8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+// sum_c q_c m_c over n channels
+static float kvq_dot_offset(const float * q, const float * m, int64_t n) {
+    int64_t c = 0;
+    float o = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; c + 8 <= n; c += 8) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(m + c), acc);
+    }
+    o = kvq_hsum8(acc);
+#endif
+    for (; c < n; ++c) {
+        o += q[c]*m[c];
+    }
+    return o;
+}
+
 // raw[u] += sum_c (q_c d_c) codes[c][u] over n channels, *offset += sum_c q_c m_c (KIVI's factorisation: the
 // per-channel scale goes to the query)
 static void kvq_query_k_chunk(const float * q, const float * codes, const float * d, const float * m, int64_t n,
                               float * raw, float * offset) {
 #if defined(__AVX2__) && defined(__FMA__)
-    __m256 acc[QK_KIVI/8];
+    __m256 even[QK_KIVI/8];
+    __m256 odd[QK_KIVI/8];
     for (int g = 0; g < QK_KIVI/8; ++g) {
-        acc[g] = _mm256_loadu_ps(raw + 8*g);
+        even[g] = _mm256_loadu_ps(raw + 8*g);
+        odd[g]  = _mm256_setzero_ps();
     }
-    for (int64_t c = 0; c < n; ++c) {
-        const __m256 qd = _mm256_set1_ps(q[c]*d[c]);
+    int64_t c = 0;
+    for (; c + 2 <= n; c += 2) {
+        const __m256 qd0 = _mm256_set1_ps(q[c]*d[c]);
+        const __m256 qd1 = _mm256_set1_ps(q[c + 1]*d[c + 1]);
         for (int g = 0; g < QK_KIVI/8; ++g) {
-            acc[g] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(codes + c*QK_KIVI + 8*g), acc[g]);
+            even[g] = _mm256_fmadd_ps(qd0, _mm256_loadu_ps(codes + c*QK_KIVI + 8*g), even[g]);
+            odd[g]  = _mm256_fmadd_ps(qd1, _mm256_loadu_ps(codes + (c + 1)*QK_KIVI + 8*g), odd[g]);
+        }
+    }
+    if (c < n) {
+        const __m256 qd0 = _mm256_set1_ps(q[c]*d[c]);
+        for (int g = 0; g < QK_KIVI/8; ++g) {
+            even[g] = _mm256_fmadd_ps(qd0, _mm256_loadu_ps(codes + c*QK_KIVI + 8*g), even[g]);
         }
     }
     for (int g = 0; g < QK_KIVI/8; ++g) {
-        _mm256_storeu_ps(raw + 8*g, acc[g]);
+        _mm256_storeu_ps(raw + 8*g, _mm256_add_ps(even[g], odd[g]));
     }
 #else
     for (int64_t c = 0; c < n; ++c) {
@@ -149,32 +190,57 @@ static void kvq_query_k_chunk(const float * q, const float * codes, const float 
         }
     }
 #endif
-    float o = *offset;
-    for (int64_t c = 0; c < n; ++c) {
-        o += q[c]*m[c];
-    }
-    *offset = o;
+    *offset += kvq_dot_offset(q, m, n);
 }
 
-// acc[0 .. QK_KIVI) += sum_u w_u (d_u codes[u] + m_u) over n V rows' blocks (cells with no weight are never read:
-// a masked cell may hold anything)
+// acc[0 .. QK_KIVI) += sum_u w_u (d_u codes[u] + m_u) over the n V rows' blocks; d and m hold QK_KIVI values,
+// and a cell of no weight counts nothing whatever its block holds (a masked cell may hold anything)
 static void kvq_query_v_block(const float * codes, const float * d, const float * m, const float * w, int64_t n,
                               float * acc) {
+    float wn[QK_KIVI];
     float wd[QK_KIVI];
-    float bias = 0.0f;
-    for (int64_t u = 0; u < n; ++u) {
-        wd[u] = w[u] != 0.0f ? w[u]*d[u] : 0.0f;
-        bias += w[u] != 0.0f ? w[u]*m[u] : 0.0f;
+    for (int u = 0; u < QK_KIVI; ++u) {
+        wn[u] = u < n ? w[u] : 0.0f;
     }
 #if defined(__AVX2__) && defined(__FMA__)
+    __m256 bias8 = _mm256_setzero_ps();
+    for (int u = 0; u < QK_KIVI; u += 8) {
+        const __m256 wu   = _mm256_loadu_ps(wn + u);
+        const __m256 some = _mm256_cmp_ps(wu, _mm256_setzero_ps(), _CMP_NEQ_OQ);
+        _mm256_storeu_ps(wd + u, _mm256_and_ps(some, _mm256_mul_ps(wu, _mm256_loadu_ps(d + u))));
+        bias8 = _mm256_add_ps(bias8, _mm256_and_ps(some, _mm256_mul_ps(wu, _mm256_loadu_ps(m + u))));
+    }
+    const __m256 bias = _mm256_set1_ps(kvq_hsum8(bias8));
+    __m256 even[QK_KIVI/8];
+    __m256 odd[QK_KIVI/8];
     for (int g = 0; g < QK_KIVI/8; ++g) {
-        __m256 r = _mm256_loadu_ps(acc + 8*g);
-        for (int64_t u = 0; u < n; ++u) {
-            r = _mm256_fmadd_ps(_mm256_set1_ps(wd[u]), _mm256_loadu_ps(codes + u*QK_KIVI + 8*g), r);
+        even[g] = _mm256_loadu_ps(acc + 8*g);
+        odd[g]  = _mm256_setzero_ps();
+    }
+    int64_t u = 0;
+    for (; u + 2 <= n; u += 2) {
+        const __m256 a0 = _mm256_set1_ps(wd[u]);
+        const __m256 a1 = _mm256_set1_ps(wd[u + 1]);
+        for (int g = 0; g < QK_KIVI/8; ++g) {
+            even[g] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(codes + u*QK_KIVI + 8*g), even[g]);
+            odd[g]  = _mm256_fmadd_ps(a1, _mm256_loadu_ps(codes + (u + 1)*QK_KIVI + 8*g), odd[g]);
         }
-        _mm256_storeu_ps(acc + 8*g, _mm256_add_ps(r, _mm256_set1_ps(bias)));
+    }
+    if (u < n) {
+        const __m256 a0 = _mm256_set1_ps(wd[u]);
+        for (int g = 0; g < QK_KIVI/8; ++g) {
+            even[g] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(codes + u*QK_KIVI + 8*g), even[g]);
+        }
+    }
+    for (int g = 0; g < QK_KIVI/8; ++g) {
+        _mm256_storeu_ps(acc + 8*g, _mm256_add_ps(_mm256_add_ps(even[g], odd[g]), bias));
     }
 #else
+    float bias = 0.0f;
+    for (int u = 0; u < QK_KIVI; ++u) {
+        wd[u] = wn[u] != 0.0f ? wn[u]*d[u] : 0.0f;
+        bias += wn[u] != 0.0f ? wn[u]*m[u] : 0.0f;
+    }
     for (int k = 0; k < QK_KIVI; ++k) {
         float r = acc[k];
         for (int64_t u = 0; u < n; ++u) {
@@ -197,6 +263,25 @@ static void kvq_query_add_sink(kvq_query * qy, float s, int64_t n) {
     }
 }
 
+static_assert(QK_KIVI == 32, "a tile is four vectors of eight");
+
+static float kvq_tile_max(const float * s) {
+#if defined(__AVX2__)
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_loadu_ps(s), _mm256_loadu_ps(s + 8)),
+                             _mm256_max_ps(_mm256_loadu_ps(s + 16), _mm256_loadu_ps(s + 24)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+#else
+    float m = -INFINITY;
+    for (int u = 0; u < QK_KIVI; ++u) {
+        m = s[u] > m ? s[u] : m;
+    }
+    return m;
+#endif
+}
+
 // the tile's scores into softmax weights qy->w (zero where masked), the running softmax rescaled to the tile's
 // maximum where it rises; false when the query attends no cell of the tile
 static bool kvq_query_softmax(const kvq_attn_args * a, kvq_query * qy, const float * raw, int64_t n_v) {
@@ -204,8 +289,7 @@ static bool kvq_query_softmax(const kvq_attn_args * a, kvq_query * qy, const flo
     for (int u = 0; u < QK_KIVI; ++u) {
         s[u] = qy->mask[u] == -INFINITY ? -INFINITY : ggml_kvq_capped(raw[u]*a->scale, a->softcap) + qy->mask[u];
     }
-    float tile_max;
-    ggml_vec_max_f32(QK_KIVI, &tile_max, s);
+    const float tile_max = kvq_tile_max(s);
     if (tile_max == -INFINITY) {
         return false;
     }
@@ -268,10 +352,40 @@ static void kvq_group_k_tiles(const kvq_attn_args * a, kvq_query ** group, int n
     }
 }
 
+// The tile's cells that live queries of the group may read in fp16 (sinks below sink_end, the window from
+// window_begin), as offsets in the tile of n cells
+typedef struct {
+    int64_t sink_end;
+    int64_t window_begin;
+} kvq_fp16_cells;
+
+static int64_t kvq_clamp(int64_t x, int64_t lo, int64_t hi) {
+    return x < lo ? lo : (x > hi ? hi : x);
+}
+
+static kvq_fp16_cells kvq_group_fp16_cells(const kvq_attn_args * a, kvq_query ** group, int n_q, bool v, int64_t j0,
+                                           int64_t n) {
+    int64_t lim = j0 + n;
+    for (int g = 0; g < n_q; ++g) {
+        const int64_t lim_g = v ? group[g]->lim_v : group[g]->lim_k;
+        if (group[g]->live && lim_g < lim) {
+            lim = lim_g;
+        }
+    }
+    const kvq_fp16_cells cells = { kvq_clamp(a->k.n_sink - j0, 0, n), kvq_clamp(lim - j0, 0, n) };
+    return cells;
+}
+
+// the first of those cells from u on
+static int64_t kvq_fp16_next(const kvq_fp16_cells * cells, int64_t u) {
+    return u >= cells->sink_end && u < cells->window_begin ? cells->window_begin : u;
+}
+
 // scores of the group's queries against the tile's fp16 cells, each cell read once
 static void kvq_group_k_fp16(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0, int64_t n,
                              kvq_scratch * scr) {
-    for (int64_t u = 0; u < n; ++u) {
+    const kvq_fp16_cells cells = kvq_group_fp16_cells(a, group, n_q, false, j0, n);
+    for (int64_t u = kvq_fp16_next(&cells, 0); u < n; u = kvq_fp16_next(&cells, u + 1)) {
         bool read = false;
         for (int g = 0; g < n_q; ++g) {
             kvq_query * qy = group[g];
@@ -306,6 +420,10 @@ static void kvq_group_v_rows(const kvq_attn_args * a, kvq_query ** group, int n_
     const uint8_t * rows = (const uint8_t *) a->v_rows + lo*a->v_rows_nb1 + hk*head_dim_v/QK_KIVI*bb;
     for (int64_t b = 0; b < head_dim_v/QK_KIVI; ++b) {
         kvq_decode_blocks(rows + b*bb, a->v_rows_nb1, a->v_bits, hi - lo, scr->codes, scr->d, scr->m);
+        for (int64_t u = hi - lo; u < QK_KIVI; ++u) {
+            scr->d[u] = 0.0f;
+            scr->m[u] = 0.0f;
+        }
         for (int g = 0; g < n_q; ++g) {
             kvq_query * qy = group[g];
             const int64_t hi_g = j0 + n < qy->lim_v ? j0 + n : qy->lim_v;
@@ -319,7 +437,8 @@ static void kvq_group_v_rows(const kvq_attn_args * a, kvq_query ** group, int n_
 // the group's fp16 V cells of the tile into its queries' outputs, each cell read once
 static void kvq_group_v_fp16(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0, int64_t n,
                              kvq_scratch * scr) {
-    for (int64_t u = 0; u < n; ++u) {
+    const kvq_fp16_cells cells = kvq_group_fp16_cells(a, group, n_q, true, j0, n);
+    for (int64_t u = kvq_fp16_next(&cells, 0); u < n; u = kvq_fp16_next(&cells, u + 1)) {
         bool read = false;
         for (int g = 0; g < n_q; ++g) {
             kvq_query * qy = group[g];
@@ -409,50 +528,24 @@ static void kvq_query_finish(const kvq_attn_args * a, kvq_query * qy, float * ou
     }
 }
 
-// How the segments' queries are grouped: a KV head's query heads (in chunks of at most KVQ_MAX_GROUP, fewer where
-// there would be fewer groups than threads) for a run of tokens (as long as the threads keep enough groups each)
+// a group: query heads [h0, h1) of one KV head, for tokens [t0, t1) of a segment
 typedef struct {
-    int64_t n_gqa;                     // query heads per KV head
-    int64_t heads;                     // per group
-    int64_t head_chunks;               // groups per KV head and token run
-    int64_t tokens;                    // per group
-    int64_t token_runs;                // per segment
-    int64_t per_seg;                   // groups per segment
-} kvq_grouping;
+    int64_t t0;
+    int64_t t1;
+    int64_t h0;
+    int64_t h1;
+} kvq_group_span;
 
-static kvq_grouping kvq_grouping_for(int64_t n_tps, int64_t n_head, int64_t n_head_kv, int32_t n_seq, int nth) {
-    kvq_grouping gr;
-    gr.n_gqa = n_head / n_head_kv;
-    gr.heads = gr.n_gqa < KVQ_MAX_GROUP ? gr.n_gqa : KVQ_MAX_GROUP;
-    const int64_t pairs = n_seq*n_tps*n_head_kv;
-    if (pairs < nth) {
-        const int64_t split = (nth + pairs - 1)/pairs;
-        gr.heads = (gr.n_gqa + split - 1)/split < gr.heads ? (gr.n_gqa + split - 1)/split : gr.heads;
-    }
-    gr.head_chunks = (gr.n_gqa + gr.heads - 1)/gr.heads;
-    const int64_t most  = KVQ_MAX_GROUP/gr.heads;
-    const int64_t even  = pairs*gr.head_chunks/((int64_t) KVQ_GROUPS_PER_THREAD*nth);
-    gr.tokens     = even < 1 ? 1 : (even < most ? even : most);
-    gr.token_runs = (n_tps + gr.tokens - 1)/gr.tokens;
-    gr.per_seg    = gr.token_runs*n_head_kv*gr.head_chunks;
-    return gr;
-}
-
-static void kvq_attn_group(const kvq_attn_args * a, const kvq_grouping * gr, int64_t n_tps, int64_t index,
-                           float * dst, int64_t dst_ne0, int64_t r_seg) {
+static void kvq_attn_group(const kvq_attn_args * a, kvq_group_span span, float * out, int64_t out_ne0) {
     kvq_query   queries[KVQ_MAX_GROUP];
     kvq_query * group[KVQ_MAX_GROUP];
     kvq_scratch scr;
     const int64_t n_head = a->q->ne[1];
-    const int64_t run    = index / (a->n_head_kv*gr->head_chunks);
-    const int64_t hk     = index / gr->head_chunks % a->n_head_kv;
-    const int64_t h0     = hk*gr->n_gqa + index % gr->head_chunks*gr->heads;
-    const int64_t h1     = h0 + gr->heads < (hk + 1)*gr->n_gqa ? h0 + gr->heads : (hk + 1)*gr->n_gqa;
-    const int64_t t0     = run*gr->tokens;
-    const int64_t t1     = t0 + gr->tokens < n_tps ? t0 + gr->tokens : n_tps;
+    const int64_t hk     = span.h0 / (n_head/a->n_head_kv);
     int n_q = 0;
-    for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t t = span.t0; t < span.t1; ++t) {
+        for (int64_t h = span.h0; h < span.h1; ++h) {
+            GGML_ASSERT(n_q < KVQ_MAX_GROUP);
             kvq_query_init(a, &queries[n_q], t, h);
             group[n_q] = &queries[n_q];
             ++n_q;
@@ -462,58 +555,114 @@ static void kvq_attn_group(const kvq_attn_args * a, const kvq_grouping * gr, int
         kvq_group_tile(a, group, n_q, hk, j0, &scr);
     }
     for (int g = 0; g < n_q; ++g) {
-        kvq_query_finish(a, group[g], dst + (r_seg + group[g]->t*n_head + group[g]->h)*dst_ne0);
+        kvq_query_finish(a, group[g], out + ((a->t0 + group[g]->t)*n_head + group[g]->h)*out_ne0);
     }
 }
 
-void kvq_attn(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+static kvq_attn_args kvq_attn_args_for(const struct ggml_tensor * dst, int64_t seg) {
     const int32_t n_sink  = ggml_get_op_params_i32(dst, 2);
     const int32_t n_seq   = kvq_n_seq(dst);
     const int64_t kv_size = kvq_kv_size(dst);
     const struct ggml_tensor * k_tiles = dst->src[1];
     const struct ggml_tensor * v_rows  = dst->src[2];
     const struct ggml_tensor * mask    = dst->src[7];
-    const int64_t n_tps  = kvq_seg_tokens(dst->src[5], n_seq);
+    const int64_t n_tps = kvq_seg_tokens(dst->src[5], n_seq);
+    kvq_attn_args a = {
+        /*.q           =*/ dst->src[0],
+        /*.mask        =*/ mask,
+        /*.k_tiles     =*/ NULL,
+        /*.k_tiles_nb1 =*/ k_tiles->nb[1],
+        /*.v_rows      =*/ NULL,
+        /*.v_rows_nb1  =*/ v_rows->nb[1],
+        /*.t0          =*/ seg*n_tps,
+        /*.mask_col0   =*/ 0,
+        /*.n_kv        =*/ 0,
+        /*.n_head_kv   =*/ dst->src[5]->ne[1],
+        /*.k           =*/ kvq_make_source(dst->src[3], dst->src[5], dst->src[8], n_sink, n_seq, kv_size, seg),
+        /*.v           =*/ kvq_make_source(dst->src[4], dst->src[6], dst->src[8], n_sink, n_seq, kv_size, seg),
+        /*.window      =*/ ggml_get_op_params_i32(dst, 1),
+        /*.scale       =*/ ggml_get_op_params_f32(dst, 3),
+        /*.softcap     =*/ ggml_get_op_params_f32(dst, GGML_KVQ_SOFTCAP_PARAM),
+        /*.sinks       =*/ dst->src[9] != NULL ? (const float *) dst->src[9]->data : NULL,
+        /*.k_bits      =*/ ggml_kvq_bits(k_tiles->type),
+        /*.v_bits      =*/ ggml_kvq_bits(v_rows->type),
+    };
+    // tiles [n_embd*QK_KIVI, kv_size/QK_KIVI, n_stream]; V rows contiguous, kv_size per stream
+    a.k_tiles = (const char *) k_tiles->data + a.k.stream*(kv_size/QK_KIVI)*k_tiles->nb[1];
+    a.v_rows  = (const char *) v_rows->data + a.k.stream*kv_size*v_rows->nb[1];
+    // a per-stream mask counts cells from the stream's first, a unified cache's from the cache's first
+    a.mask_col0 = kvq_mask_all_streams(dst) ? a.k.stream*kv_size : 0;
+    a.n_kv      = mask->ne[0] - a.mask_col0 < kv_size ? mask->ne[0] - a.mask_col0 : kv_size;
+    GGML_ASSERT(a.n_kv >= a.k.first + n_tps);
+    return a;
+}
+
+// Many (token, KV head) pairs: groups of a KV head's query heads (KVQ_MAX_GROUP at most) over a run of tokens, as
+// long as each thread keeps KVQ_GROUPS_PER_THREAD groups; dealt in turn, which spreads the causal mask's uneven
+// work
+static void kvq_attn_dealt(const struct ggml_compute_params * params, struct ggml_tensor * dst, int64_t n_tps,
+                           int64_t n_gqa) {
+    const int32_t n_seq     = kvq_n_seq(dst);
+    const int64_t n_head_kv = dst->src[5]->ne[1];
+    const int64_t heads     = n_gqa < KVQ_MAX_GROUP ? n_gqa : KVQ_MAX_GROUP;
+    const int64_t chunks    = (n_gqa + heads - 1)/heads;
+    const int64_t even      = n_seq*n_tps*n_head_kv*chunks/((int64_t) KVQ_GROUPS_PER_THREAD*params->nth);
+    const int64_t tokens    = even < 1 ? 1 : (even < KVQ_MAX_GROUP/heads ? even : KVQ_MAX_GROUP/heads);
+    const int64_t per_seg   = (n_tps + tokens - 1)/tokens*n_head_kv*chunks;
+
+    for (int64_t seg = 0; seg < n_seq; ++seg) {
+        const kvq_attn_args a = kvq_attn_args_for(dst, seg);
+        // the turn goes on over the segments, as over one
+        const int64_t g0 = seg*per_seg;
+        for (int64_t k = g0 + ((params->ith - g0) % params->nth + params->nth) % params->nth; k < g0 + per_seg;
+             k += params->nth) {
+            const int64_t run   = (k - g0) / (n_head_kv*chunks);
+            const int64_t hk    = (k - g0) / chunks % n_head_kv;
+            const int64_t h0    = hk*n_gqa + (k - g0) % chunks*heads;
+            const kvq_group_span span = { run*tokens, run*tokens + tokens < n_tps ? run*tokens + tokens : n_tps,
+                                          h0, h0 + heads < (hk + 1)*n_gqa ? h0 + heads : (hk + 1)*n_gqa };
+            kvq_attn_group(&a, span, (float *) dst->data, dst->ne[0]);
+        }
+    }
+}
+
+// Few (a decode step of few sequences): each thread takes an equal range of the batch's queries (by segment, token,
+// head) and groups the ones of a KV head in it
+static void kvq_attn_ranged(const struct ggml_compute_params * params, struct ggml_tensor * dst, int64_t n_tps,
+                            int64_t n_gqa) {
     const int64_t n_head = dst->src[0]->ne[1];
+    const int64_t total  = kvq_n_seq(dst)*n_tps*n_head;
+    const int64_t r1     = total*(params->ith + 1)/params->nth;
+    int64_t seg = -1;
+    kvq_attn_args a;
+    for (int64_t r = total*params->ith/params->nth; r < r1; ) {
+        if (r / (n_tps*n_head) != seg) {
+            seg = r / (n_tps*n_head);
+            a   = kvq_attn_args_for(dst, seg);
+        }
+        const int64_t t   = r / n_head % n_tps;
+        const int64_t h   = r % n_head;
+        int64_t       end = (h / n_gqa + 1)*n_gqa;
+        end = end < h + KVQ_MAX_GROUP ? end : h + KVQ_MAX_GROUP;
+        end = end < h + (r1 - r) ? end : h + (r1 - r);
+        const kvq_group_span span = { t, t + 1, h, end };
+        kvq_attn_group(&a, span, (float *) dst->data, dst->ne[0]);
+        r += end - h;
+    }
+}
+
+void kvq_attn(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * mask = dst->src[7];
+    const int64_t n_tps     = kvq_seg_tokens(dst->src[5], kvq_n_seq(dst));
+    const int64_t n_head_kv = dst->src[5]->ne[1];
     GGML_ASSERT(dst->src[5]->ne[0] <= KVQ_MAX_HEAD && dst->src[6]->ne[0] <= KVQ_MAX_HEAD);
     GGML_ASSERT(mask->ne[1]*mask->ne[3] == dst->src[5]->ne[2]);
     GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
 
-    const kvq_grouping gr = kvq_grouping_for(n_tps, n_head, dst->src[5]->ne[1], n_seq, params->nth);
-    for (int64_t seg = 0; seg < n_seq; ++seg) {
-        kvq_attn_args a = {
-            /*.q           =*/ dst->src[0],
-            /*.mask        =*/ mask,
-            /*.k_tiles     =*/ NULL,
-            /*.k_tiles_nb1 =*/ k_tiles->nb[1],
-            /*.v_rows      =*/ NULL,
-            /*.v_rows_nb1  =*/ v_rows->nb[1],
-            /*.t0          =*/ seg*n_tps,
-            /*.mask_col0   =*/ 0,
-            /*.n_kv        =*/ 0,
-            /*.n_head_kv   =*/ dst->src[5]->ne[1],
-            /*.k           =*/ kvq_make_source(dst->src[3], dst->src[5], dst->src[8], n_sink, n_seq, kv_size, seg),
-            /*.v           =*/ kvq_make_source(dst->src[4], dst->src[6], dst->src[8], n_sink, n_seq, kv_size, seg),
-            /*.window      =*/ ggml_get_op_params_i32(dst, 1),
-            /*.scale       =*/ ggml_get_op_params_f32(dst, 3),
-            /*.softcap     =*/ ggml_get_op_params_f32(dst, GGML_KVQ_SOFTCAP_PARAM),
-            /*.sinks       =*/ dst->src[9] != NULL ? (const float *) dst->src[9]->data : NULL,
-            /*.k_bits      =*/ ggml_kvq_bits(k_tiles->type),
-            /*.v_bits      =*/ ggml_kvq_bits(v_rows->type),
-        };
-        // tiles [n_embd*QK_KIVI, kv_size/QK_KIVI, n_stream]; V rows contiguous, kv_size per stream
-        a.k_tiles = (const char *) k_tiles->data + a.k.stream*(kv_size/QK_KIVI)*k_tiles->nb[1];
-        a.v_rows  = (const char *) v_rows->data + a.k.stream*kv_size*v_rows->nb[1];
-        // a per-stream mask counts cells from the stream's first, a unified cache's from the cache's first
-        a.mask_col0 = kvq_mask_all_streams(dst) ? a.k.stream*kv_size : 0;
-        a.n_kv      = mask->ne[0] - a.mask_col0 < kv_size ? mask->ne[0] - a.mask_col0 : kv_size;
-        GGML_ASSERT(a.n_kv >= a.k.first + n_tps);
-
-        // groups are dealt to threads over the whole batch, as with one segment
-        const int64_t g0 = seg*gr.per_seg;
-        for (int64_t k = g0 + ((params->ith - g0) % params->nth + params->nth) % params->nth; k < g0 + gr.per_seg;
-             k += params->nth) {
-            kvq_attn_group(&a, &gr, n_tps, k - g0, (float *) dst->data, dst->ne[0], seg*n_tps*n_head);
-        }
+    const int64_t n_gqa = dst->src[0]->ne[1] / n_head_kv;
+    if (kvq_n_seq(dst)*n_tps*n_head_kv < (int64_t) KVQ_GROUPS_PER_THREAD*params->nth) {
+        kvq_attn_ranged(params, dst, n_tps, n_gqa);
+    } else {
+        kvq_attn_dealt(params, dst, n_tps, n_gqa);
     }
 }
