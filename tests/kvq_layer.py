@@ -73,8 +73,8 @@ def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches
     """Feed the tokens through one cache layer in the given ubatch sizes: every query's output (through the fused
     kernel, or with `wide` through flash attention over wide cells; n_swa: a sliding-window mask) and, with
     `mass`, the attention mass the SCORE ops accumulate over the ubatches (from each ubatch's last `observe`
-    queries, 0: all); on the CPU (n_threads), or on `backend`. attention_op: a ggml_custom1_op_t whose output over the fused
-    attention node replaces the node's (tests/kvq_emulation.py's emulated GPU kernel), on the CPU."""
+    queries, 0: all); on the CPU (n_threads), or on `backend`. attention_op: a ggml_custom1_op_t whose output over
+    the fused attention node replaces the node's (tests/kvq_emulation.py's emulated GPU kernel), on the CPU."""
     n_cells = k.shape[0]
     n_embd = case.n_head_kv * case.head_dim
     n_embd_v = case.n_head_kv * case.dv
