@@ -123,9 +123,6 @@ static void kvq_decode_blocks(const uint8_t * blocks, size_t stride, int bits, i
 // one query's arithmetic
 //
 
-// Each query's sums below run in two interleaved chains (even and odd terms), each of QK_KIVI/8 vectors: one chain
-// would wait on the FMA latency at every term.
-
 #if defined(__AVX2__) && defined(__FMA__)
 // the eight lanes of x summed, always in the same order
 static inline float kvq_hsum8(__m256 x) {
@@ -153,43 +150,54 @@ static float kvq_dot_offset(const float * q, const float * m, int64_t n) {
     return o;
 }
 
-// raw[u] += sum_c (q_c d_c) codes[c][u] over n channels, *offset += sum_c q_c m_c (KIVI's factorisation: the
-// per-channel scale goes to the query)
-static void kvq_query_k_chunk(const float * q, const float * codes, const float * d, const float * m, int64_t n,
-                              float * raw, float * offset) {
+// acc[k] += sum_i a_i rows[i][k] over n rows of QK_KIVI lanes, in two interleaved chains (even and odd i): one
+// would wait on the FMA latency at every term
+static void kvq_rows_fma(const float * a, const float * rows, int64_t n, float * acc) {
 #if defined(__AVX2__) && defined(__FMA__)
     __m256 even[QK_KIVI/8];
     __m256 odd[QK_KIVI/8];
     for (int g = 0; g < QK_KIVI/8; ++g) {
-        even[g] = _mm256_loadu_ps(raw + 8*g);
+        even[g] = _mm256_loadu_ps(acc + 8*g);
         odd[g]  = _mm256_setzero_ps();
     }
-    int64_t c = 0;
-    for (; c + 2 <= n; c += 2) {
-        const __m256 qd0 = _mm256_set1_ps(q[c]*d[c]);
-        const __m256 qd1 = _mm256_set1_ps(q[c + 1]*d[c + 1]);
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2) {
+        const __m256 a0 = _mm256_set1_ps(a[i]);
+        const __m256 a1 = _mm256_set1_ps(a[i + 1]);
         for (int g = 0; g < QK_KIVI/8; ++g) {
-            even[g] = _mm256_fmadd_ps(qd0, _mm256_loadu_ps(codes + c*QK_KIVI + 8*g), even[g]);
-            odd[g]  = _mm256_fmadd_ps(qd1, _mm256_loadu_ps(codes + (c + 1)*QK_KIVI + 8*g), odd[g]);
+            even[g] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(rows + i*QK_KIVI + 8*g), even[g]);
+            odd[g]  = _mm256_fmadd_ps(a1, _mm256_loadu_ps(rows + (i + 1)*QK_KIVI + 8*g), odd[g]);
         }
     }
-    if (c < n) {
-        const __m256 qd0 = _mm256_set1_ps(q[c]*d[c]);
+    if (i < n) {
+        const __m256 a0 = _mm256_set1_ps(a[i]);
         for (int g = 0; g < QK_KIVI/8; ++g) {
-            even[g] = _mm256_fmadd_ps(qd0, _mm256_loadu_ps(codes + c*QK_KIVI + 8*g), even[g]);
+            even[g] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(rows + i*QK_KIVI + 8*g), even[g]);
         }
     }
     for (int g = 0; g < QK_KIVI/8; ++g) {
-        _mm256_storeu_ps(raw + 8*g, _mm256_add_ps(even[g], odd[g]));
+        _mm256_storeu_ps(acc + 8*g, _mm256_add_ps(even[g], odd[g]));
     }
 #else
-    for (int64_t c = 0; c < n; ++c) {
-        const float qd = q[c]*d[c];
-        for (int u = 0; u < QK_KIVI; ++u) {
-            raw[u] += qd*codes[c*QK_KIVI + u];
+    for (int k = 0; k < QK_KIVI; ++k) {
+        float r = acc[k];
+        for (int64_t i = 0; i < n; ++i) {
+            r += a[i]*rows[i*QK_KIVI + k];
         }
+        acc[k] = r;
     }
 #endif
+}
+
+// raw[u] += sum_c (q_c d_c) codes[c][u] over n <= KVQ_K_CHUNK channels, *offset += sum_c q_c m_c (KIVI's
+// factorisation: the per-channel scale goes to the query)
+static void kvq_query_k_chunk(const float * q, const float * codes, const float * d, const float * m, int64_t n,
+                              float * raw, float * offset) {
+    float qd[KVQ_K_CHUNK];
+    for (int64_t c = 0; c < n; ++c) {
+        qd[c] = q[c]*d[c];
+    }
+    kvq_rows_fma(qd, codes, n, raw);
     *offset += kvq_dot_offset(q, m, n);
 }
 
@@ -197,58 +205,31 @@ static void kvq_query_k_chunk(const float * q, const float * codes, const float 
 // and a cell of no weight counts nothing whatever its block holds (a masked cell may hold anything)
 static void kvq_query_v_block(const float * codes, const float * d, const float * m, const float * w, int64_t n,
                               float * acc) {
-    float wn[QK_KIVI];
     float wd[QK_KIVI];
-    for (int u = 0; u < QK_KIVI; ++u) {
+    float bias = 0.0f;
+    int u = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    float wn[QK_KIVI];
+    for (; u < QK_KIVI; ++u) {
         wn[u] = u < n ? w[u] : 0.0f;
     }
-#if defined(__AVX2__) && defined(__FMA__)
     __m256 bias8 = _mm256_setzero_ps();
-    for (int u = 0; u < QK_KIVI; u += 8) {
+    for (u = 0; u < QK_KIVI; u += 8) {
         const __m256 wu   = _mm256_loadu_ps(wn + u);
         const __m256 some = _mm256_cmp_ps(wu, _mm256_setzero_ps(), _CMP_NEQ_OQ);
         _mm256_storeu_ps(wd + u, _mm256_and_ps(some, _mm256_mul_ps(wu, _mm256_loadu_ps(d + u))));
         bias8 = _mm256_add_ps(bias8, _mm256_and_ps(some, _mm256_mul_ps(wu, _mm256_loadu_ps(m + u))));
     }
-    const __m256 bias = _mm256_set1_ps(kvq_hsum8(bias8));
-    __m256 even[QK_KIVI/8];
-    __m256 odd[QK_KIVI/8];
-    for (int g = 0; g < QK_KIVI/8; ++g) {
-        even[g] = _mm256_loadu_ps(acc + 8*g);
-        odd[g]  = _mm256_setzero_ps();
-    }
-    int64_t u = 0;
-    for (; u + 2 <= n; u += 2) {
-        const __m256 a0 = _mm256_set1_ps(wd[u]);
-        const __m256 a1 = _mm256_set1_ps(wd[u + 1]);
-        for (int g = 0; g < QK_KIVI/8; ++g) {
-            even[g] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(codes + u*QK_KIVI + 8*g), even[g]);
-            odd[g]  = _mm256_fmadd_ps(a1, _mm256_loadu_ps(codes + (u + 1)*QK_KIVI + 8*g), odd[g]);
-        }
-    }
-    if (u < n) {
-        const __m256 a0 = _mm256_set1_ps(wd[u]);
-        for (int g = 0; g < QK_KIVI/8; ++g) {
-            even[g] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(codes + u*QK_KIVI + 8*g), even[g]);
-        }
-    }
-    for (int g = 0; g < QK_KIVI/8; ++g) {
-        _mm256_storeu_ps(acc + 8*g, _mm256_add_ps(_mm256_add_ps(even[g], odd[g]), bias));
-    }
-#else
-    float bias = 0.0f;
-    for (int u = 0; u < QK_KIVI; ++u) {
-        wd[u] = wn[u] != 0.0f ? wn[u]*d[u] : 0.0f;
-        bias += wn[u] != 0.0f ? wn[u]*m[u] : 0.0f;
-    }
-    for (int k = 0; k < QK_KIVI; ++k) {
-        float r = acc[k];
-        for (int64_t u = 0; u < n; ++u) {
-            r += wd[u]*codes[u*QK_KIVI + k];
-        }
-        acc[k] = r + bias;
-    }
+    bias = kvq_hsum8(bias8);
 #endif
+    for (; u < n; ++u) {
+        wd[u] = w[u] != 0.0f ? w[u]*d[u] : 0.0f;
+        bias += w[u] != 0.0f ? w[u]*m[u] : 0.0f;
+    }
+    kvq_rows_fma(wd, codes, n, acc);
+    for (int k = 0; k < QK_KIVI; ++k) {
+        acc[k] += bias;
+    }
 }
 
 // one more logit s in the online softmax, with a zero value: a learned sink
@@ -308,14 +289,6 @@ static bool kvq_query_softmax(const kvq_attn_args * a, kvq_query * qy, const flo
 //
 // a group's tile
 //
-
-static bool kvq_k_fp16(const kvq_attn_args * a, const kvq_query * qy, int64_t j) {
-    return j < a->k.n_sink || j >= qy->lim_k;
-}
-
-static bool kvq_v_fp16(const kvq_attn_args * a, const kvq_query * qy, int64_t j) {
-    return j < a->v.n_sink || j >= qy->lim_v;
-}
 
 // scores of the group's queries against the tile's quantized cells, its codes decoded a chunk of channels at a time
 static void kvq_group_k_tiles(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0,
@@ -381,22 +354,30 @@ static int64_t kvq_fp16_next(const kvq_fp16_cells * cells, int64_t u) {
     return u >= cells->sink_end && u < cells->window_begin ? cells->window_begin : u;
 }
 
-// scores of the group's queries against the tile's fp16 cells, each cell read once
-static void kvq_group_k_fp16(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0, int64_t n,
-                             kvq_scratch * scr) {
-    const kvq_fp16_cells cells = kvq_group_fp16_cells(a, group, n_q, false, j0, n);
+// The group's fp16 cells of the tile, each read once: K into the scores of the queries that attend it, or (v) V
+// into the outputs of those that weigh it
+static void kvq_group_fp16(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0, int64_t n,
+                           bool v, kvq_scratch * scr) {
+    const kvq_source *   src   = v ? &a->v : &a->k;
+    const kvq_fp16_cells cells = kvq_group_fp16_cells(a, group, n_q, v, j0, n);
     for (int64_t u = kvq_fp16_next(&cells, 0); u < n; u = kvq_fp16_next(&cells, u + 1)) {
         bool read = false;
         for (int g = 0; g < n_q; ++g) {
             kvq_query * qy = group[g];
-            if (!qy->live || qy->mask[u] == -INFINITY || !kvq_k_fp16(a, qy, j0 + u)) {
+            const int64_t lim     = v ? qy->lim_v : qy->lim_k;
+            const bool    attends = v ? qy->w[u] != 0.0f : qy->mask[u] != -INFINITY;
+            if (!qy->live || !attends || (j0 + u >= src->n_sink && j0 + u < lim)) {
                 continue;
             }
             if (!read) {
-                kvq_read_fp16(&a->k, j0 + u, hk, a->k.head_dim, scr->row);
+                kvq_read_fp16(src, j0 + u, hk, src->head_dim, scr->row);
                 read = true;
             }
-            ggml_vec_dot_f32((int) a->k.head_dim, &qy->raw[u], 0, qy->q, 0, scr->row, 0, 1);
+            if (v) {
+                ggml_vec_mad_f32((int) src->head_dim, qy->acc, scr->row, qy->w[u]);
+            } else {
+                ggml_vec_dot_f32((int) src->head_dim, &qy->raw[u], 0, qy->q, 0, scr->row, 0, 1);
+            }
         }
     }
 }
@@ -434,26 +415,6 @@ static void kvq_group_v_rows(const kvq_attn_args * a, kvq_query ** group, int n_
     }
 }
 
-// the group's fp16 V cells of the tile into its queries' outputs, each cell read once
-static void kvq_group_v_fp16(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0, int64_t n,
-                             kvq_scratch * scr) {
-    const kvq_fp16_cells cells = kvq_group_fp16_cells(a, group, n_q, true, j0, n);
-    for (int64_t u = kvq_fp16_next(&cells, 0); u < n; u = kvq_fp16_next(&cells, u + 1)) {
-        bool read = false;
-        for (int g = 0; g < n_q; ++g) {
-            kvq_query * qy = group[g];
-            if (!qy->live || qy->w[u] == 0.0f || !kvq_v_fp16(a, qy, j0 + u)) {
-                continue;
-            }
-            if (!read) {
-                kvq_read_fp16(&a->v, j0 + u, hk, a->v.head_dim, scr->row);
-                read = true;
-            }
-            ggml_vec_mad_f32((int) a->v.head_dim, qy->acc, scr->row, qy->w[u]);
-        }
-    }
-}
-
 // the mask of the tile's n cells for each query (-INFINITY past them); a query is live where it attends one
 static bool kvq_group_mask(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t j0, int64_t n) {
     bool any = false;
@@ -484,14 +445,14 @@ static void kvq_group_tile(const kvq_attn_args * a, kvq_query ** group, int n_q,
         return;
     }
     kvq_group_k_tiles(a, group, n_q, hk, j0, scr);
-    kvq_group_k_fp16(a, group, n_q, hk, j0, n, scr);
+    kvq_group_fp16(a, group, n_q, hk, j0, n, false, scr);
     for (int g = 0; g < n_q; ++g) {
         if (group[g]->live) {
             group[g]->live = kvq_query_softmax(a, group[g], group[g]->raw, a->v.head_dim);
         }
     }
     kvq_group_v_rows(a, group, n_q, hk, j0, n, scr);
-    kvq_group_v_fp16(a, group, n_q, hk, j0, n, scr);
+    kvq_group_fp16(a, group, n_q, hk, j0, n, true, scr);
 }
 
 //
