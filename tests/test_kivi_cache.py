@@ -44,9 +44,11 @@ def test_window_covering_the_context_is_f16_attention(smollm2: Path, hamlet: Pat
 
 def test_quantization_costs_in_bit_order(smollm2: Path, hamlet: Path, f16_ppl) -> None:
     ppl = {t: perplexity(smollm2, hamlet, *kv(t), "--kv-window", "32")[0].ppl for t in ("kivi4", "kivi2", "kivi1")}
-    # more bits, less loss; kivi4 close to f16 (bench/results: +0.3% at 512 tokens with the default window).
-    # 1-bit K breaks this small model outright (PPL in the thousands), as AsymKV's K-needs-more-bits predicts
-    assert f16_ppl.ppl * 0.995 < ppl["kivi4"] < ppl["kivi2"] < ppl["kivi1"]
+    # more bits, less loss; kivi4 close to f16 (bench/results: +0.3% at 512 tokens with the default window), on
+    # either side: the order of the CPU kernel's sums alone moved kivi4 here from +0.6% to -0.8% (2026-12-01, the
+    # grouped kernel). 1-bit K breaks this small model outright (PPL in the thousands), as AsymKV's K-needs-more-bits
+    # predicts
+    assert f16_ppl.ppl * 0.98 < ppl["kivi4"] < ppl["kivi2"] < ppl["kivi1"]
     assert ppl["kivi4"] < f16_ppl.ppl * 1.05
 
 
