@@ -265,10 +265,10 @@ static float kvq_tile_max(const float * s) {
 
 // the tile's scores into softmax weights qy->w (zero where masked), the running softmax rescaled to the tile's
 // maximum where it rises; false when the query attends no cell of the tile
-static bool kvq_query_softmax(const kvq_attn_args * a, kvq_query * qy, const float * raw, int64_t n_v) {
+static bool kvq_query_softmax(const kvq_attn_args * a, kvq_query * qy) {
     float s[QK_KIVI];
     for (int u = 0; u < QK_KIVI; ++u) {
-        s[u] = qy->mask[u] == -INFINITY ? -INFINITY : ggml_kvq_capped(raw[u]*a->scale, a->softcap) + qy->mask[u];
+        s[u] = qy->mask[u] == -INFINITY ? -INFINITY : ggml_kvq_capped(qy->raw[u]*a->scale, a->softcap) + qy->mask[u];
     }
     const float tile_max = kvq_tile_max(s);
     if (tile_max == -INFINITY) {
@@ -277,7 +277,7 @@ static bool kvq_query_softmax(const kvq_attn_args * a, kvq_query * qy, const flo
     if (tile_max > qy->max) {
         if (qy->max != -INFINITY) {
             const float rescale = expf(qy->max - tile_max);
-            ggml_vec_scale_f32((int) n_v, qy->acc, rescale);
+            ggml_vec_scale_f32((int) a->v.head_dim, qy->acc, rescale);
             qy->sum *= rescale;
         }
         qy->max = tile_max;
@@ -382,6 +382,11 @@ static void kvq_group_fp16(const kvq_attn_args * a, kvq_query ** group, int n_q,
     }
 }
 
+// the end of the tile's cells (n from j0) whose V the query reads quantized
+static int64_t kvq_v_rows_end(const kvq_query * qy, int64_t j0, int64_t n) {
+    return j0 + n < qy->lim_v ? j0 + n : qy->lim_v;
+}
+
 // the group's quantized V rows of the tile into its queries' outputs, a block of channels at a time
 static void kvq_group_v_rows(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0, int64_t n,
                              kvq_scratch * scr) {
@@ -390,9 +395,8 @@ static void kvq_group_v_rows(const kvq_attn_args * a, kvq_query ** group, int n_
     const int64_t lo = j0 > a->v.n_sink ? j0 : a->v.n_sink;
     int64_t hi = lo;
     for (int g = 0; g < n_q; ++g) {
-        const int64_t hi_g = j0 + n < group[g]->lim_v ? j0 + n : group[g]->lim_v;
-        if (group[g]->live && hi_g > hi) {
-            hi = hi_g;
+        if (group[g]->live && kvq_v_rows_end(group[g], j0, n) > hi) {
+            hi = kvq_v_rows_end(group[g], j0, n);
         }
     }
     if (lo >= hi) {
@@ -407,7 +411,7 @@ static void kvq_group_v_rows(const kvq_attn_args * a, kvq_query ** group, int n_
         }
         for (int g = 0; g < n_q; ++g) {
             kvq_query * qy = group[g];
-            const int64_t hi_g = j0 + n < qy->lim_v ? j0 + n : qy->lim_v;
+            const int64_t hi_g = kvq_v_rows_end(qy, j0, n);
             if (qy->live && lo < hi_g) {
                 kvq_query_v_block(scr->codes, scr->d, scr->m, qy->w + (lo - j0), hi_g - lo, qy->acc + b*QK_KIVI);
             }
@@ -421,7 +425,10 @@ static bool kvq_group_mask(const kvq_attn_args * a, kvq_query ** group, int n_q,
     for (int g = 0; g < n_q; ++g) {
         kvq_query * qy = group[g];
         const int64_t col = a->mask_col0 + j0;
-        if (a->mask->type == GGML_TYPE_F16) {
+        if (g > 0 && group[g - 1]->mask_row == qy->mask_row) {
+            // a token's query heads, side by side in the group, share its mask row
+            memcpy(qy->mask, group[g - 1]->mask, sizeof(qy->mask));
+        } else if (a->mask->type == GGML_TYPE_F16) {
             ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) qy->mask_row + col, qy->mask, n);
         } else {
             memcpy(qy->mask, (const float *) qy->mask_row + col, n*sizeof(float));
@@ -448,7 +455,7 @@ static void kvq_group_tile(const kvq_attn_args * a, kvq_query ** group, int n_q,
     kvq_group_fp16(a, group, n_q, hk, j0, n, false, scr);
     for (int g = 0; g < n_q; ++g) {
         if (group[g]->live) {
-            group[g]->live = kvq_query_softmax(a, group[g], group[g]->raw, a->v.head_dim);
+            group[g]->live = kvq_query_softmax(a, group[g]);
         }
     }
     kvq_group_v_rows(a, group, n_q, hk, j0, n, scr);
