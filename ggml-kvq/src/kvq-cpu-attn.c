@@ -206,26 +206,26 @@ static void kvq_query_k_chunk(const float * q, const float * codes, const float 
 static void kvq_query_v_block(const float * codes, const float * d, const float * m, const float * w, int64_t n,
                               float * acc) {
     float wd[QK_KIVI];
-    float bias = 0.0f;
-    int u = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     float wn[QK_KIVI];
-    for (; u < QK_KIVI; ++u) {
+    for (int u = 0; u < QK_KIVI; ++u) {
         wn[u] = u < n ? w[u] : 0.0f;
     }
     __m256 bias8 = _mm256_setzero_ps();
-    for (u = 0; u < QK_KIVI; u += 8) {
+    for (int u = 0; u < QK_KIVI; u += 8) {
         const __m256 wu   = _mm256_loadu_ps(wn + u);
         const __m256 some = _mm256_cmp_ps(wu, _mm256_setzero_ps(), _CMP_NEQ_OQ);
         _mm256_storeu_ps(wd + u, _mm256_and_ps(some, _mm256_mul_ps(wu, _mm256_loadu_ps(d + u))));
         bias8 = _mm256_add_ps(bias8, _mm256_and_ps(some, _mm256_mul_ps(wu, _mm256_loadu_ps(m + u))));
     }
-    bias = kvq_hsum8(bias8);
-#endif
-    for (; u < n; ++u) {
+    const float bias = kvq_hsum8(bias8);
+#else
+    float bias = 0.0f;
+    for (int64_t u = 0; u < n; ++u) {
         wd[u] = w[u] != 0.0f ? w[u]*d[u] : 0.0f;
         bias += w[u] != 0.0f ? w[u]*m[u] : 0.0f;
     }
+#endif
     kvq_rows_fma(wd, codes, n, acc);
     for (int k = 0; k < QK_KIVI; ++k) {
         acc[k] += bias;
@@ -263,13 +263,35 @@ static float kvq_tile_max(const float * s) {
 #endif
 }
 
+// s += mask, and -INFINITY wherever the mask is, whatever s holds there (a masked cell's score may be anything)
+static void kvq_tile_add_mask(float * s, const float * mask) {
+#if defined(__AVX2__)
+    for (int u = 0; u < QK_KIVI; u += 8) {
+        const __m256 m      = _mm256_loadu_ps(mask + u);
+        const __m256 hidden = _mm256_cmp_ps(m, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+        _mm256_storeu_ps(s + u, _mm256_blendv_ps(_mm256_add_ps(_mm256_loadu_ps(s + u), m), m, hidden));
+    }
+#else
+    for (int u = 0; u < QK_KIVI; ++u) {
+        s[u] = mask[u] == -INFINITY ? -INFINITY : s[u] + mask[u];
+    }
+#endif
+}
+
 // the tile's scores into softmax weights qy->w (zero where masked), the running softmax rescaled to the tile's
 // maximum where it rises; false when the query attends no cell of the tile
 static bool kvq_query_softmax(const kvq_attn_args * a, kvq_query * qy) {
+    // in passes the compiler vectorises: softcap's tanhf in the loop kept it scalar
     float s[QK_KIVI];
     for (int u = 0; u < QK_KIVI; ++u) {
-        s[u] = qy->mask[u] == -INFINITY ? -INFINITY : ggml_kvq_capped(qy->raw[u]*a->scale, a->softcap) + qy->mask[u];
+        s[u] = qy->raw[u]*a->scale;
     }
+    if (a->softcap != 0.0f) {
+        for (int u = 0; u < QK_KIVI; ++u) {
+            s[u] = ggml_kvq_capped(s[u], a->softcap);
+        }
+    }
+    kvq_tile_add_mask(s, qy->mask);
     const float tile_max = kvq_tile_max(s);
     if (tile_max == -INFINITY) {
         return false;
@@ -433,13 +455,10 @@ static bool kvq_group_mask(const kvq_attn_args * a, kvq_query ** group, int n_q,
         } else {
             memcpy(qy->mask, (const float *) qy->mask_row + col, n*sizeof(float));
         }
-        qy->live = false;
-        for (int u = 0; u < QK_KIVI; ++u) {
-            if (u >= n) {
-                qy->mask[u] = -INFINITY;
-            }
-            qy->live = qy->live || qy->mask[u] != -INFINITY;
+        for (int64_t u = n; u < QK_KIVI; ++u) {
+            qy->mask[u] = -INFINITY;
         }
+        qy->live = kvq_tile_max(qy->mask) != -INFINITY;
         any = any || qy->live;
     }
     return any;
@@ -480,9 +499,7 @@ static void kvq_query_init(const kvq_attn_args * a, kvq_query * qy, int64_t t, i
     qy->sum      = 0.0f;
     // Q in fp16, as upstream's flash attention takes it for f16 K: a window covering the whole context
     // then reproduces f16 KV, and ΔPPL against f16 measures the quantization alone
-    for (int64_t c = 0; c < a->k.head_dim; ++c) {
-        qy->q[c] = kvq_round_fp16(q_row[c]);
-    }
+    kvq_round_fp16_row(q_row, a->k.head_dim, qy->q);
     memset(qy->acc, 0, a->v.head_dim*sizeof(float));
 }
 

@@ -36,6 +36,9 @@ static inline int64_t kvq_seg_tokens(const struct ggml_tensor * cur, int32_t n_s
 kvq_source kvq_make_source(const struct ggml_tensor * fp16, const struct ggml_tensor * cur,
                            const struct ggml_tensor * k_idxs, int32_t n_sink, int32_t n_seq, int64_t kv_size, int64_t seg);
 
+// x rounded to fp16 precision
+void kvq_round_fp16_row(const float * x, int64_t n, float * out);
+
 // fp16 value of `cell`, channels [head*n, head*n + n): from the batch when it is in it (rounded to fp16),
 // else from its sink row or its ring slot
 void kvq_read_fp16(const kvq_source * src, int64_t cell, int64_t head, int64_t n, float * out);

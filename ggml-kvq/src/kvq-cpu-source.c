@@ -31,10 +31,8 @@ kvq_source kvq_make_source(const struct ggml_tensor * fp16, const struct ggml_te
     return src;
 }
 
-// The attention kernels read every fp16 cell once per query: F16C converts eight at a time, with the same
-// round-to-nearest-even as the scalar macros, so the values are the same bits either way (stored cells: ggml's own
-// row conversion)
-static void kvq_round_fp16_row(const float * x, int64_t n, float * out) {
+// F16C rounds eight at a time, with the same round-to-nearest-even as the scalar macros: the same bits either way
+void kvq_round_fp16_row(const float * x, int64_t n, float * out) {
     int64_t c = 0;
 #if defined(__F16C__) && defined(__AVX__)
     for (; c + 8 <= n; c += 8) {
