@@ -25,9 +25,10 @@ import platform
 import re
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from pykvq import assets, kv_types, llama_tools
 from pykvq.api.llama import Model
@@ -41,15 +42,25 @@ _ROW = re.compile(r"^\|\s*(\d+) \|\s*(\d+) \|\s*(\d+) \|\s*(\d+) \|"
                   re.M)
 # peak memory bandwidth, GB/s, of the cards the project measures on
 PEAK_GBS = {"H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0}
+RATES = ("prefill_tps", "decode_tps")
+
+Setting = TypeVar("Setting")
 
 
-def measure(model: Path, spec: KvSpec, depth: int, tg: int, npl: int, threads: int, ngl: int, repeat: int = 1,
-            ubatch: int = 512) -> dict:
-    """The best prefill and decode rates of `repeat` runs (a shared machine only ever slows a run down)."""
-    runs = [measure_once(model, spec, depth, tg, npl, threads, ngl, ubatch) for _ in range(repeat)]
+def best_of_rounds(settings: Sequence[Setting], repeat: int, once: Callable[[Setting], dict]) -> list[dict]:
+    """Each setting's best rates over `repeat` rounds, a round running every setting once (a shared machine only ever
+    slows a run down; in rounds a slow spell falls on every setting alike, not on all the runs of one)."""
+    runs: list[list[dict]] = [[] for _ in settings]
+    for _ in range(repeat):
+        for i, setting in enumerate(settings):
+            runs[i].append(once(setting))
+    return [best_rates(r) for r in runs]
+
+
+def best_rates(runs: list[dict]) -> dict:
     best = dict(runs[0])
-    for key in ("prefill_tps", "decode_tps"):
-        rates = [r[key] for r in runs if r[key] is not None]
+    for key in RATES:
+        rates = [r[key] for r in runs if r.get(key) is not None]
         best[key] = max(rates) if rates else None
     return best
 
@@ -76,7 +87,7 @@ def measure_once(model: Path, spec: KvSpec, depth: int, tg: int, npl: int, threa
 def bandwidth(rows: list[dict], specs: list[KvSpec], model: Path, n_ctx: int) -> list[dict]:
     """Per type (batch 1): extra KV bytes of the deepest run over the shallowest, over the extra per-token time."""
     n_layer, elements_per_cell = _kv_shape(model)
-    defaults = native.kvq_default_params()  # what measure() runs with
+    defaults = native.kvq_default_params()  # what measure_once() runs with
     out = []
     for spec in specs:
         mine = sorted((r for r in rows if r["kv_type"] == spec.label and r["npl"] == 1 and r["decode_tps"]),
@@ -182,16 +193,20 @@ def main() -> None:
     parser.add_argument("--tg", type=int, default=32)
     parser.add_argument("--npl", type=int, nargs="+", default=[1], help="sequences decoded at once")
     parser.add_argument("--kv-types", default="f16,q8_0,q4_0,kivi4,kivi2,kivi1")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per row; the best rates are kept")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds over all rows; each row keeps its best rates")
     args = parser.parse_args()
     model, model_label = resolve_model(args.model, args.workdir)
     specs = kv_types.parse_list(args.kv_types)
-    rows = []
-    for npl in args.npl:
-        for depth in args.depth:
-            for spec in specs:
-                rows.append(measure(model, spec, depth, args.tg, npl, args.threads, args.ngl, args.repeat))
-                print(f"npl {npl:>3} depth {depth:>7} {spec.label:<12} decode {rows[-1]['decode_tps']} t/s", flush=True)
+    settings = [(npl, depth, spec) for npl in args.npl for depth in args.depth for spec in specs]
+
+    def once(setting: tuple[int, int, KvSpec]) -> dict:
+        npl, depth, spec = setting
+        row = measure_once(model, spec, depth, args.tg, npl, args.threads, args.ngl)
+        print(f"npl {npl:>3} depth {depth:>7} {spec.label:<12} decode {row['decode_tps']} t/s", flush=True)
+        return row
+
+    rows = best_of_rounds(settings, args.repeat, once)
     for r in rows:
         base = next(b for b in rows if (b["depth"], b["npl"], b["kv_type"]) == (r["depth"], r["npl"], "f16"))
         both = r["decode_tps"] and base["decode_tps"]

@@ -20,9 +20,10 @@ import argparse
 import json
 import os
 
-from decode_speed import RESULTS, add_machine_args, machine, measure, resolve_model
+from decode_speed import RESULTS, add_machine_args, best_of_rounds, machine, measure_once, resolve_model
 
 from pykvq import kv_types
+from pykvq.kv_types import KvSpec
 
 # LLAMA_KVQ_FA_PREFILL per prefill path of the kivi types: the fused kernel for every batch, or flash attention over
 # wide cells for every batch
@@ -53,25 +54,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ubatch", type=int, nargs="+", default=[DEFAULT_UBATCH],
                         help="tokens per prefill batch (llama.cpp's -ub); several sweep it")
     parser.add_argument("--kv-types", default="f16,q8_0,q4_0,kivi4,kivi2")
-    parser.add_argument("--repeat", type=int, default=2, help="runs per row; the best rate is kept")
+    parser.add_argument("--repeat", type=int, default=2, help="rounds over all rows; each row keeps its best rate")
     args = parser.parse_args(argv)
     if min(args.ubatch) < 1 or min(args.depth) < 1:
         parser.error("--depth and --ubatch take token counts of 1 or more")
     model, model_label = resolve_model(args.model, args.workdir)
-    rows = []
-    for depth in args.depth:
-        for ubatch in args.ubatch:
-            for spec in kv_types.parse_list(args.kv_types):
-                paths = PATHS if spec.is_kivi else {"-": None}
-                for path, env in paths.items():
-                    if env is None:
-                        os.environ.pop(ENV, None)
-                    else:
-                        os.environ[ENV] = env
-                    row = measure(model, spec, depth, 1, 1, args.threads, args.ngl, args.repeat, ubatch)
-                    rows.append({**row, "ubatch": ubatch, "prefill_path": path})
-                    print(f"depth {depth:>7} ubatch {ubatch:>5} {spec.label:<12} {path:<6} prefill "
-                          f"{row['prefill_tps']} t/s", flush=True)
+    settings = [(depth, ubatch, spec, path) for depth in args.depth for ubatch in args.ubatch
+                for spec in kv_types.parse_list(args.kv_types) for path in (PATHS if spec.is_kivi else ["-"])]
+
+    def once(setting: tuple[int, int, KvSpec, str]) -> dict:
+        depth, ubatch, spec, path = setting
+        if path in PATHS:
+            os.environ[ENV] = PATHS[path]
+        else:
+            os.environ.pop(ENV, None)
+        row = measure_once(model, spec, depth, 1, 1, args.threads, args.ngl, ubatch)
+        print(f"depth {depth:>7} ubatch {ubatch:>5} {spec.label:<12} {path:<6} prefill {row['prefill_tps']} t/s",
+              flush=True)
+        return {**row, "ubatch": ubatch, "prefill_path": path}
+
+    rows = best_of_rounds(settings, args.repeat, once)
     os.environ.pop(ENV, None)
     for r in rows:
         base = next(b for b in rows if (b["depth"], b["ubatch"], b["kv_type"]) == (r["depth"], r["ubatch"], "f16"))
