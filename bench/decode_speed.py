@@ -186,7 +186,7 @@ def machine(ngl: int, threads: int) -> Machine:
                    "cpu")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_machine_args(parser)
     parser.add_argument("--depth", type=int, nargs="+", default=[4096, 16384])
@@ -195,7 +195,9 @@ def main() -> None:
     parser.add_argument("--kv-types", default="f16,q8_0,q4_0,kivi4,kivi2,kivi1")
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds over all rows; each row keeps its best rates")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat takes a number of rounds of 1 or more")
     model, model_label = resolve_model(args.model, args.workdir)
     specs = kv_types.parse_list(args.kv_types)
     settings = [(npl, depth, spec) for npl in args.npl for depth in args.depth for spec in specs]

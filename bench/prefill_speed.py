@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if min(args.ubatch) < 1 or min(args.depth) < 1:
         parser.error("--depth and --ubatch take token counts of 1 or more")
+    if args.repeat < 1:
+        parser.error("--repeat takes a number of rounds of 1 or more")
     model, model_label = resolve_model(args.model, args.workdir)
     settings = [(depth, ubatch, spec, path) for depth in args.depth for ubatch in args.ubatch
                 for spec in kv_types.parse_list(args.kv_types) for path in (PATHS if spec.is_kivi else ["-"])]

@@ -86,6 +86,13 @@ def test_bad_sizes_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert exc.value.code == 2 and "token counts of 1 or more" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bench", [prefill_speed, decode_speed], ids=["prefill", "decode"])
+def test_no_rounds_are_refused(bench, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--repeat", "0"])
+    assert exc.value.code == 2 and "rounds of 1 or more" in capsys.readouterr().err
+
+
 def test_a_tiny_real_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama-batched-bench itself on the dev model: every batch size and path gives a rate."""
     monkeypatch.setattr(prefill_speed, "RESULTS", tmp_path)
