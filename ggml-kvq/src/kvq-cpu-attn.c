@@ -446,11 +446,14 @@ static bool kvq_group_mask(const kvq_attn_args * a, kvq_query ** group, int n_q,
     bool any = false;
     for (int g = 0; g < n_q; ++g) {
         kvq_query * qy = group[g];
-        const int64_t col = a->mask_col0 + j0;
         if (g > 0 && group[g - 1]->mask_row == qy->mask_row) {
-            // a token's query heads, side by side in the group, share its mask row
+            // a token's query heads, side by side in the group, share its mask row, padded, and whether it is live
             memcpy(qy->mask, group[g - 1]->mask, sizeof(qy->mask));
-        } else if (a->mask->type == GGML_TYPE_F16) {
+            qy->live = group[g - 1]->live;
+            continue;
+        }
+        const int64_t col = a->mask_col0 + j0;
+        if (a->mask->type == GGML_TYPE_F16) {
             ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) qy->mask_row + col, qy->mask, n);
         } else {
             memcpy(qy->mask, (const float *) qy->mask_row + col, n*sizeof(float));
