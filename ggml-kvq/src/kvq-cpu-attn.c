@@ -13,7 +13,7 @@
 #include <string.h>
 
 #define KVQ_MAX_HEAD          512
-#define KVQ_MAX_GROUP         8     // queries attended together
+#define KVQ_MAX_GROUP         32    // queries attended together: they share each tile's decoding and bookkeeping
 #define KVQ_K_CHUNK           128   // K channels whose codes are decoded at a time
 #define KVQ_GROUPS_PER_THREAD 4     // fewer groups than this per thread leave the threads unevenly loaded
 
@@ -586,8 +586,10 @@ static kvq_attn_args kvq_attn_args_for(const struct ggml_tensor * dst, int64_t s
 }
 
 // Many (token, KV head) pairs: groups of a KV head's query heads (KVQ_MAX_GROUP at most) over a run of tokens, as
-// long as each thread keeps KVQ_GROUPS_PER_THREAD groups; dealt in turn, which spreads the causal mask's uneven
-// work
+// long as each thread keeps KVQ_GROUPS_PER_THREAD groups. Threads take the next group as they finish one, as
+// upstream's flash attention takes chunks: a thread that runs slower (a busy or an efficiency core) leaves the others
+// no wait. The groups go from the last to the first, the costliest first under a causal mask, so those left at the
+// end are the cheapest.
 static void kvq_attn_dealt(const struct ggml_compute_params * params, struct ggml_tensor * dst, int64_t n_tps,
                            int64_t n_gqa) {
     const int32_t n_seq     = kvq_n_seq(dst);
@@ -597,20 +599,27 @@ static void kvq_attn_dealt(const struct ggml_compute_params * params, struct ggm
     const int64_t even      = n_seq*n_tps*n_head_kv*chunks/((int64_t) KVQ_GROUPS_PER_THREAD*params->nth);
     const int64_t tokens    = even < 1 ? 1 : (even < KVQ_MAX_GROUP/heads ? even : KVQ_MAX_GROUP/heads);
     const int64_t per_seg   = (n_tps + tokens - 1)/tokens*n_head_kv*chunks;
+    const int64_t n_groups  = n_seq*per_seg;
 
-    for (int64_t seg = 0; seg < n_seq; ++seg) {
-        const kvq_attn_args a = kvq_attn_args_for(dst, seg);
-        // the turn goes on over the segments, as over one
-        const int64_t g0 = seg*per_seg;
-        for (int64_t k = g0 + ((params->ith - g0) % params->nth + params->nth) % params->nth; k < g0 + per_seg;
-             k += params->nth) {
-            const int64_t run   = (k - g0) / (n_head_kv*chunks);
-            const int64_t hk    = (k - g0) / chunks % n_head_kv;
-            const int64_t h0    = hk*n_gqa + (k - g0) % chunks*heads;
-            const kvq_group_span span = { run*tokens, run*tokens + tokens < n_tps ? run*tokens + tokens : n_tps,
-                                          h0, h0 + heads < (hk + 1)*n_gqa ? h0 + heads : (hk + 1)*n_gqa };
-            kvq_attn_group(&a, span, (float *) dst->data, dst->ne[0]);
+    if (params->ith == 0) {
+        ggml_threadpool_chunk_set(params->threadpool, params->nth);
+    }
+    ggml_barrier(params->threadpool);
+
+    int64_t seg = -1;
+    kvq_attn_args a;
+    for (int64_t i = params->ith; i < n_groups; i = ggml_threadpool_chunk_add(params->threadpool, 1)) {
+        const int64_t k = n_groups - 1 - i;
+        if (k / per_seg != seg) {
+            seg = k / per_seg;
+            a   = kvq_attn_args_for(dst, seg);
         }
+        const int64_t run = k % per_seg / (n_head_kv*chunks);
+        const int64_t hk  = k % per_seg / chunks % n_head_kv;
+        const int64_t h0  = hk*n_gqa + k % chunks*heads;
+        const kvq_group_span span = { run*tokens, run*tokens + tokens < n_tps ? run*tokens + tokens : n_tps,
+                                      h0, h0 + heads < (hk + 1)*n_gqa ? h0 + heads : (hk + 1)*n_gqa };
+        kvq_attn_group(&a, span, (float *) dst->data, dst->ne[0]);
     }
 }
 
