@@ -62,6 +62,8 @@ typedef struct {
     float d[KVQ_K_CHUNK];              // K: per channel; V: per cell
     float m[KVQ_K_CHUNK];
     float row[KVQ_MAX_HEAD];           // one fp16 cell
+    float qd[KVQ_MAX_GROUP][KVQ_K_CHUNK];  // each query's q_c d_c over the chunk's channels
+    float wd[KVQ_MAX_GROUP][QK_KIVI];      // each query's w_u d_u over the block's cells
 } kvq_scratch;
 
 //
@@ -150,67 +152,70 @@ static float kvq_dot_offset(const float * q, const float * m, int64_t n) {
     return o;
 }
 
-// acc[k] += sum_i a_i rows[i][k] over n rows of QK_KIVI lanes, in two interleaved chains (even and odd i): one
-// would wait on the FMA latency at every term
-static void kvq_rows_fma(const float * a, const float * rows, int64_t n, float * acc) {
+// acc_g[k] += sum_i a_g[i] rows[i][k] over n rows of QK_KIVI lanes, for n_q queries g. Two queries at a time share
+// each row's loads, and their eight sums keep the FMA units busy. A query's terms are summed in row order whatever
+// runs beside it, so its bits do not depend on the group.
+static void kvq_rows_fma(int n_q, const float * const * a, const float * rows, int64_t n, float * const * acc) {
 #if defined(__AVX2__) && defined(__FMA__)
-    __m256 even[QK_KIVI/8];
-    __m256 odd[QK_KIVI/8];
-    for (int g = 0; g < QK_KIVI/8; ++g) {
-        even[g] = _mm256_loadu_ps(acc + 8*g);
-        odd[g]  = _mm256_setzero_ps();
-    }
-    int64_t i = 0;
-    for (; i + 2 <= n; i += 2) {
-        const __m256 a0 = _mm256_set1_ps(a[i]);
-        const __m256 a1 = _mm256_set1_ps(a[i + 1]);
-        for (int g = 0; g < QK_KIVI/8; ++g) {
-            even[g] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(rows + i*QK_KIVI + 8*g), even[g]);
-            odd[g]  = _mm256_fmadd_ps(a1, _mm256_loadu_ps(rows + (i + 1)*QK_KIVI + 8*g), odd[g]);
+    int g = 0;
+    for (; g + 2 <= n_q; g += 2) {
+        __m256 s0[QK_KIVI/8];
+        __m256 s1[QK_KIVI/8];
+        for (int v = 0; v < QK_KIVI/8; ++v) {
+            s0[v] = _mm256_loadu_ps(acc[g] + 8*v);
+            s1[v] = _mm256_loadu_ps(acc[g + 1] + 8*v);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+            const __m256 a0 = _mm256_set1_ps(a[g][i]);
+            const __m256 a1 = _mm256_set1_ps(a[g + 1][i]);
+            for (int v = 0; v < QK_KIVI/8; ++v) {
+                const __m256 r = _mm256_loadu_ps(rows + i*QK_KIVI + 8*v);
+                s0[v] = _mm256_fmadd_ps(a0, r, s0[v]);
+                s1[v] = _mm256_fmadd_ps(a1, r, s1[v]);
+            }
+        }
+        for (int v = 0; v < QK_KIVI/8; ++v) {
+            _mm256_storeu_ps(acc[g] + 8*v, s0[v]);
+            _mm256_storeu_ps(acc[g + 1] + 8*v, s1[v]);
         }
     }
-    if (i < n) {
-        const __m256 a0 = _mm256_set1_ps(a[i]);
-        for (int g = 0; g < QK_KIVI/8; ++g) {
-            even[g] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(rows + i*QK_KIVI + 8*g), even[g]);
+    if (g < n_q) {
+        __m256 s0[QK_KIVI/8];
+        for (int v = 0; v < QK_KIVI/8; ++v) {
+            s0[v] = _mm256_loadu_ps(acc[g] + 8*v);
         }
-    }
-    for (int g = 0; g < QK_KIVI/8; ++g) {
-        _mm256_storeu_ps(acc + 8*g, _mm256_add_ps(even[g], odd[g]));
+        for (int64_t i = 0; i < n; ++i) {
+            const __m256 a0 = _mm256_set1_ps(a[g][i]);
+            for (int v = 0; v < QK_KIVI/8; ++v) {
+                s0[v] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(rows + i*QK_KIVI + 8*v), s0[v]);
+            }
+        }
+        for (int v = 0; v < QK_KIVI/8; ++v) {
+            _mm256_storeu_ps(acc[g] + 8*v, s0[v]);
+        }
     }
 #else
-    for (int k = 0; k < QK_KIVI; ++k) {
-        float r = acc[k];
-        for (int64_t i = 0; i < n; ++i) {
-            r += a[i]*rows[i*QK_KIVI + k];
+    for (int g = 0; g < n_q; ++g) {
+        for (int k = 0; k < QK_KIVI; ++k) {
+            float r = acc[g][k];
+            for (int64_t i = 0; i < n; ++i) {
+                r += a[g][i]*rows[i*QK_KIVI + k];
+            }
+            acc[g][k] = r;
         }
-        acc[k] = r;
     }
 #endif
 }
 
-// raw[u] += sum_c (q_c d_c) codes[c][u] over n <= KVQ_K_CHUNK channels, *offset += sum_c q_c m_c (KIVI's
-// factorisation: the per-channel scale goes to the query)
-static void kvq_query_k_chunk(const float * q, const float * codes, const float * d, const float * m, int64_t n,
-                              float * raw, float * offset) {
-    float qd[KVQ_K_CHUNK];
-    for (int64_t c = 0; c < n; ++c) {
-        qd[c] = q[c]*d[c];
-    }
-    kvq_rows_fma(qd, codes, n, raw);
-    *offset += kvq_dot_offset(q, m, n);
-}
-
-// acc[0 .. QK_KIVI) += sum_u w_u (d_u codes[u] + m_u) over the n V rows' blocks; d and m hold QK_KIVI values,
-// and a cell of no weight counts nothing whatever its block holds (a masked cell may hold anything)
-static void kvq_query_v_block(const float * codes, const float * d, const float * m, const float * w, int64_t n,
-                              float * acc) {
-    float wd[QK_KIVI];
-#if defined(__AVX2__) && defined(__FMA__)
+// wd[u] = w_u d_u over the QK_KIVI rows of a V block (zero past the query's n rows), and sum_u w_u m_u returned: the
+// query's weights of the block's codes and its constant part (KIVI's factorisation: the per-token scale goes to the
+// weight). A cell of no weight counts nothing whatever its block holds (a masked cell may hold anything).
+static float kvq_query_v_weights(const float * d, const float * m, const float * w, int64_t n, float * wd) {
     float wn[QK_KIVI];
     for (int u = 0; u < QK_KIVI; ++u) {
         wn[u] = u < n ? w[u] : 0.0f;
     }
+#if defined(__AVX2__) && defined(__FMA__)
     __m256 bias8 = _mm256_setzero_ps();
     for (int u = 0; u < QK_KIVI; u += 8) {
         const __m256 wu   = _mm256_loadu_ps(wn + u);
@@ -218,18 +223,15 @@ static void kvq_query_v_block(const float * codes, const float * d, const float 
         _mm256_storeu_ps(wd + u, _mm256_and_ps(some, _mm256_mul_ps(wu, _mm256_loadu_ps(d + u))));
         bias8 = _mm256_add_ps(bias8, _mm256_and_ps(some, _mm256_mul_ps(wu, _mm256_loadu_ps(m + u))));
     }
-    const float bias = kvq_hsum8(bias8);
+    return kvq_hsum8(bias8);
 #else
     float bias = 0.0f;
-    for (int64_t u = 0; u < n; ++u) {
-        wd[u] = w[u] != 0.0f ? w[u]*d[u] : 0.0f;
-        bias += w[u] != 0.0f ? w[u]*m[u] : 0.0f;
+    for (int u = 0; u < QK_KIVI; ++u) {
+        wd[u] = wn[u] != 0.0f ? wn[u]*d[u] : 0.0f;
+        bias += wn[u] != 0.0f ? wn[u]*m[u] : 0.0f;
     }
+    return bias;
 #endif
-    kvq_rows_fma(wd, codes, n, acc);
-    for (int k = 0; k < QK_KIVI; ++k) {
-        acc[k] += bias;
-    }
 }
 
 // one more logit s in the online softmax, with a zero value: a learned sink
@@ -333,12 +335,22 @@ static void kvq_group_k_tiles(const kvq_attn_args * a, kvq_query ** group, int n
     if (n_need == 0) {
         return;
     }
+    const float * qd[KVQ_MAX_GROUP];
+    float *       raw[KVQ_MAX_GROUP];
     for (int64_t c0 = 0; c0 < head_dim; c0 += KVQ_K_CHUNK) {
         const int64_t n = head_dim - c0 < KVQ_K_CHUNK ? head_dim - c0 : KVQ_K_CHUNK;
         kvq_decode_blocks(tile + c0*bb, bb, a->k_bits, n, scr->codes, scr->d, scr->m);
         for (int g = 0; g < n_need; ++g) {
-            kvq_query_k_chunk(need[g]->q + c0, scr->codes, scr->d, scr->m, n, need[g]->raw, &offset[g]);
+            // KIVI's factorisation: the per-channel scale goes to the query
+            const float * q = need[g]->q + c0;
+            for (int64_t c = 0; c < n; ++c) {
+                scr->qd[g][c] = q[c]*scr->d[c];
+            }
+            offset[g] += kvq_dot_offset(q, scr->m, n);
+            qd[g]  = scr->qd[g];
+            raw[g] = need[g]->raw;
         }
+        kvq_rows_fma(n_need, qd, scr->codes, n, raw);
     }
     for (int g = 0; g < n_need; ++g) {
         for (int u = 0; u < QK_KIVI; ++u) {
@@ -431,11 +443,25 @@ static void kvq_group_v_rows(const kvq_attn_args * a, kvq_query ** group, int n_
             scr->d[u] = 0.0f;
             scr->m[u] = 0.0f;
         }
+        const float * wd[KVQ_MAX_GROUP];
+        float *       acc[KVQ_MAX_GROUP];
+        float         bias[KVQ_MAX_GROUP];
+        int n_v = 0;
         for (int g = 0; g < n_q; ++g) {
             kvq_query * qy = group[g];
             const int64_t hi_g = kvq_v_rows_end(qy, j0, n);
             if (qy->live && lo < hi_g) {
-                kvq_query_v_block(scr->codes, scr->d, scr->m, qy->w + (lo - j0), hi_g - lo, qy->acc + b*QK_KIVI);
+                bias[n_v] = kvq_query_v_weights(scr->d, scr->m, qy->w + (lo - j0), hi_g - lo, scr->wd[n_v]);
+                wd[n_v]   = scr->wd[n_v];
+                acc[n_v]  = qy->acc + b*QK_KIVI;
+                ++n_v;
+            }
+        }
+        // a query's rows past its own hi_g weigh +0: its sums keep their bits
+        kvq_rows_fma(n_v, wd, scr->codes, hi - lo, acc);
+        for (int g = 0; g < n_v; ++g) {
+            for (int k = 0; k < QK_KIVI; ++k) {
+                acc[g][k] += bias[g];
             }
         }
     }
