@@ -118,6 +118,19 @@ def test_batching_does_not_change_results(case: Case, kvq_backend: g.Backend | N
     np.testing.assert_array_equal(whole, mixed)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=lambda c: f"d{c.head_dim}-w{c.window}-s{c.n_sink}")
+def test_an_infinite_fp16_cell_stays_out_of_the_queries_it_is_masked_from(case: Case,
+                                                                          kvq_backend: g.Backend | None) -> None:
+    """A K and a V beyond fp16's range are inf in the window. The earlier tokens of the same batch, which the causal
+    mask keeps from that cell, must skip it rather than multiply it by a weight of 0 (inf times 0 is NaN)."""
+    q, k, v = random_qkv(case, 64, seed=5)
+    k[50, 0, 3] = 1e6
+    v[50, 0, 7] = -1e6
+    got = run_layer(case, q, k, v, [64], backend=kvq_backend)
+    np.testing.assert_allclose(got[:50], reference(case, q[:50], k[:50], v[:50]), rtol=2e-4, atol=2e-5)
+    assert not np.isfinite(got[50:]).all()
+
+
 @pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=lambda c: f"h{c.n_head}/{c.n_head_kv}")
 def test_the_cpu_result_depends_on_neither_threads_nor_batches(case: Case) -> None:
     """The CPU kernel attends a KV head's queries in groups sized by the batch and the thread count (GQA 16: in

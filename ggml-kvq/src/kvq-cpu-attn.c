@@ -16,6 +16,7 @@
 #define KVQ_MAX_GROUP         32    // queries attended together: they share each tile's decoding and bookkeeping
 #define KVQ_K_CHUNK           128   // K channels whose codes are decoded at a time
 #define KVQ_GROUPS_PER_THREAD 4     // fewer groups than this per thread leave the threads unevenly loaded
+#define KVQ_FP16_ROWS         8     // fp16 V cells read before the queries take them, each with its output in registers
 
 // the attention of one segment (one stream's queries)
 typedef struct {
@@ -61,7 +62,7 @@ typedef struct {
     float codes[KVQ_K_CHUNK*QK_KIVI];  // K: [channel][cell]; V: [cell][channel of a block]
     float d[KVQ_K_CHUNK];              // K: per channel; V: per cell
     float m[KVQ_K_CHUNK];
-    float row[KVQ_MAX_HEAD];           // one fp16 cell
+    float rows[KVQ_FP16_ROWS][KVQ_MAX_HEAD];  // fp16 cells
     float qd[KVQ_MAX_GROUP][KVQ_K_CHUNK];  // each query's q_c d_c over the chunk's channels
     float wd[KVQ_MAX_GROUP][QK_KIVI];      // each query's w_u d_u over the block's cells
 } kvq_scratch;
@@ -134,6 +135,29 @@ static inline float kvq_hsum8(__m256 x) {
     return _mm_cvtss_f32(s);
 }
 #endif
+
+// q.row over n channels (a multiple of QK_KIVI), summed as ggml_vec_dot_f32 sums on AVX2 (four sums of eight lanes,
+// then its reduction): the scores of fp16 cells keep their bits, without a call per query and cell
+static inline float kvq_dot_row(const float * q, const float * row, int64_t n) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 s[4] = { _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps() };
+    for (int64_t c = 0; c < n; c += 32) {
+        for (int j = 0; j < 4; ++j) {
+            s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8*j), _mm256_loadu_ps(row + c + 8*j), s[j]);
+        }
+    }
+    s[0] = _mm256_add_ps(s[0], s[2]);
+    s[1] = _mm256_add_ps(s[1], s[3]);
+    s[0] = _mm256_add_ps(s[0], s[1]);
+    const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(s[0]), _mm256_extractf128_ps(s[0], 1));
+    const __m128 t1 = _mm_hadd_ps(t0, t0);
+    return _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
+#else
+    float r;
+    ggml_vec_dot_f32((int) n, &r, 0, q, 0, row, 0, 1);
+    return r;
+#endif
+}
 
 // sum_c q_c m_c over n channels
 static float kvq_dot_offset(const float * q, const float * m, int64_t n) {
@@ -388,30 +412,100 @@ static int64_t kvq_fp16_next(const kvq_fp16_cells * cells, int64_t u) {
     return u >= cells->sink_end && u < cells->window_begin ? cells->window_begin : u;
 }
 
-// The group's fp16 cells of the tile, each read once: K into the scores of the queries that attend it, or (v) V
-// into the outputs of those that weigh it
-static void kvq_group_fp16(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0, int64_t n,
-                           bool v, kvq_scratch * scr) {
-    const kvq_source *   src   = v ? &a->v : &a->k;
-    const kvq_fp16_cells cells = kvq_group_fp16_cells(a, group, n_q, v, j0, n);
+// whether the query reads the tile's cell u in fp16: it attends the cell (K) or weighs it (v), and the cell is a sink
+// or in the query's window
+static bool kvq_query_reads_fp16(const kvq_source * src, const kvq_query * qy, bool v, int64_t j0, int64_t u) {
+    const int64_t lim     = v ? qy->lim_v : qy->lim_k;
+    const bool    attends = v ? qy->w[u] != 0.0f : qy->mask[u] != -INFINITY;
+    return qy->live && attends && (j0 + u < src->n_sink || j0 + u >= lim);
+}
+
+// the group's fp16 K cells of the tile, each read once, into the scores of the queries that attend it
+static void kvq_group_fp16_k(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0, int64_t n,
+                             kvq_scratch * scr) {
+    const kvq_fp16_cells cells = kvq_group_fp16_cells(a, group, n_q, false, j0, n);
     for (int64_t u = kvq_fp16_next(&cells, 0); u < n; u = kvq_fp16_next(&cells, u + 1)) {
         bool read = false;
         for (int g = 0; g < n_q; ++g) {
             kvq_query * qy = group[g];
-            const int64_t lim     = v ? qy->lim_v : qy->lim_k;
-            const bool    attends = v ? qy->w[u] != 0.0f : qy->mask[u] != -INFINITY;
-            if (!qy->live || !attends || (j0 + u >= src->n_sink && j0 + u < lim)) {
+            if (!kvq_query_reads_fp16(&a->k, qy, false, j0, u)) {
                 continue;
             }
             if (!read) {
-                kvq_read_fp16(src, j0 + u, hk, src->head_dim, scr->row);
+                kvq_read_fp16(&a->k, j0 + u, hk, a->k.head_dim, scr->rows[0]);
                 read = true;
             }
-            if (v) {
-                ggml_vec_mad_f32((int) src->head_dim, qy->acc, scr->row, qy->w[u]);
-            } else {
-                ggml_vec_dot_f32((int) src->head_dim, &qy->raw[u], 0, qy->q, 0, scr->row, 0, 1);
+            qy->raw[u] = kvq_dot_row(qy->q, scr->rows[0], a->k.head_dim);
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __attribute__((always_inline)) void kvq_rows_mad_lanes(int n_rows, const float * const * rows,
+                                                                     const float * w, int64_t c, float * acc, int nv) {
+    __m256 s[8];
+    for (int v = 0; v < nv; ++v) {
+        s[v] = _mm256_loadu_ps(acc + c + 8*v);
+    }
+    for (int i = 0; i < n_rows; ++i) {
+        const __m256 wi = _mm256_set1_ps(w[i]);
+        for (int v = 0; v < nv; ++v) {
+            s[v] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(rows[i] + c + 8*v), s[v]);
+        }
+    }
+    for (int v = 0; v < nv; ++v) {
+        _mm256_storeu_ps(acc + c + 8*v, s[v]);
+    }
+}
+#endif
+
+// acc[c] += w_i rows_i[c] over n_rows rows in order, c < n (a multiple of QK_KIVI): per element and row the one fused
+// multiply-add of ggml_vec_mad_f32, so the bits of a row at a time, with acc held in registers over the rows
+static void kvq_rows_mad(int n_rows, const float * const * rows, const float * w, int64_t n, float * acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+    int64_t c = 0;
+    for (; c + 2*QK_KIVI <= n; c += 2*QK_KIVI) {
+        kvq_rows_mad_lanes(n_rows, rows, w, c, acc, 2*QK_KIVI/8);
+    }
+    if (c < n) {
+        kvq_rows_mad_lanes(n_rows, rows, w, c, acc, QK_KIVI/8);
+    }
+#else
+    for (int i = 0; i < n_rows; ++i) {
+        ggml_vec_mad_f32((int) n, acc, rows[i], w[i]);
+    }
+#endif
+}
+
+// The group's fp16 V cells of the tile, each read once, into the outputs of the queries that weigh it, KVQ_FP16_ROWS
+// cells at a time. A cell of no weight is skipped, never multiplied: an fp16 row may hold inf, and inf times 0 is NaN.
+static void kvq_group_fp16_v(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t hk, int64_t j0, int64_t n,
+                             kvq_scratch * scr) {
+    const kvq_fp16_cells cells = kvq_group_fp16_cells(a, group, n_q, true, j0, n);
+    int64_t u = kvq_fp16_next(&cells, 0);
+    while (u < n) {
+        int64_t cell[KVQ_FP16_ROWS];
+        int n_rows = 0;
+        for (; u < n && n_rows < KVQ_FP16_ROWS; u = kvq_fp16_next(&cells, u + 1)) {
+            for (int g = 0; g < n_q; ++g) {
+                if (kvq_query_reads_fp16(&a->v, group[g], true, j0, u)) {
+                    kvq_read_fp16(&a->v, j0 + u, hk, a->v.head_dim, scr->rows[n_rows]);
+                    cell[n_rows++] = u;
+                    break;
+                }
             }
+        }
+        for (int g = 0; g < n_q; ++g) {
+            const float * rows[KVQ_FP16_ROWS];
+            float         w[KVQ_FP16_ROWS];
+            int n_w = 0;
+            for (int i = 0; i < n_rows; ++i) {
+                if (kvq_query_reads_fp16(&a->v, group[g], true, j0, cell[i])) {
+                    rows[n_w] = scr->rows[i];
+                    w[n_w++]  = group[g]->w[cell[i]];
+                }
+            }
+            kvq_rows_mad(n_w, rows, w, a->v.head_dim, group[g]->acc);
         }
     }
 }
@@ -500,14 +594,14 @@ static void kvq_group_tile(const kvq_attn_args * a, kvq_query ** group, int n_q,
         return;
     }
     kvq_group_k_tiles(a, group, n_q, hk, j0, scr);
-    kvq_group_fp16(a, group, n_q, hk, j0, n, false, scr);
+    kvq_group_fp16_k(a, group, n_q, hk, j0, n, scr);
     for (int g = 0; g < n_q; ++g) {
         if (group[g]->live) {
             group[g]->live = kvq_query_softmax(a, group[g]);
         }
     }
     kvq_group_v_rows(a, group, n_q, hk, j0, n, scr);
-    kvq_group_fp16(a, group, n_q, hk, j0, n, true, scr);
+    kvq_group_fp16_v(a, group, n_q, hk, j0, n, scr);
 }
 
 //
