@@ -505,7 +505,9 @@ static void kvq_group_fp16_v(const kvq_attn_args * a, kvq_query ** group, int n_
                     w[n_w++]  = group[g]->w[cell[i]];
                 }
             }
-            kvq_rows_mad(n_w, rows, w, a->v.head_dim, group[g]->acc);
+            if (n_w > 0) {
+                kvq_rows_mad(n_w, rows, w, a->v.head_dim, group[g]->acc);
+            }
         }
     }
 }
