@@ -98,6 +98,14 @@ def test_unknown_type_int_is_refused(smollm2: Path) -> None:
         Llama(model_path=str(smollm2), type_k=99, type_v=99, verbose=False)
 
 
+@pytest.mark.parametrize(("name", "hint"), [("kivi2", r"pykvq\.GGML_TYPE_KIVI2 \(43\)"),
+                                            ("q8_0", r"\(8\)")])
+def test_a_type_name_is_refused_with_its_id(smollm2: Path, name: str, hint: str) -> None:
+    from pykvq.llama_cpp import Llama
+    with pytest.raises(ValueError, match=f"take a ggml type id, not a name: for '{name}' pass {hint}"):
+        Llama(model_path=str(smollm2), type_k=name, type_v=name, verbose=False)
+
+
 def test_server_answers_a_chat_completion_with_kivi2(smollm2: Path, model: Model, tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "server.log"

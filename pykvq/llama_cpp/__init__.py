@@ -74,11 +74,17 @@ def load() -> ModuleType:
     return llama_cpp
 
 
-def check_kv_type(type_id: int | None) -> None:
+def check_kv_type(type_id: int | str | None) -> None:
     """Refuse a type int the KV cache cannot hold, before llama.cpp sees it."""
     if type_id is None:
         return
     valid = {t.id: t.name for t in native.kv_cache_types()}
+    ids = {name: i for i, name in valid.items()}
+    if isinstance(type_id, str) and type_id in ids:
+        # llama_cpp.Llama takes ggml type ids, not names
+        constant = f"pykvq.GGML_TYPE_{type_id.upper()} " if type_id.startswith("kivi") else ""
+        raise ValueError(f"type_k/type_v take a ggml type id, not a name: for {type_id!r} pass "
+                         f"{constant}({ids[type_id]})")
     if type_id not in valid:
         listed = ", ".join(f"{i} ({name})" for i, name in valid.items())
         raise ValueError(f"unknown KV cache type {type_id!r}; valid: {listed}")
