@@ -276,10 +276,16 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
     if (n_swa != 0) {
         kvq_params.n_sink = 0;
     }
-    // a window or sink count past a sequence's cells keeps nothing more in fp16: bounded by the context, memory
-    // stays below f16's and huge values cannot overflow the ring's size
+    // a window or sink count past a sequence's cells keeps nothing more in fp16: bounded by the context, huge values
+    // cannot overflow the ring's size
     kvq_params.window = std::min<int32_t>(kvq_params.window, (int32_t) kvq_part_cells);
     kvq_params.n_sink = std::min<int32_t>(kvq_params.n_sink, (int32_t) kvq_part_cells);
+    if (kvq_params.window + kvq_params.n_sink >= (int32_t) kvq_part_cells) {
+        // legal (it reproduces f16 exactly), but the quantized copy is kept beside the fp16 one for nothing
+        LLAMA_LOG_WARN("%s: kivi KV cache: window %d and sinks %d cover all %u cells of a sequence: attention reads "
+                       "every token in fp16 and the quantized copy is held as well, more memory than f16 KV\n",
+                       __func__, kvq_params.window, kvq_params.n_sink, kvq_part_cells);
+    }
     if (other != nullptr) {
         throw std::runtime_error("KV cache " + types + ": kivi types do not support a cache that shares another's cells yet");
     }
