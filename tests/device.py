@@ -37,7 +37,7 @@ def _op_offload() -> bool:
 NGL = _ngl()
 OP_OFFLOAD = _op_offload()
 ON_GPU = NGL > 0
-# for llama.cpp's tools and `pykvq run`
+# for llama.cpp's tools, `pykvq run` and `pykvq perplexity`
 TOOL_ARGS = ("-ngl", str(NGL), "--op-offload" if OP_OFFLOAD else "--no-op-offload")
 # for llama-cpp-python's Llama
 LLAMA_KWARGS: dict[str, Any] = {"n_gpu_layers": NGL, "op_offload": OP_OFFLOAD}

@@ -286,7 +286,7 @@ def test_perplexity_compares_the_model_mix(calibrated: tuple[Path, subprocess.Co
     out, _ = calibrated
     spec = str(gguf_metadata.read_kvq(out)[gguf_metadata.KEY_LAYERS])
     proc = pykvq("perplexity", "-m", str(out), "-f", str(hamlet), "--kv-types", "f16", "-c", "256", "--chunks", "1",
-                 "-t", "2", "-o", str(tmp_path / "ppl"), cwd=tmp_path)
+                 "-t", "2", "-o", str(tmp_path / "ppl"), *device.TOOL_ARGS, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads((tmp_path / "ppl.json").read_text())
     assert [r["kv_type"] for r in record["runs"]] == ["f16", spec]

@@ -449,8 +449,8 @@ def text(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("key, v", PPL_SAMPLE, ids=_ids(PPL_SAMPLE))
 def test_perplexity_command(base: Base, text: Path, tmp_path: Path, key: str, v: Value) -> None:
     path = write_variant(base, tmp_path / "variant.gguf", key, v)
-    proc = _pykvq("perplexity", "-m", str(path), "-f", str(text), "-c", "64", "--chunks", "1", "-t", "1",
-                  "--kv-types", "kivi2", "-o", str(tmp_path / "ppl"), cwd=tmp_path)
+    proc = _pykvq("perplexity", *device.TOOL_ARGS, "-m", str(path), "-f", str(text), "-c", "64", "--chunks", "1",
+                  "-t", "1", "--kv-types", "kivi2", "-o", str(tmp_path / "ppl"), cwd=tmp_path)
     if not schema_accepts(key, v):
         _clean_error(proc, f"perplexity {key} = {v}")
         return

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import device
+
 REFUSED = "k:*=kivi2;v:*=f16"  # parses, but llama.cpp refuses a kivi K beside a plain V at context creation
 
 
@@ -14,7 +16,7 @@ def test_a_failing_type_keeps_its_row_and_the_others_report(smollm2: Path, hamle
     out = tmp_path / "compare"
     proc = subprocess.run([sys.executable, "-P", "-m", "pykvq", "perplexity", "-m", str(smollm2), "-f", str(hamlet),
                            "-c", "128", "--chunks", "1", "-t", "2", "--kv-types", "f16,kivi7,kivi2",
-                           "--kv-layers", REFUSED, "-o", str(out)],
+                           "--kv-layers", REFUSED, "-o", str(out), *device.TOOL_ARGS],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

@@ -5,6 +5,7 @@ the CPU's logits bit for bit; code that touched tensor->data of a device buffer 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -71,12 +72,37 @@ def test_pykvq_run_offloads_to_an_rpc_server(rpc_server: str, smollm2: Path) -> 
     assert on_rpc.stdout == on_cpu.stdout
 
 
+def test_pykvq_perplexity_offloads_to_an_rpc_server(rpc_server: str, smollm2: Path, hamlet: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL["fused"])
+
+    def perplexity(name: str, *device: str) -> tuple[str, dict]:
+        out = tmp_path / name
+        proc = subprocess.run(["pykvq", "-v", "perplexity", "-m", str(smollm2), "-f", str(hamlet), "-c", "128",
+                               "--chunks", "1", "-t", "2", "--kv-types", "kivi2", *device, "-o", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr, json.loads(out.with_suffix(".json").read_text())
+
+    log, on_rpc = perplexity("rpc", "--rpc", rpc_server)
+    # llama-perplexity's own log (-v): the model's layers went to the server
+    assert "offloaded 31/31 layers to GPU" in log and f"RPC0[{rpc_server}] model buffer size" in log
+    # every layer by default where a device takes them, as `pykvq run` does
+    assert (on_rpc["settings"]["rpc"], on_rpc["settings"]["n_gpu_layers"]) == (rpc_server, 999)
+    _, on_cpu = perplexity("cpu", "-ngl", "0")
+    assert on_cpu["settings"]["n_gpu_layers"] == 0
+    assert on_rpc["runs"][0]["ppl"] == on_cpu["runs"][0]["ppl"]
+
+
+@pytest.mark.parametrize("command", ["run", "perplexity"])
 @pytest.mark.parametrize(("servers", "message"), [
     ("127.0.0.1", "--rpc takes HOST:PORT"),
     ("127.0.0.1:1", "RPC server 127.0.0.1:1 did not answer"),
 ])
-def test_a_bad_rpc_server_is_one_clear_error(smollm2: Path, servers: str, message: str) -> None:
-    proc = subprocess.run(["pykvq", "run", "--rpc", servers, "-m", str(smollm2), "-p", "hi", "-n", "2"],
-                          capture_output=True, text=True, timeout=120)
+def test_a_bad_rpc_server_is_one_clear_error(smollm2: Path, hamlet: Path, tmp_path: Path, command: str, servers: str,
+                                             message: str) -> None:
+    args = ["-p", "hi", "-n", "2"] if command == "run" else ["-f", str(hamlet), "-c", "128", "--chunks", "1"]
+    proc = subprocess.run(["pykvq", command, "--rpc", servers, "-m", str(smollm2), *args],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 1
     assert message in proc.stderr and "Traceback" not in proc.stderr

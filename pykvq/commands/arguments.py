@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from pykvq import kv_types
+from pykvq.api.llama import add_rpc_servers, gpu_offload_supported
+from pykvq.bindings import devices
+
+log = logging.getLogger("pykvq")
 
 
 def switch(text: str) -> bool:
@@ -34,3 +39,27 @@ def selection(text: str) -> kv_types.Selection:
         return kv_types.parse_select(text)
     except kv_types.KvTypeError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    """-ngl, --rpc and --op-offload, as llama.cpp's tools take them."""
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=None,
+                   help="layers to offload to the GPU (default: all with a GPU build or --rpc, else 0)")
+    p.add_argument("--rpc", metavar="SERVERS",
+                   help="RPC servers as devices, HOST:PORT[,HOST:PORT...] (each running ggml-rpc-server)")
+    p.add_argument("--op-offload", action=argparse.BooleanOptionalAction, default=True,
+                   help="offload host tensor operations to the GPU (default: on)")
+
+
+def gpu_layers(args: argparse.Namespace) -> int:
+    """-ngl as given, else every layer where a device takes them; the --rpc servers are added (and checked
+    reachable) first, as llama.cpp's tools do."""
+    if args.rpc:
+        add_rpc_servers(args.rpc)
+    n_gpu_layers = args.n_gpu_layers
+    if n_gpu_layers is None:
+        n_gpu_layers = 999 if gpu_offload_supported() else 0
+    if n_gpu_layers != 0 and gpu_offload_supported():
+        log.info("layers on the GPU (-ngl %d): %s", n_gpu_layers,
+                 ", ".join(f"{d.name} ({d.description})" for d in devices.offload_devices()))
+    return n_gpu_layers

@@ -39,6 +39,9 @@ class Settings:
     clip: str = "none"      # SKVQ's per-layer clip ratios of every kivi run (the --kv-clip form)
     rotate: str = "off"     # the Hadamard rotation of every kivi run but the +rot ones (the --kv-rotate form)
     dither: str = "none"    # V's dithered rounding of every kivi run (the --kv-dither form)
+    n_gpu_layers: int = 0
+    rpc: str | None = None
+    op_offload: bool = True
 
 
 @dataclass
@@ -65,7 +68,10 @@ def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
     # -b = -c: one sequence per pass, so that every type sees the same chunks the same way
     args = ["-m", str(settings.model), "-f", str(settings.text), "-c", str(settings.n_ctx), "-b", str(settings.n_ctx),
             "--chunks", str(settings.chunks), "-t", str(settings.threads), "-fa", "on",
-            "-ctk", spec.name, "-ctv", spec.name]
+            "-ctk", spec.name, "-ctv", spec.name, "-ngl", str(settings.n_gpu_layers),
+            "--op-offload" if settings.op_offload else "--no-op-offload"]
+    if settings.rpc:
+        args += ["--rpc", settings.rpc]
     if spec.is_kivi:
         args += ["--kv-window", str(settings.window), "--kv-sinks", str(settings.n_sink),
                  "--kv-rotate", "on" if spec.rotate else settings.rotate, "--kv-clip", settings.clip,
@@ -79,6 +85,9 @@ def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
 def run_one(settings: Settings, spec: KvSpec, progress: tqdm) -> Run:
     """One llama-perplexity run, advancing `progress` as its chunks complete."""
     cmd = [str(paths.tool("llama-perplexity")), *tool_args(settings, spec)]
+    if log.isEnabledFor(logging.DEBUG):
+        # -v shows llama.cpp's whole log, as for `pykvq -v run`: the tool's too (where the layers went, ...)
+        cmd += ["-lv", "4"]
     log.debug("running %s", " ".join(cmd))
     start = time.monotonic()
     output = bytearray()
@@ -91,6 +100,7 @@ def run_one(settings: Settings, spec: KvSpec, progress: tqdm) -> Run:
             progress.update(finished - done)
             done = finished
     text = output.decode(errors="replace")
+    log.debug("llama-perplexity's output:\n%s", text)
     if proc.returncode != 0:
         raise llama_tools.tool_failure("llama-perplexity", proc.returncode, text)
     result = llama_tools.parse_perplexity(text)
@@ -249,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     if dither != "none":
         log.info("kivi runs dither V with %s", dither)
     settings = Settings(args.model, args.file, args.ctx_size, args.chunks, args.threads, window, n_sink,
-                        args.kv_type_swa, clip, rotate, dither)
+                        args.kv_type_swa, clip, rotate, dither, arguments.gpu_layers(args), args.rpc, args.op_offload)
     runs = compare(settings, specs)
     print(format_table(runs))
     out = Path(args.output)
@@ -275,6 +285,7 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=4, help="chunks of the text to evaluate (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")
+    arguments.add_device_arguments(p)
     p.add_argument("--kv-window", type=int,
                    help="kivi: recent tokens kept in fp16 (default: the model's kvq.window, else 128)")
     p.add_argument("--kv-sinks", type=int,

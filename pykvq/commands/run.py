@@ -22,11 +22,9 @@ from pykvq.api.llama import (
     LlamaError,
     Model,
     Timings,
-    add_rpc_servers,
-    gpu_offload_supported,
 )
 from pykvq.api.sampling import LLAMA_DEFAULT_SEED, Sampler, SamplerSettings
-from pykvq.bindings import devices, native
+from pykvq.bindings import native
 from pykvq.commands import arguments
 from pykvq.commands import inspect as model_info
 from pykvq.kv_types import KvSpec
@@ -51,12 +49,7 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size (default 2048)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (default 512)")
     p.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads")
-    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=None,
-                   help="layers to offload to the GPU (default: all with a GPU build, else 0)")
-    p.add_argument("--rpc", metavar="SERVERS",
-                   help="RPC servers as devices, HOST:PORT[,HOST:PORT...] (each running ggml-rpc-server)")
-    p.add_argument("--op-offload", action=argparse.BooleanOptionalAction, default=True,
-                   help="offload host tensor operations to the GPU (default: on)")
+    arguments.add_device_arguments(p)
     p.add_argument("--swa-full", action="store_true",
                    help="a full-size cache for sliding-window layers (Gemma 2/3, gpt-oss), as llama.cpp's --swa-full")
     p.add_argument("-fa", "--flash-attn", choices=list(FLASH_ATTN), default="auto",
@@ -136,12 +129,6 @@ def _model_path(args: argparse.Namespace) -> Path:
     return assets.default_model()
 
 
-def _gpu_layers(args: argparse.Namespace) -> int:
-    if args.n_gpu_layers is not None:
-        return args.n_gpu_layers
-    return 999 if gpu_offload_supported() else 0
-
-
 def _stream(pieces: Iterator[str], out: TextIO) -> str:
     text = []
     for piece in pieces:
@@ -159,12 +146,7 @@ def run_command(args: argparse.Namespace) -> int:
         raise ValueError(f"-c must be a positive number of tokens, got {args.ctx_size}")
     if not args.conversation and args.prompt is None and args.file is None:
         raise ValueError("give a prompt with -p or -f, or chat with -cnv")
-    if args.rpc:
-        add_rpc_servers(args.rpc)
-    n_gpu_layers = _gpu_layers(args)
-    if n_gpu_layers != 0 and gpu_offload_supported():
-        log.info("layers on the GPU (-ngl %d): %s", n_gpu_layers,
-                 ", ".join(f"{d.name} ({d.description})" for d in devices.offload_devices()))
+    n_gpu_layers = arguments.gpu_layers(args)
     with Model(_model_path(args), n_gpu_layers=n_gpu_layers) as model:
         kv = with_model_metadata(kv, model.path)
         check_layers(kv, model)
