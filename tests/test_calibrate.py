@@ -21,8 +21,8 @@ N_LAYER = 30
 
 
 def calibrate(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["pykvq", "calibrate", "-t", "2", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=900)
+    return subprocess.run(["pykvq", "calibrate", "-t", "2", *device.TOOL_ARGS, *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=900)
 
 
 @pytest.mark.slow

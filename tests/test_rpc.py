@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pykvq import gguf_metadata
 from pykvq.devtools import random_model
 
 # the reference is the host's CPU, and the RPC server serves CPU kernels: no GPU in either run
@@ -94,14 +95,36 @@ def test_pykvq_perplexity_offloads_to_an_rpc_server(rpc_server: str, smollm2: Pa
     assert on_rpc["runs"][0]["ppl"] == on_cpu["runs"][0]["ppl"]
 
 
-@pytest.mark.parametrize("command", ["run", "perplexity"])
+def test_pykvq_calibrate_measures_on_an_rpc_server(rpc_server: str, smollm2: Path, hamlet: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL["fused"])
+
+    def calibrate(name: str, *device: str) -> tuple[str, dict]:
+        out = tmp_path / f"{name}.gguf"
+        proc = subprocess.run(["pykvq", "-v", "calibrate", "-m", str(smollm2), "-f", str(hamlet), "-o", str(out),
+                               "-c", "64", "--recall", "8", "--kv-window", "16", "--kv-sinks", "0", "--kv-clip", "none",
+                               "--kv-rotate", "off", "--kv-dither", "none", "--refine", "0", "-t", "2", *device],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr, gguf_metadata.read_kvq(out)
+
+    log, on_rpc = calibrate("rpc", "--rpc", rpc_server)
+    assert f"RPC0[{rpc_server}] model buffer size" in log
+    _, on_cpu = calibrate("cpu", "-ngl", "0")
+    # the same kernels, batches and divergences: the same choice, to the bit
+    assert on_rpc == on_cpu
+
+
+@pytest.mark.parametrize("command", ["run", "perplexity", "calibrate"])
 @pytest.mark.parametrize(("servers", "message"), [
     ("127.0.0.1", "--rpc takes HOST:PORT"),
     ("127.0.0.1:1", "RPC server 127.0.0.1:1 did not answer"),
 ])
 def test_a_bad_rpc_server_is_one_clear_error(smollm2: Path, hamlet: Path, tmp_path: Path, command: str, servers: str,
                                              message: str) -> None:
-    args = ["-p", "hi", "-n", "2"] if command == "run" else ["-f", str(hamlet), "-c", "128", "--chunks", "1"]
+    args = {"run": ["-p", "hi", "-n", "2"], "perplexity": ["-f", str(hamlet), "-c", "128", "--chunks", "1"],
+            "calibrate": ["-f", str(hamlet), "-o", str(tmp_path / "out.gguf"), "-c", "64", "--recall", "8",
+                          "--kv-window", "16"]}[command]
     proc = subprocess.run(["pykvq", command, "--rpc", servers, "-m", str(smollm2), *args],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 1

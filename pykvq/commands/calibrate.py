@@ -63,6 +63,7 @@ class Probe:
     rotate: str = "off"     # the Hadamard rotation while measuring, the --kv-rotate form
     recall: int = 0         # the last n_tokens: the text from RECALL_START again (0: the text alone)
     dither: str = "none"    # V's dithered rounding while measuring, the --kv-dither form
+    op_offload: bool = True  # --op-offload: host tensor operations offloaded to the GPU
 
     def __post_init__(self) -> None:
         """ValueError unless the recall span reads tokens that the cache holds quantized (past the fp16 window and
@@ -140,7 +141,8 @@ class Calibrator:
                    last_only: bool = False) -> np.ndarray:
         n = len(tokens)
         config = ContextConfig(n_ctx=n, n_batch=n, n_ubatch=n if observer is not None else ContextConfig.n_ubatch,
-                               n_threads=self.probe.threads, flash_attn="on", kv=kv, observer=observer)
+                               n_threads=self.probe.threads, flash_attn="on", kv=kv, observer=observer,
+                               op_offload=self.probe.op_offload)
         with self.model.context(config) as ctx:
             return log_softmax(np.atleast_2d(ctx.eval(tokens, all_logits=not last_only)))
 
@@ -362,11 +364,11 @@ def run(args: argparse.Namespace) -> int:
     window = native.kvq_default_params().window if args.kv_window in (None, "auto") else args.kv_window
     dither = "none" if args.kv_dither == "auto" else args.kv_dither
     probe = Probe(args.ctx_size, window, 0 if args.kv_sinks == "auto" else args.kv_sinks, args.threads, clip, rotate,
-                  recall, dither)
+                  recall, dither, args.op_offload)
     if args.kv_window == "auto":
         probe.window_candidates()
     windows = None
-    with Model(args.model) as model:
+    with Model(args.model, n_gpu_layers=arguments.gpu_layers(args)) as model:
         # refused before any measurement, naming the part
         if clip != "none":
             native.resolve_clip(clip, model.n_layer)
@@ -542,4 +544,5 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                    help="with --retrieval, each pass-key prompt's length in tokens: the loss shows only past a long "
                         f"context (default {RETRIEVAL_CTX})")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")
+    arguments.add_device_arguments(p)
     p.set_defaults(handler=run)
