@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import device
 
 REFUSED = "k:*=kivi2;v:*=f16"  # parses, but llama.cpp refuses a kivi K beside a plain V at context creation
@@ -31,3 +33,17 @@ def test_a_failing_type_keeps_its_row_and_the_others_report(smollm2: Path, hamle
     table = proc.stdout.splitlines()
     assert any(line.startswith("kivi7") and "failed: unknown KV cache type" in line for line in table)
     assert "2 of 4 KV types failed: kivi7, k:*=kivi2;v:*=f16" in proc.stderr
+
+
+def test_gpu_layers_without_a_gpu_are_one_clear_error(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
+    from pykvq.api.llama import gpu_offload_supported
+
+    if gpu_offload_supported():
+        pytest.skip("this build has a GPU backend")
+    out = tmp_path / "compare"
+    proc = subprocess.run([sys.executable, "-P", "-m", "pykvq", "perplexity", "-m", str(smollm2), "-f", str(hamlet),
+                           "-c", "128", "--chunks", "1", "-ngl", "99", "-o", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "pykvq: error: -ngl 99 asks for GPU layers, but this pykvq build has no GPU backend" in proc.stderr
+    assert not out.with_suffix(".json").exists()

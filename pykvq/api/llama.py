@@ -284,8 +284,7 @@ class Model(_Handle):
             raise PermissionError(f"model file is not readable: {self.path}")
         if rpc:
             add_rpc_servers(rpc)
-        if n_gpu_layers != 0 and not gpu_offload_supported():
-            raise LlamaError(f"-ngl {n_gpu_layers} asks for GPU layers, but {_no_gpu_reason()}")
+        check_gpu_layers(n_gpu_layers)
         self._lib = native.libs()
         sink()
         params = self._lib.llama.llama_model_default_params()
@@ -721,6 +720,12 @@ class Context(_Handle):
 def gpu_offload_supported() -> bool:
     """A device that takes layers: a GPU of this build, or an RPC server added with add_rpc_servers."""
     return bool(devices.offload_devices())
+
+
+def check_gpu_layers(n_gpu_layers: int) -> None:
+    """LlamaError where layers are asked of a GPU that is not there (llama.cpp would keep them on the CPU)."""
+    if n_gpu_layers != 0 and not gpu_offload_supported():
+        raise LlamaError(f"-ngl {n_gpu_layers} asks for GPU layers, but {_no_gpu_reason()}")
 
 
 def add_rpc_servers(servers: str) -> None:

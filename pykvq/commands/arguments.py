@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from pykvq import kv_types
-from pykvq.api.llama import add_rpc_servers, gpu_offload_supported
+from pykvq.api.llama import add_rpc_servers, check_gpu_layers, gpu_offload_supported
 from pykvq.bindings import devices
 
 log = logging.getLogger("pykvq")
@@ -59,7 +59,8 @@ def gpu_layers(args: argparse.Namespace) -> int:
     n_gpu_layers = args.n_gpu_layers
     if n_gpu_layers is None:
         n_gpu_layers = 999 if gpu_offload_supported() else 0
-    if n_gpu_layers != 0 and gpu_offload_supported():
+    check_gpu_layers(n_gpu_layers)
+    if n_gpu_layers != 0:
         log.info("layers on the GPU (-ngl %d): %s", n_gpu_layers,
                  ", ".join(f"{d.name} ({d.description})" for d in devices.offload_devices()))
     return n_gpu_layers
