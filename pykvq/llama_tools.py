@@ -49,7 +49,10 @@ class PerplexityResult:
 def parse_perplexity(output: str) -> PerplexityResult:
     final = _FINAL.search(output)
     if final is None:
-        raise ToolError("llama-perplexity printed no final estimate:\n" + "\n".join(output.splitlines()[-10:]))
+        # its logged errors say why (a text too short for the context, ...); they lead, as in tool_failure
+        errors = "; ".join(line.strip() for line in _ERROR_LINE.findall(output))
+        raise ToolError("llama-perplexity printed no final estimate" + (f": {errors}" if errors else "") + "\n"
+                        + "\n".join(output.splitlines()[-10:]))
     return PerplexityResult(float(final.group(1)), float(final.group(2)),
                             [float(m.group(2)) for m in _CHUNK.finditer(output)])
 

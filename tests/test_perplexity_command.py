@@ -47,3 +47,15 @@ def test_gpu_layers_without_a_gpu_are_one_clear_error(smollm2: Path, hamlet: Pat
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "pykvq: error: -ngl 99 asks for GPU layers, but this pykvq build has no GPU backend" in proc.stderr
     assert not out.with_suffix(".json").exists()
+
+
+def test_a_text_too_short_says_so(smollm2: Path, tmp_path: Path) -> None:
+    text = tmp_path / "short.txt"
+    text.write_text("Too short to score.\n")
+    proc = subprocess.run([sys.executable, "-P", "-m", "pykvq", "perplexity", "-m", str(smollm2), "-f", str(text),
+                           "-c", "128", "--chunks", "1", "--kv-types", "f16", "-o", str(tmp_path / "out"),
+                           *device.TOOL_ARGS], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    # llama-perplexity's own reason, in the table's row, not only in the JSON
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("f16"))
+    assert "you need at least 256 tokens to evaluate perplexity with a context of 128" in row, proc.stdout
