@@ -76,6 +76,8 @@ def test_pykvq_run_offloads_to_an_rpc_server(rpc_server: str, smollm2: Path) -> 
 def test_pykvq_perplexity_offloads_to_an_rpc_server(rpc_server: str, smollm2: Path, hamlet: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL["fused"])
+    # llama-perplexity's own default without -ngl is the case judged (no GPU is visible all the same: cpu_only)
+    monkeypatch.delenv("LLAMA_ARG_N_GPU_LAYERS")
 
     def perplexity(name: str, *device: str) -> tuple[str, dict]:
         out = tmp_path / name
@@ -88,8 +90,8 @@ def test_pykvq_perplexity_offloads_to_an_rpc_server(rpc_server: str, smollm2: Pa
     log, on_rpc = perplexity("rpc", "--rpc", rpc_server)
     # llama-perplexity's own log (-v): the model's layers went to the server
     assert "offloaded 31/31 layers to GPU" in log and f"RPC0[{rpc_server}] model buffer size" in log
-    # every layer by default where a device takes them, as `pykvq run` does
-    assert (on_rpc["settings"]["rpc"], on_rpc["settings"]["n_gpu_layers"]) == (rpc_server, 999)
+    # llama-perplexity's own default where a device takes layers: as many as fit (all of this model)
+    assert (on_rpc["settings"]["rpc"], on_rpc["settings"]["n_gpu_layers"]) == (rpc_server, None)
     _, on_cpu = perplexity("cpu", "-ngl", "0")
     assert on_cpu["settings"]["n_gpu_layers"] == 0
     assert on_rpc["runs"][0]["ppl"] == on_cpu["runs"][0]["ppl"]

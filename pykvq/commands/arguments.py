@@ -41,26 +41,28 @@ def selection(text: str) -> kv_types.Selection:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def add_device_arguments(p: argparse.ArgumentParser) -> None:
-    """-ngl, --rpc and --op-offload, as llama.cpp's tools take them."""
+def add_device_arguments(p: argparse.ArgumentParser, unset: str = "all") -> None:
+    """-ngl, --rpc and --op-offload, as llama.cpp's tools take them; ``unset`` says what -ngl left out offloads where
+    a device takes layers."""
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=None,
-                   help="layers to offload to the GPU (default: all with a GPU build or --rpc, else 0)")
+                   help=f"layers to offload to the GPU (default: {unset} with a GPU build or --rpc, else 0)")
     p.add_argument("--rpc", metavar="SERVERS",
                    help="RPC servers as devices, HOST:PORT[,HOST:PORT...] (each running ggml-rpc-server)")
     p.add_argument("--op-offload", action=argparse.BooleanOptionalAction, default=True,
                    help="offload host tensor operations to the GPU (default: on)")
 
 
-def gpu_layers(args: argparse.Namespace) -> int:
-    """-ngl as given, else every layer where a device takes them; the --rpc servers are added (and checked
-    reachable) first, as llama.cpp's tools do."""
+def gpu_layers(args: argparse.Namespace, unset: int | None = 999) -> int | None:
+    """-ngl as given, else ``unset`` where a device takes layers (None: a tool's own default, as many as fit), else
+    0; the --rpc servers are added (and checked reachable) first, as llama.cpp's tools do."""
     if args.rpc:
         add_rpc_servers(args.rpc)
     n_gpu_layers = args.n_gpu_layers
     if n_gpu_layers is None:
-        n_gpu_layers = 999 if gpu_offload_supported() else 0
-    check_gpu_layers(n_gpu_layers)
+        n_gpu_layers = unset if gpu_offload_supported() else 0
+    if n_gpu_layers is not None:
+        check_gpu_layers(n_gpu_layers)
     if n_gpu_layers != 0:
-        log.info("layers on the GPU (-ngl %d): %s", n_gpu_layers,
+        log.info("layers on the GPU (%s): %s", "as many as fit" if n_gpu_layers is None else f"-ngl {n_gpu_layers}",
                  ", ".join(f"{d.name} ({d.description})" for d in devices.offload_devices()))
     return n_gpu_layers

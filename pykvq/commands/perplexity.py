@@ -39,7 +39,7 @@ class Settings:
     clip: str = "none"      # SKVQ's per-layer clip ratios of every kivi run (the --kv-clip form)
     rotate: str = "off"     # the Hadamard rotation of every kivi run but the +rot ones (the --kv-rotate form)
     dither: str = "none"    # V's dithered rounding of every kivi run (the --kv-dither form)
-    n_gpu_layers: int = 0
+    n_gpu_layers: int | None = 0  # None: llama-perplexity's default, as many layers as fit
     rpc: str | None = None
     op_offload: bool = True
 
@@ -68,8 +68,9 @@ def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
     # -b = -c: one sequence per pass, so that every type sees the same chunks the same way
     args = ["-m", str(settings.model), "-f", str(settings.text), "-c", str(settings.n_ctx), "-b", str(settings.n_ctx),
             "--chunks", str(settings.chunks), "-t", str(settings.threads), "-fa", "on",
-            "-ctk", spec.name, "-ctv", spec.name, "-ngl", str(settings.n_gpu_layers),
-            "--op-offload" if settings.op_offload else "--no-op-offload"]
+            "-ctk", spec.name, "-ctv", spec.name, "--op-offload" if settings.op_offload else "--no-op-offload"]
+    if settings.n_gpu_layers is not None:
+        args += ["-ngl", str(settings.n_gpu_layers)]
     if settings.rpc:
         args += ["--rpc", settings.rpc]
     if spec.is_kivi:
@@ -259,7 +260,8 @@ def run(args: argparse.Namespace) -> int:
     if dither != "none":
         log.info("kivi runs dither V with %s", dither)
     settings = Settings(args.model, args.file, args.ctx_size, args.chunks, args.threads, window, n_sink,
-                        args.kv_type_swa, clip, rotate, dither, arguments.gpu_layers(args), args.rpc, args.op_offload)
+                        args.kv_type_swa, clip, rotate, dither, arguments.gpu_layers(args, unset=None), args.rpc,
+                        args.op_offload)
     runs = compare(settings, specs)
     print(format_table(runs))
     out = Path(args.output)
@@ -285,7 +287,7 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=4, help="chunks of the text to evaluate (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")
-    arguments.add_device_arguments(p)
+    arguments.add_device_arguments(p, unset="as many as fit")
     p.add_argument("--kv-window", type=int,
                    help="kivi: recent tokens kept in fp16 (default: the model's kvq.window, else 128)")
     p.add_argument("--kv-sinks", type=int,
