@@ -39,7 +39,7 @@ class Settings:
     clip: str = "none"      # SKVQ's per-layer clip ratios of every kivi run (the --kv-clip form)
     rotate: str = "off"     # the Hadamard rotation of every kivi run but the +rot ones (the --kv-rotate form)
     dither: str = "none"    # V's dithered rounding of every kivi run (the --kv-dither form)
-    n_gpu_layers: int | None = 0  # None: llama-perplexity's default, as many layers as fit
+    n_gpu_layers: int | None = None  # None: llama-perplexity's default, as many layers as fit
     rpc: str | None = None
     op_offload: bool = True
 
