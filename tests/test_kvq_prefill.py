@@ -46,13 +46,18 @@ def test_the_flash_prefill_agrees_with_the_fused_kernel(smollm2: Path, hamlet: P
     # the perplexity of this small model by about 1% (as a change of window by a few tokens does)
     assert flash.ppl == pytest.approx(fused.ppl, rel=0.05)
     assert abs(flash.ppl - fused.ppl) < 2 * fused.error
+    # and not the same run twice: the variable did switch the path
+    assert flash.ppl != fused.ppl
 
 
 @pytest.mark.parametrize("layout", [[], ["--kv-unified"]], ids=["streams", "unified"])
 def test_the_flash_prefill_of_four_sequences_per_batch(smollm2: Path, hamlet: Path, flash_prefill: None,
-                                                       layout: list[str]) -> None:
+                                                       layout: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     one = perplexity(smollm2, hamlet, "-c", "256", "-b", "256", *KIVI2)
     four = perplexity(smollm2, hamlet, "-c", "256", "-b", "1024", *layout, *KIVI2)
+    monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", str(2**31 - 1))
+    # the batches of four sequences did go through flash attention, not the fused kernel
+    assert four.ppl != perplexity(smollm2, hamlet, "-c", "256", "-b", "1024", *layout, *KIVI2).ppl
     # four sequences per batch change the matmuls' shapes, hence a few 2-bit codes; on a GPU (cuBLAS picks its
     # kernels by shape) the running perplexities moved by up to 3.5% on an H200
     assert four.running_ppl == pytest.approx(one.running_ppl, rel=0.05 if device.ON_GPU else 0.03)
