@@ -64,7 +64,12 @@ def test_a_text_too_short_for_a_passage_is_refused() -> None:
         minikv.passages(list(range(50)), [], 200, 2)
 
 
-@pytest.mark.parametrize("args", [["--samples", "0"], ["--kv-sinks", "-1"], ["--study", "Bad Name"]])
-def test_bad_arguments_are_refused(args: list[str]) -> None:
+@pytest.mark.parametrize(("args", "message"), [
+    (["--samples", "0"], "--continuation and --samples at least 1"),
+    (["--kv-sinks", "-1"], "-1: a count of 0 or more"),
+    (["--study", "Bad Name"], "lower-case letters, digits and single hyphens"),
+])
+def test_bad_arguments_are_refused(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         minikv.parse_args(args)
+    assert message in capsys.readouterr().err

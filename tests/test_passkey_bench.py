@@ -63,9 +63,10 @@ def test_f16_finds_the_key_and_the_record_is_written(monkeypatch: pytest.MonkeyP
     assert next(tmp_path.glob("passkey-*.png")).stat().st_size > 0
 
 
-def test_the_reference_must_come_first() -> None:
+def test_the_reference_must_come_first(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         passkey.parse_args(["--kv-types", "kivi2,f16"])
+    assert "--kv-types must start with f16" in capsys.readouterr().err
 
 
 def test_selections_run_each_kivi_type(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -138,6 +139,8 @@ def test_an_unknown_filler_text_is_a_clear_error() -> None:
 
 
 @pytest.mark.parametrize("study", ["V halves", "../x", "a--b", "-a", ""])
-def test_a_study_name_that_cannot_name_a_file_is_refused(study: str) -> None:
+def test_a_study_name_that_cannot_name_a_file_is_refused(study: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # --study=NAME: as two words, "-a" would be taken for an option and refused before the name is judged
     with pytest.raises(SystemExit):
-        passkey.parse_args(["--study", study])
+        passkey.parse_args([f"--study={study}"])
+    assert "lower-case letters, digits and single hyphens" in capsys.readouterr().err

@@ -84,9 +84,10 @@ def test_a_file_that_is_not_json_is_a_clear_error(tmp_path: Path) -> None:
         passkey_pool.main([str(p) for p in paths])
 
 
-def test_one_record_is_not_a_pool(tmp_path: Path) -> None:
+def test_one_record_is_not_a_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         passkey_pool.parse_args([str(tmp_path / "a.json")])
+    assert "pooling needs two records or more" in capsys.readouterr().err
 
 
 def test_two_real_runs_pool_into_a_record_with_its_table(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
