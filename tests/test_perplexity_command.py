@@ -9,17 +9,22 @@ from pathlib import Path
 
 import pytest
 
+from pykvq.api.llama import gpu_offload_supported
+
 import device
 
 REFUSED = "k:*=kivi2;v:*=f16"  # parses, but llama.cpp refuses a kivi K beside a plain V at context creation
 
 
+def pykvq_perplexity(model: Path, text: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-P", "-m", "pykvq", "perplexity", "-m", str(model), "-f", str(text),
+                           "-c", "128", "--chunks", "1", *args], capture_output=True, text=True, timeout=600)
+
+
 def test_a_failing_type_keeps_its_row_and_the_others_report(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     out = tmp_path / "compare"
-    proc = subprocess.run([sys.executable, "-P", "-m", "pykvq", "perplexity", "-m", str(smollm2), "-f", str(hamlet),
-                           "-c", "128", "--chunks", "1", "-t", "2", "--kv-types", "f16,kivi7,kivi2",
-                           "--kv-layers", REFUSED, "-o", str(out), *device.TOOL_ARGS],
-                          capture_output=True, text=True, timeout=600)
+    proc = pykvq_perplexity(smollm2, hamlet, "-t", "2", "--kv-types", "f16,kivi7,kivi2", "--kv-layers", REFUSED,
+                            "-o", str(out), *device.TOOL_ARGS)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     rows = {r["kv_type"]: r for r in json.loads(out.with_suffix(".json").read_text())["runs"]}
@@ -36,14 +41,10 @@ def test_a_failing_type_keeps_its_row_and_the_others_report(smollm2: Path, hamle
 
 
 def test_gpu_layers_without_a_gpu_are_one_clear_error(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
-    from pykvq.api.llama import gpu_offload_supported
-
     if gpu_offload_supported():
         pytest.skip("this build has a GPU backend")
     out = tmp_path / "compare"
-    proc = subprocess.run([sys.executable, "-P", "-m", "pykvq", "perplexity", "-m", str(smollm2), "-f", str(hamlet),
-                           "-c", "128", "--chunks", "1", "-ngl", "99", "-o", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = pykvq_perplexity(smollm2, hamlet, "-ngl", "99", "-o", str(out))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "pykvq: error: -ngl 99 asks for GPU layers, but this pykvq build has no GPU backend" in proc.stderr
     assert not out.with_suffix(".json").exists()
@@ -52,9 +53,7 @@ def test_gpu_layers_without_a_gpu_are_one_clear_error(smollm2: Path, hamlet: Pat
 def test_a_text_too_short_says_so(smollm2: Path, tmp_path: Path) -> None:
     text = tmp_path / "short.txt"
     text.write_text("Too short to score.\n")
-    proc = subprocess.run([sys.executable, "-P", "-m", "pykvq", "perplexity", "-m", str(smollm2), "-f", str(text),
-                           "-c", "128", "--chunks", "1", "--kv-types", "f16", "-o", str(tmp_path / "out"),
-                           *device.TOOL_ARGS], capture_output=True, text=True, timeout=300)
+    proc = pykvq_perplexity(smollm2, text, "--kv-types", "f16", "-o", str(tmp_path / "out"), *device.TOOL_ARGS)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     # llama-perplexity's own reason, in the table's row, not only in the JSON
     row = next(line for line in proc.stdout.splitlines() if line.startswith("f16"))
