@@ -13,3 +13,6 @@ target_include_directories(llama PUBLIC ${PYKVQ_NATIVE_DIR}/include)
 # llama_kvq_atomic_file (llama-kvq-file.h), which the llama patches use
 target_include_directories(llama PRIVATE ${PYKVQ_NATIVE_DIR}/src)
 target_compile_definitions(llama PRIVATE PYKVQ_VERSION="${PYKVQ_VERSION}")
+
+# llama_kvq_fit_params (llama-kvq-fit.h): upstream's C++ parameter fit, reached from Python through a C ABI
+target_sources(llama-common PRIVATE ${PYKVQ_NATIVE_DIR}/src/llama-kvq-fit.cpp)

@@ -25,6 +25,7 @@ _API, _TYPES = "pykvq.api.llama", "pykvq.bindings.ggml_types"
 _PUBLIC = {
     "Model": _API, "Context": _API, "ContextConfig": _API, "KvConfig": _API, "KvMemory": _API,
     "ChatMessage": _API, "LlamaError": _API,
+    "Placement": "pykvq.api.fit", "fit_placement": "pykvq.api.fit",
     "Sampler": "pykvq.api.sampling", "SamplerSettings": "pykvq.api.sampling",
     "GGML_TYPE_KIVI2": _TYPES, "GGML_TYPE_KIVI4": _TYPES, "GGML_TYPE_KIVI1": _TYPES,
 }

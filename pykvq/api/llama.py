@@ -29,8 +29,10 @@ from pykvq.kv_types import KIVI_BITS, Selection, selection_depth
 
 if TYPE_CHECKING:
     from pykvq.api.capture import TensorObserver
+    from pykvq.api.fit import Placement
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+LLAMA_LOAD_MODE_NONE = 0  # enum llama_load_mode: read nothing but what is asked
 T = TypeVar("T")
 
 
@@ -248,6 +250,39 @@ def kvq_params_applied(kv: KvConfig) -> Iterator[None]:
             native.set_swa_types(*previous_swa)
 
 
+def context_params(lib: native.Libraries, config: ContextConfig):
+    """``config`` as llama_context_params, checked where llama.cpp would abort or silently change it."""
+    if config.flash_attn not in FLASH_ATTN:
+        raise LlamaError(f"-fa must be one of {', '.join(FLASH_ATTN)}, got {config.flash_attn!r}")
+    kv = config.kv
+    flash_attn = config.flash_attn
+    if kv.is_kivi:
+        if flash_attn == "off":
+            raise LlamaError("kivi KV types are read by the fused attention only: use -fa on (or auto)")
+        flash_attn = "on"
+    params = lib.llama.llama_context_default_params()
+    params.n_ctx = config.n_ctx
+    # n_ctx 0: the model's training context (llama.cpp clamps the batch to it)
+    params.n_batch = min(config.n_batch, config.n_ctx) if config.n_ctx else config.n_batch
+    params.n_ubatch = min(config.n_ubatch, params.n_batch)
+    params.n_threads = params.n_threads_batch = config.n_threads
+    params.n_seq_max = config.n_seq_max
+    if params.n_batch < config.n_seq_max:
+        # llama.cpp reserves one output per sequence within a batch, and aborts when they do not fit
+        raise LlamaError(f"a batch of {params.n_batch} tokens (-b, at most -c) cannot hold one token of each of "
+                         f"{config.n_seq_max} sequences (-np): raise -b to at least {config.n_seq_max}")
+    params.kv_unified = config.kv_unified
+    params.op_offload = config.op_offload
+    params.swa_full = config.swa_full
+    params.flash_attn_type = FLASH_ATTN[flash_attn]
+    params.no_perf = False
+    params.type_k = kv_types.type_id(kv.type_k)
+    params.type_v = kv_types.type_id(kv.type_v)
+    if config.observer is not None:
+        params.cb_eval = config.observer.c_callback()
+    return params
+
+
 class _Handle:
     """An object libllama allocated: freed by close() or at the end of a with block."""
 
@@ -271,10 +306,12 @@ class _Handle:
 class Model(_Handle):
     """A GGUF model loaded by libllama."""
 
-    def __init__(self, path: str | os.PathLike, n_gpu_layers: int = 0, rpc: str | None = None,
-                 vocab_only: bool = False) -> None:
-        """n_gpu_layers: layers on the GPU (-ngl); rpc: RPC servers as extra devices, HOST:PORT[,...] (--rpc);
-        vocab_only: load the vocabulary alone (to tokenize; no context can be made)."""
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int | Placement = 0, rpc: str | None = None,
+                 vocab_only: bool = False, metadata_only: bool = False) -> None:
+        """n_gpu_layers: layers on the GPU (-ngl; -1 every one), or where pykvq.fit_placement put them; rpc: RPC
+        servers as extra devices, HOST:PORT[,...] (--rpc); vocab_only: load the vocabulary alone (to tokenize);
+        metadata_only: the hyperparameters and vocabulary, no weights (to check settings against the model's shape
+        and tokenize). Neither can make a context."""
         self.path = Path(path)
         if self.path.is_dir():
             raise IsADirectoryError(f"model path is a folder, not a GGUF file: {self.path}")
@@ -284,12 +321,18 @@ class Model(_Handle):
             raise PermissionError(f"model file is not readable: {self.path}")
         if rpc:
             add_rpc_servers(rpc)
-        check_gpu_layers(n_gpu_layers)
         self._lib = native.libs()
         sink()
         params = self._lib.llama.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
+        if isinstance(n_gpu_layers, int):
+            check_gpu_layers(n_gpu_layers)
+            params.n_gpu_layers = n_gpu_layers
+        else:
+            n_gpu_layers.apply(params)
         params.vocab_only = vocab_only
+        if metadata_only:
+            params.no_alloc = True
+            params.load_mode = LLAMA_LOAD_MODE_NONE
         self._ptr = _call(self._lib.llama.llama_model_load_from_file, str(self.path).encode(), params)
         if self._ptr == self._lib.ffi.NULL:
             raise _fail(f"cannot load model {self.path}")
@@ -407,34 +450,8 @@ class Context(_Handle):
 
     def _create(self, config: ContextConfig):
         lib = self._lib
-        if config.flash_attn not in FLASH_ATTN:
-            raise LlamaError(f"-fa must be one of {', '.join(FLASH_ATTN)}, got {config.flash_attn!r}")
-        kv = config.kv
-        flash_attn = config.flash_attn
-        if kv.is_kivi:
-            if flash_attn == "off":
-                raise LlamaError("kivi KV types are read by the fused attention only: use -fa on (or auto)")
-            flash_attn = "on"
-        params = lib.llama.llama_context_default_params()
-        params.n_ctx = config.n_ctx
-        params.n_batch = min(config.n_batch, config.n_ctx)
-        params.n_ubatch = min(config.n_ubatch, params.n_batch)
-        params.n_threads = params.n_threads_batch = config.n_threads
-        params.n_seq_max = config.n_seq_max
-        if params.n_batch < config.n_seq_max:
-            # llama.cpp reserves one output per sequence within a batch, and aborts when they do not fit
-            raise LlamaError(f"a batch of {params.n_batch} tokens (-b, at most -c) cannot hold one token of each of "
-                             f"{config.n_seq_max} sequences (-np): raise -b to at least {config.n_seq_max}")
-        params.kv_unified = config.kv_unified
-        params.op_offload = config.op_offload
-        params.swa_full = config.swa_full
-        params.flash_attn_type = FLASH_ATTN[flash_attn]
-        params.no_perf = False
-        params.type_k = kv_types.type_id(kv.type_k)
-        params.type_v = kv_types.type_id(kv.type_v)
-        if config.observer is not None:
-            params.cb_eval = config.observer.c_callback()
-        with kvq_params_applied(kv):
+        params = context_params(lib, config)
+        with kvq_params_applied(config.kv):
             ptr = _call(lib.llama.llama_init_from_model, self.model._ptr, params)
         if ptr == lib.ffi.NULL:
             raise _fail("cannot create the context")

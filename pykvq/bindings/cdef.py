@@ -1,4 +1,5 @@
-"""The part of llama.h (pinned upstream) and llama-kvq.h that pykvq's bindings call, for cffi's ABI mode.
+"""The part of llama.h (pinned upstream), llama-kvq.h and llama-kvq-fit.h that pykvq's bindings call, for cffi's ABI
+mode.
 
 The two parameter structs are copied field by field from llama.h: cffi computes their layout from this text,
 so it must match the C compiler's. tests/test_llama_abi.py compiles a probe against the real headers and
@@ -19,6 +20,13 @@ LLAMA_CDEF = """
     void llama_log_set(ggml_log_callback log_callback, void * user_data);
     void llama_backend_init(void);
     bool llama_supports_gpu_offload(void);
+
+    struct llama_model_tensor_buft_override {
+        const char * pattern;
+        void *       buft;
+    };
+    size_t llama_max_devices(void);
+    size_t llama_max_tensor_buft_overrides(void);
 
     struct llama_model_params {
         void *        devices;
@@ -217,8 +225,13 @@ LLAMA_CDEF = """
     };
     bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_memory_info * info);
     int64_t llama_kvq_seq_cells(const struct llama_context * ctx, llama_seq_id seq_id);
+
+    int llama_kvq_fit_params(const char * path_model, struct llama_model_params * mparams,
+                             struct llama_context_params * cparams, float * tensor_split,
+                             struct llama_model_tensor_buft_override * tensor_buft_overrides, size_t * margins,
+                             uint32_t n_ctx_min, bool verbose);
 """
 
 # the structs copied from the headers, whose layout tests/test_llama_abi.py checks against the compiler's
-MIRRORED_STRUCTS = ("llama_model_params", "llama_context_params", "llama_batch", "llama_chat_message",
-                    "llama_perf_context_data", "llama_kvq_params", "llama_kvq_memory_info")
+MIRRORED_STRUCTS = ("llama_model_tensor_buft_override", "llama_model_params", "llama_context_params", "llama_batch",
+                    "llama_chat_message", "llama_perf_context_data", "llama_kvq_params", "llama_kvq_memory_info")

@@ -75,6 +75,7 @@ class Libraries:
     llama: object
     ggml: object
     ggml_base: object
+    common: object  # libllama-common: llama_kvq_fit_params
 
 
 @cache
@@ -87,12 +88,13 @@ def libs() -> Libraries:
         ggml_base = ffi.dlopen(str(paths.library("ggml-base")))
         ggml = ffi.dlopen(str(paths.library("ggml")))
         llama = ffi.dlopen(str(paths.library("llama")))
+        common = ffi.dlopen(str(paths.library("llama-common")))
     except OSError as e:
         if "libcuda.so" in str(e):
             raise OSError("this pykvq is a CUDA build and needs the NVIDIA driver (libcuda.so.1), which this machine "
                           "lacks: install the driver, or build pykvq without PYKVQ_CUDA") from None
         raise
-    return Libraries(ffi, llama, ggml, ggml_base)
+    return Libraries(ffi, llama, ggml, ggml_base, common)
 
 
 def _str(ptr) -> str:

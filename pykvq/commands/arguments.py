@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from pykvq import kv_types
+from pykvq.api import fit
 from pykvq.api.llama import add_rpc_servers, check_gpu_layers, gpu_offload_supported
 from pykvq.bindings import devices
 
@@ -50,6 +51,29 @@ def add_device_arguments(p: argparse.ArgumentParser, unset: str = "all") -> None
                    help="RPC servers as devices, HOST:PORT[,HOST:PORT...] (each running ggml-rpc-server)")
     p.add_argument("--op-offload", action=argparse.BooleanOptionalAction, default=True,
                    help="offload host tensor operations to the GPU (default: on)")
+
+
+def margins(text: str) -> list[int]:
+    """--fit-target's MiB0,MiB1,...: one margin for every device, or one per device."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MiB or MiB0,MiB1,... (whole numbers), got {text!r}") from None
+    if min(values) < 0:
+        raise argparse.ArgumentTypeError(f"a margin cannot be negative, got {text!r}")
+    return values
+
+
+def add_fit_arguments(p: argparse.ArgumentParser) -> None:
+    """-fit, -fitt and -fitc, as llama.cpp's tools take them."""
+    p.add_argument("-fit", "--fit", type=switch, default=True, metavar="on|off",
+                   help="fit what is left unset (the layers -ngl does not give, -c 0) to the devices' free memory "
+                        "(default: on)")
+    p.add_argument("-fitt", "--fit-target", type=margins, default=[fit.DEFAULT_MARGIN_MIB], metavar="MiB0,MiB1,...",
+                   help=f"memory --fit leaves free on each device, one value for all or one per device (default: "
+                        f"{fit.DEFAULT_MARGIN_MIB})")
+    p.add_argument("-fitc", "--fit-ctx", type=int, default=fit.DEFAULT_N_CTX_MIN, metavar="N",
+                   help=f"the least context --fit reduces -c 0 to (default: {fit.DEFAULT_N_CTX_MIN})")
 
 
 def gpu_layers(args: argparse.Namespace, unset: int | None = 999) -> int | None:

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TextIO
 
 from pykvq import assets, gguf_metadata, kv_types
+from pykvq.api import fit
+from pykvq.api.fit import Placement
 from pykvq.api.llama import (
     FLASH_ATTN,
     ChatMessage,
@@ -45,11 +47,14 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
     prompt.add_argument("-f", "--file", type=Path, help="a file holding the prompt")
     p.add_argument("-n", "--n-predict", type=int, default=256,
                    help="tokens to generate (-1: until end of generation or a full context; default 256)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096,
+                   help="context size in tokens; 0: the model's training context, reduced to fit memory under -fit "
+                        "(default 4096)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size (default 2048)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (default 512)")
     p.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads")
-    arguments.add_device_arguments(p)
+    arguments.add_device_arguments(p, unset="as many as fit with -fit on, all with -fit off")
+    arguments.add_fit_arguments(p)
     p.add_argument("--swa-full", action="store_true",
                    help="a full-size cache for sliding-window layers (Gemma 2/3, gpt-oss), as llama.cpp's --swa-full")
     p.add_argument("-fa", "--flash-attn", choices=list(FLASH_ATTN), default="auto",
@@ -142,21 +147,39 @@ def run_command(args: argparse.Namespace) -> int:
     kv = kv_config(args)
     if args.n_predict < -1:
         raise ValueError(f"-n must be -1 or more, got {args.n_predict}")
-    if args.ctx_size <= 0:
-        raise ValueError(f"-c must be a positive number of tokens, got {args.ctx_size}")
+    if args.ctx_size < 0:
+        raise ValueError(f"-c must be 0 (the model's training context) or a positive number of tokens, "
+                         f"got {args.ctx_size}")
     if not args.conversation and args.prompt is None and args.file is None:
         raise ValueError("give a prompt with -p or -f, or chat with -cnv")
-    n_gpu_layers = arguments.gpu_layers(args)
-    with Model(_model_path(args), n_gpu_layers=n_gpu_layers) as model:
-        kv = with_model_metadata(kv, model.path)
-        check_layers(kv, model)
-        select = kv.select if kv.select is not None else model_selection(model.path)
-        n_batch, n_ubatch = _batch_sizes(args, model, kv, select)
-        config = ContextConfig(args.ctx_size, n_batch, n_ubatch, args.threads, args.flash_attn, kv,
-                               op_offload=args.op_offload, swa_full=args.swa_full)
-        with model.context(config) as ctx:
-            _generate(model, ctx, args, kv, select)
+    path = _model_path(args)
+    n_gpu_layers = arguments.gpu_layers(args, unset=None if args.fit else 999)
+    # the settings are checked, and the batch sizes chosen, before the weights are placed and loaded
+    with Model(path, metadata_only=True) as shape:
+        kv = with_model_metadata(kv, path)
+        check_layers(kv, shape)
+        select = kv.select if kv.select is not None else model_selection(path)
+        n_batch, n_ubatch = _batch_sizes(args, shape, kv, select)
+    config = ContextConfig(args.ctx_size, n_batch, n_ubatch, args.threads, args.flash_attn, kv,
+                           op_offload=args.op_offload, swa_full=args.swa_full)
+    layers: int | Placement = fit.ALL_LAYERS if n_gpu_layers is None else n_gpu_layers
+    if args.fit and (n_gpu_layers is None or config.n_ctx == 0):
+        placement = fit.fit_placement(path, config, layers, args.fit_target, args.fit_ctx)
+        _report_placement(placement, args)
+        layers, config = placement, placement.context_config(config)
+    with Model(path, n_gpu_layers=layers) as model, model.context(config) as ctx:
+        _generate(model, ctx, args, kv, select)
     return 0
+
+
+def _report_placement(placement: Placement, args: argparse.Namespace) -> None:
+    layers = "every layer" if placement.n_gpu_layers == fit.ALL_LAYERS else f"-ngl {placement.n_gpu_layers}"
+    margin = ",".join(str(m) for m in args.fit_target)
+    if placement.fitted:
+        log.info("fitted to free memory, keeping %s MiB free (-fitt): %s, -c %d", margin, layers, placement.n_ctx)
+    else:
+        log.warning("nothing keeps %s MiB free (-fitt): loading %s, -c %d, which may not fit (lower -c or -fitt, or "
+                    "set -ngl; -fit off to skip the fit)", margin, layers, placement.n_ctx)
 
 
 def model_selection(model_path: Path) -> kv_types.Selection | None:

@@ -1,0 +1,150 @@
+"""`pykvq run`'s -fit (on by default, as in llama.cpp's tools): the layers -ngl leaves unset and a context of -c 0
+fitted to the memory a device keeps free, through upstream's own fit (common_fit_params), kivi caches measured as
+they are. An RPC server's device is ggml's CPU device, which reports its machine's whole memory as free: a margin
+(-fitt) of that total less a budget leaves the device exactly the budget, the same on every run."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pykvq import ContextConfig, KvConfig, LlamaError, fit_placement
+
+# the RPC device serves CPU kernels, and the host-memory cases fit the CPU: no GPU in any run
+pytestmark = pytest.mark.usefixtures("cpu_only")
+
+MIB = 1024 * 1024
+PROMPT = ["-p", "The capital of France is", "-n", "4", "--temp", "0", "-t", "2"]
+SMOLLM2_N_CTX_TRAIN = 8192
+
+FITTED = re.compile(r"fitted to free memory, keeping \S+ MiB free \(-fitt\): (every layer|-ngl (\d+)), -c (\d+)")
+DEVICE_BUFFER = re.compile(r"RPC0\[[^\]]+\] (?:model|KV|compute) buffer size = +([\d.]+) MiB")
+OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers")
+
+
+def total_mib() -> int:
+    """What ggml's CPU device reports as its memory, all of it free (ggml-cpu.cpp, Linux)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // MIB
+
+
+@dataclass(frozen=True)
+class Fitted:
+    n_gpu_layers: int | None  # None: every layer
+    n_ctx: int
+    device_mib: float  # what the loaded model and context hold on the RPC device (weights, KV, compute)
+    offloaded: int
+    stderr: str
+
+
+def run(model: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["pykvq", "-v", "run", "-m", str(model), *PROMPT, *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def run_fitted(model: Path, *args: str) -> Fitted:
+    proc = run(model, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fitted = FITTED.search(proc.stderr)
+    assert fitted, proc.stderr[-3000:]
+    # the lines after the fit's are the real model and context's (the fit's own probes allocate nothing)
+    loaded = proc.stderr[fitted.end():]
+    offloaded = OFFLOADED.findall(loaded)
+    return Fitted(None if fitted[2] is None else int(fitted[2]), int(fitted[3]),
+                  sum(float(size) for size in DEVICE_BUFFER.findall(loaded)),
+                  int(offloaded[0][0]) if offloaded else 0, proc.stderr)
+
+
+def budget_args(budget_mib: int) -> list[str]:
+    return ["-fitt", str(total_mib() - budget_mib)]
+
+
+def test_with_room_every_layer_goes_to_the_device_and_c_0_is_the_training_context(rpc_server: str,
+                                                                                  smollm2: Path) -> None:
+    got = run_fitted(smollm2, "--rpc", rpc_server, "--kv-type", "kivi2", "-c", "0", "-fitt", "0")
+    assert (got.n_gpu_layers, got.n_ctx, got.offloaded) == (None, SMOLLM2_N_CTX_TRAIN, 31)
+    assert f"for {SMOLLM2_N_CTX_TRAIN} cells" in got.stderr
+
+
+def test_a_small_budget_keeps_some_layers_on_the_cpu_and_the_device_within_it(rpc_server: str,
+                                                                              smollm2: Path) -> None:
+    """155 MiB: the compute buffer (97 MiB) and the kivi2 cache leave room for about a third of the weights."""
+    budget = 155
+    got = run_fitted(smollm2, "--rpc", rpc_server, "--kv-type", "kivi2", "-c", "2048", *budget_args(budget))
+    assert got.n_gpu_layers is not None and 0 < got.n_gpu_layers < 31
+    assert got.offloaded == got.n_gpu_layers
+    assert 0 < got.device_mib <= budget
+    # one layer more would not have fitted: the fit fills the device
+    more = run(smollm2, "--rpc", rpc_server, "--kv-type", "kivi2", "-c", "2048", "-fit", "off",
+               "-ngl", str(got.n_gpu_layers + 1))
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert sum(float(size) for size in DEVICE_BUFFER.findall(more.stderr)) > budget
+
+
+def test_kivi2_fits_a_context_four_times_f16s_in_the_same_device_memory(rpc_server: str, smollm2: Path) -> None:
+    """The point of a 2-bit cache: with -c 0, the same 230 MiB of device memory hold SmolLM2's whole training
+    context in kivi2 (weights 92 MiB, compute 97, cache 37) and less than a quarter of it in f16. -fitc 512 keeps
+    the least context the fit measures at least a ubatch, whose compute buffer is the full one: upstream's fit
+    interpolates the context between its two measurements, and would overshoot a smaller one's."""
+    budget = 230
+    fitted = {kv: run_fitted(smollm2, "--rpc", rpc_server, "--kv-type", kv, "-c", "0", "-fitc", "512",
+                             *budget_args(budget)) for kv in ("f16", "kivi2")}
+    for got in fitted.values():
+        assert (got.n_gpu_layers, got.offloaded) == (None, 31)
+        assert 0 < got.device_mib <= budget
+    assert fitted["kivi2"].n_ctx == SMOLLM2_N_CTX_TRAIN
+    assert 512 <= fitted["f16"].n_ctx <= SMOLLM2_N_CTX_TRAIN // 4
+
+
+def test_an_unset_context_is_fitted_to_host_memory_without_a_device(smollm2: Path) -> None:
+    """No GPU and no --rpc: -c 0 is reduced to what the machine's memory keeps free, as llama.cpp's tools do."""
+    got = run_fitted(smollm2, "--kv-type", "kivi2", "-c", "0", "-fitc", "512", *budget_args(200))
+    assert got.n_gpu_layers == 0
+    assert 512 <= got.n_ctx < SMOLLM2_N_CTX_TRAIN
+    assert f"for {got.n_ctx} cells" in got.stderr
+
+
+def test_fit_off_loads_what_was_asked(rpc_server: str, smollm2: Path) -> None:
+    proc = run(smollm2, "--rpc", rpc_server, "--kv-type", "kivi2", "-c", "0", "-fit", "off", *budget_args(155))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fitted to free memory" not in proc.stderr
+    assert OFFLOADED.findall(proc.stderr)[-1] == ("31", "31")  # the weights' load, after the settings' check
+    assert f"for {SMOLLM2_N_CTX_TRAIN} cells" in proc.stderr
+
+
+def test_given_layers_and_context_are_not_fitted(rpc_server: str, smollm2: Path) -> None:
+    proc = run(smollm2, "--rpc", rpc_server, "-ngl", "5", "-c", "512", *budget_args(100))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fitted to free memory" not in proc.stderr
+    assert OFFLOADED.findall(proc.stderr)[-1] == ("5", "31")
+
+
+def test_a_budget_nothing_fits_is_a_warning_and_the_run_goes_on(smollm2: Path) -> None:
+    """llama.cpp's behaviour: what was asked is loaded all the same (host memory, here, is really there)."""
+    proc = run(smollm2, "-c", "0", "-fitc", str(SMOLLM2_N_CTX_TRAIN), "-fitt", str(total_mib()))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"nothing keeps {total_mib()} MiB free (-fitt): loading -ngl 0, -c {SMOLLM2_N_CTX_TRAIN}" in proc.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-fitt", "-5"], "a margin cannot be negative"),
+    (["-fitt", "1G"], "expected MiB or MiB0,MiB1,..."),
+    (["-fit", "maybe"], "expected on or off"),
+    (["-fitc", "0", "-c", "0"], "--fit-ctx must be a positive number of tokens"),
+    (["-c", "-1"], "-c must be 0 (the model's training context) or a positive number of tokens"),
+])
+def test_bad_fit_settings_are_one_clear_error(smollm2: Path, args: list[str], message: str) -> None:
+    proc = subprocess.run(["pykvq", "run", "-m", str(smollm2), *PROMPT, *args], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_fit_placement_refuses_more_margins_than_devices(smollm2: Path) -> None:
+    with pytest.raises(LlamaError, match="one per device"):
+        fit_placement(smollm2, ContextConfig(n_ctx=512, kv=KvConfig()), margin_mib=[0] * 1000)
