@@ -1,10 +1,12 @@
-"""`pykvq run`'s -fit (on by default, as in llama.cpp's tools): the layers -ngl leaves unset and a context of -c 0
+"""-fit (on by default, as in llama.cpp's tools): `pykvq run`'s layers that -ngl leaves unset and a context of -c 0
 fitted to the memory a device keeps free, through upstream's own fit (common_fit_params), kivi caches measured as
-they are. An RPC server's device is ggml's CPU device, which reports its machine's whole memory as free: a margin
-(-fitt) of that total less a budget leaves the device exactly the budget, the same on every run."""
+they are; `pykvq calibrate`'s layers the same way, and `pykvq perplexity`'s -fit and -fitt passed to
+llama-perplexity's own fit. An RPC server's device is ggml's CPU device, which reports its machine's whole memory
+as free: a margin (-fitt) of that total less a budget leaves the device exactly the budget, the same on every run."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -23,7 +25,7 @@ PROMPT = ["-p", "The capital of France is", "-n", "4", "--temp", "0", "-t", "2"]
 SMOLLM2_N_CTX_TRAIN = 8192
 
 FITTED = re.compile(r"fitted to free memory, keeping \S+ MiB free \(-fitt\): (every layer|-ngl (\d+)), -c (\d+)")
-DEVICE_BUFFER = re.compile(r"RPC0\[[^\]]+\] (?:model|KV|compute) buffer size = +([\d.]+) MiB")
+DEVICE_BUFFER = re.compile(r"RPC0\[[^\]]+\] (model|KV|compute) buffer size = +([\d.]+) MiB")
 OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers")
 
 
@@ -46,6 +48,14 @@ def run(model: Path, *args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+def device_mib(log: str) -> float:
+    """What the first model and context a log loads hold on the RPC device (weights, KV, compute)."""
+    first: dict[str, float] = {}
+    for kind, size in DEVICE_BUFFER.findall(log):
+        first.setdefault(kind, float(size))
+    return sum(first.values())
+
+
 def run_fitted(model: Path, *args: str) -> Fitted:
     proc = run(model, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -54,8 +64,7 @@ def run_fitted(model: Path, *args: str) -> Fitted:
     # the lines after the fit's are the real model and context's (the fit's own probes allocate nothing)
     loaded = proc.stderr[fitted.end():]
     offloaded = OFFLOADED.findall(loaded)
-    return Fitted(None if fitted[2] is None else int(fitted[2]), int(fitted[3]),
-                  sum(float(size) for size in DEVICE_BUFFER.findall(loaded)),
+    return Fitted(None if fitted[2] is None else int(fitted[2]), int(fitted[3]), device_mib(loaded),
                   int(offloaded[0][0]) if offloaded else 0, proc.stderr)
 
 
@@ -82,7 +91,7 @@ def test_a_small_budget_keeps_some_layers_on_the_cpu_and_the_device_within_it(rp
     more = run(smollm2, "--rpc", rpc_server, "--kv-type", "kivi2", "-c", "2048", "-fit", "off",
                "-ngl", str(got.n_gpu_layers + 1))
     assert more.returncode == 0, more.stderr[-3000:]
-    assert sum(float(size) for size in DEVICE_BUFFER.findall(more.stderr)) > budget
+    assert device_mib(more.stderr) > budget
 
 
 def test_kivi2_fits_a_context_four_times_f16s_in_the_same_device_memory(rpc_server: str, smollm2: Path) -> None:
@@ -148,3 +157,42 @@ def test_bad_fit_settings_are_one_clear_error(smollm2: Path, args: list[str], me
 def test_fit_placement_refuses_more_margins_than_devices(smollm2: Path) -> None:
     with pytest.raises(LlamaError, match="one per device"):
         fit_placement(smollm2, ContextConfig(n_ctx=512, kv=KvConfig()), margin_mib=[0] * 1000)
+
+
+def test_calibrate_fits_its_layers_to_the_budget(rpc_server: str, smollm2: Path, hamlet: Path,
+                                                 tmp_path: Path) -> None:
+    """calibrate's widest context (here the 64-token f16 reference, in one ubatch) and as many layers as fit."""
+    budget = 80
+    proc = subprocess.run(["pykvq", "-v", "calibrate", "-m", str(smollm2), "-f", str(hamlet), "-o",
+                           str(tmp_path / "out.gguf"), "-c", "64", "--recall", "8", "--kv-window", "16", "--kv-sinks",
+                           "0", "--kv-clip", "none", "--kv-rotate", "off", "--kv-dither", "none", "--refine", "0",
+                           "-t", "2", "--rpc", rpc_server, *budget_args(budget)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fitted = FITTED.search(proc.stderr)
+    assert fitted and fitted[2] is not None and 0 < int(fitted[2]) < 31, proc.stderr[-3000:]
+    loaded = proc.stderr[fitted.end():]
+    assert OFFLOADED.findall(loaded)[0] == (fitted[2], "31")
+    # the first context is the f16 reference, the widest
+    assert 0 < device_mib(loaded) <= budget
+
+
+@pytest.mark.parametrize("fit", ["on", "off"])
+def test_perplexity_passes_fit_and_its_target_to_llama_perplexity(rpc_server: str, smollm2: Path, hamlet: Path,
+                                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  fit: str) -> None:
+    monkeypatch.delenv("LLAMA_ARG_N_GPU_LAYERS")  # llama-perplexity's own default is the case judged
+    out = tmp_path / "ppl"
+    proc = subprocess.run(["pykvq", "-v", "perplexity", "-m", str(smollm2), "-f", str(hamlet), "-c", "128",
+                           "--chunks", "1", "-t", "2", "--kv-types", "kivi2", "--rpc", rpc_server, "-fit", fit,
+                           *budget_args(100), "-o", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tool_log = proc.stderr[proc.stderr.index("llama-perplexity's output:"):]
+    offloaded = int(OFFLOADED.findall(tool_log)[0][0])
+    settings = json.loads(out.with_suffix(".json").read_text())["settings"]
+    assert (settings["fit"], settings["fit_target"]) == (fit == "on", [total_mib() - 100])
+    if fit == "on":
+        assert 0 < offloaded < 31
+        assert 0 < device_mib(tool_log) <= 100
+    else:
+        assert offloaded == 31

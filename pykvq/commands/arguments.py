@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from pykvq import kv_types
 from pykvq.api import fit
-from pykvq.api.llama import add_rpc_servers, check_gpu_layers, gpu_offload_supported
+from pykvq.api.fit import Placement
+from pykvq.api.llama import ContextConfig, add_rpc_servers, check_gpu_layers, gpu_offload_supported
 from pykvq.bindings import devices
 
 log = logging.getLogger("pykvq")
@@ -64,16 +66,43 @@ def margins(text: str) -> list[int]:
     return values
 
 
-def add_fit_arguments(p: argparse.ArgumentParser) -> None:
-    """-fit, -fitt and -fitc, as llama.cpp's tools take them."""
+def add_fit_arguments(p: argparse.ArgumentParser, context: bool = True) -> None:
+    """-fit and -fitt, as llama.cpp's tools take them; -fitc too where the command takes -c 0 (``context``)."""
+    unset = "the layers -ngl does not give, and -c 0" if context else "the layers -ngl does not give"
     p.add_argument("-fit", "--fit", type=switch, default=True, metavar="on|off",
-                   help="fit what is left unset (the layers -ngl does not give, -c 0) to the devices' free memory "
-                        "(default: on)")
+                   help=f"fit what is left unset ({unset}) to the devices' free memory (default: on)")
     p.add_argument("-fitt", "--fit-target", type=margins, default=[fit.DEFAULT_MARGIN_MIB], metavar="MiB0,MiB1,...",
                    help=f"memory --fit leaves free on each device, one value for all or one per device (default: "
                         f"{fit.DEFAULT_MARGIN_MIB})")
-    p.add_argument("-fitc", "--fit-ctx", type=int, default=fit.DEFAULT_N_CTX_MIN, metavar="N",
-                   help=f"the least context --fit reduces -c 0 to (default: {fit.DEFAULT_N_CTX_MIN})")
+    if context:
+        p.add_argument("-fitc", "--fit-ctx", type=int, default=fit.DEFAULT_N_CTX_MIN, metavar="N",
+                       help=f"the least context --fit reduces -c 0 to (default: {fit.DEFAULT_N_CTX_MIN})")
+    else:
+        p.set_defaults(fit_ctx=fit.DEFAULT_N_CTX_MIN)
+
+
+def fit_target(args: argparse.Namespace) -> str:
+    """-fitt as llama.cpp's tools take it."""
+    return ",".join(str(m) for m in args.fit_target)
+
+
+def fit_to_memory(args: argparse.Namespace, path: Path, config: ContextConfig,
+                  n_gpu_layers: int | None) -> tuple[int | Placement, ContextConfig]:
+    """The layers to load (Model's n_gpu_layers) and the context to create: under -fit on, what is unset (layers
+    None, from gpu_layers with unset=None; n_ctx 0) fitted to the devices' free memory, otherwise as given (every
+    layer where -ngl is unset)."""
+    layers = fit.ALL_LAYERS if n_gpu_layers is None else n_gpu_layers
+    if not args.fit or (n_gpu_layers is not None and config.n_ctx != 0):
+        return layers, config
+    placement = fit.fit_placement(path, config, layers, args.fit_target, args.fit_ctx)
+    where = "every layer" if placement.n_gpu_layers == fit.ALL_LAYERS else f"-ngl {placement.n_gpu_layers}"
+    if placement.fitted:
+        log.info("fitted to free memory, keeping %s MiB free (-fitt): %s, -c %d", fit_target(args), where,
+                 placement.n_ctx)
+    else:
+        log.warning("nothing keeps %s MiB free (-fitt): loading %s, -c %d, which may not fit (lower -c or -fitt, "
+                    "or set -ngl; -fit off to skip the fit)", fit_target(args), where, placement.n_ctx)
+    return placement, placement.context_config(config)
 
 
 def gpu_layers(args: argparse.Namespace, unset: int | None = 999) -> int | None:

@@ -106,6 +106,14 @@ class Probe:
         return np.concatenate([np.full(n_text, 0.5 / n_text), np.full(self.recall, 0.5 / self.recall)])
 
 
+def widest_context(probe: Probe, retrieval_ctx: int) -> ContextConfig:
+    """The largest context a calibration creates (the f16 reference over the probe in one ubatch, or a pass-key
+    prompt of retrieval_ctx tokens): the model is placed where that one fits."""
+    n = max(probe.n_tokens, retrieval_ctx)
+    return ContextConfig(n_ctx=n, n_batch=n, n_ubatch=n, n_threads=probe.threads, flash_attn="on",
+                         kv=KvConfig(layers="none"), op_offload=probe.op_offload)
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max(axis=1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
@@ -368,7 +376,10 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_window == "auto":
         probe.window_candidates()
     windows = None
-    with Model(args.model, n_gpu_layers=arguments.gpu_layers(args)) as model:
+    n_gpu_layers = arguments.gpu_layers(args, unset=None if args.fit else 999)
+    retrieval_ctx = (args.retrieval_ctx or RETRIEVAL_CTX) if args.retrieval and args.refine else 0
+    layers, _ = arguments.fit_to_memory(args, args.model, widest_context(probe, retrieval_ctx), n_gpu_layers)
+    with Model(args.model, n_gpu_layers=layers) as model:
         # refused before any measurement, naming the part
         if clip != "none":
             native.resolve_clip(clip, model.n_layer)
@@ -380,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
         retrieval_probe = None
         prompts = None
         if args.retrieval and args.refine:
-            retrieval_probe = retrieval.RetrievalProbe(args.retrieval_ctx or RETRIEVAL_CTX, args.retrieval)
+            retrieval_probe = retrieval.RetrievalProbe(retrieval_ctx, args.retrieval)
             if retrieval_probe.n_tokens > model.n_ctx_train:
                 raise ValueError(f"--retrieval-ctx {retrieval_probe.n_tokens} is longer than the model's training "
                                  f"context ({model.n_ctx_train})")
@@ -544,5 +555,6 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                    help="with --retrieval, each pass-key prompt's length in tokens: the loss shows only past a long "
                         f"context (default {RETRIEVAL_CTX})")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")
-    arguments.add_device_arguments(p)
+    arguments.add_device_arguments(p, unset="as many as fit with -fit on, all with -fit off")
+    arguments.add_fit_arguments(p, context=False)
     p.set_defaults(handler=run)

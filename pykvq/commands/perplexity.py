@@ -16,6 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pykvq import gguf_metadata, kv_types, llama_tools, paths
+from pykvq.api.fit import DEFAULT_MARGIN_MIB
 from pykvq.bindings import native
 from pykvq.commands import arguments
 from pykvq.commands import inspect as model_info
@@ -42,6 +43,8 @@ class Settings:
     n_gpu_layers: int | None = None  # None: llama-perplexity's default, as many layers as fit
     rpc: str | None = None
     op_offload: bool = True
+    fit: bool = True  # llama-perplexity's -fit: the layers -ngl leaves unset fitted to free memory
+    fit_target: tuple[int, ...] = (DEFAULT_MARGIN_MIB,)  # -fitt: MiB each device keeps free
 
 
 @dataclass
@@ -69,6 +72,7 @@ def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
     args = ["-m", str(settings.model), "-f", str(settings.text), "-c", str(settings.n_ctx), "-b", str(settings.n_ctx),
             "--chunks", str(settings.chunks), "-t", str(settings.threads), "-fa", "on",
             "-ctk", spec.name, "-ctv", spec.name, "--op-offload" if settings.op_offload else "--no-op-offload"]
+    args += ["-fit", "on" if settings.fit else "off", "-fitt", ",".join(map(str, settings.fit_target))]
     if settings.n_gpu_layers is not None:
         args += ["-ngl", str(settings.n_gpu_layers)]
     if settings.rpc:
@@ -115,8 +119,7 @@ def run_one(settings: Settings, spec: KvSpec, progress: tqdm) -> Run:
 def model_layers(model: Path) -> int:
     from pykvq.api.llama import Model
 
-    # weights are memory-mapped, not read: loading for the layer count is cheap
-    with Model(model) as m:
+    with Model(model, metadata_only=True) as m:
         return m.n_layer
 
 
@@ -261,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("kivi runs dither V with %s", dither)
     settings = Settings(args.model, args.file, args.ctx_size, args.chunks, args.threads, window, n_sink,
                         args.kv_type_swa, clip, rotate, dither, arguments.gpu_layers(args, unset=None), args.rpc,
-                        args.op_offload)
+                        args.op_offload, args.fit, tuple(args.fit_target))
     runs = compare(settings, specs)
     print(format_table(runs))
     out = Path(args.output)
@@ -287,7 +290,8 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=4, help="chunks of the text to evaluate (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")
-    arguments.add_device_arguments(p, unset="as many as fit")
+    arguments.add_device_arguments(p, unset="as many as fit with -fit on, all with -fit off")
+    arguments.add_fit_arguments(p, context=False)
     p.add_argument("--kv-window", type=int,
                    help="kivi: recent tokens kept in fp16 (default: the model's kvq.window, else 128)")
     p.add_argument("--kv-sinks", type=int,

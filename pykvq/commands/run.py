@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import TextIO
 
 from pykvq import assets, gguf_metadata, kv_types
-from pykvq.api import fit
-from pykvq.api.fit import Placement
 from pykvq.api.llama import (
     FLASH_ATTN,
     ChatMessage,
@@ -162,24 +160,10 @@ def run_command(args: argparse.Namespace) -> int:
         n_batch, n_ubatch = _batch_sizes(args, shape, kv, select)
     config = ContextConfig(args.ctx_size, n_batch, n_ubatch, args.threads, args.flash_attn, kv,
                            op_offload=args.op_offload, swa_full=args.swa_full)
-    layers: int | Placement = fit.ALL_LAYERS if n_gpu_layers is None else n_gpu_layers
-    if args.fit and (n_gpu_layers is None or config.n_ctx == 0):
-        placement = fit.fit_placement(path, config, layers, args.fit_target, args.fit_ctx)
-        _report_placement(placement, args)
-        layers, config = placement, placement.context_config(config)
+    layers, config = arguments.fit_to_memory(args, path, config, n_gpu_layers)
     with Model(path, n_gpu_layers=layers) as model, model.context(config) as ctx:
         _generate(model, ctx, args, kv, select)
     return 0
-
-
-def _report_placement(placement: Placement, args: argparse.Namespace) -> None:
-    layers = "every layer" if placement.n_gpu_layers == fit.ALL_LAYERS else f"-ngl {placement.n_gpu_layers}"
-    margin = ",".join(str(m) for m in args.fit_target)
-    if placement.fitted:
-        log.info("fitted to free memory, keeping %s MiB free (-fitt): %s, -c %d", margin, layers, placement.n_ctx)
-    else:
-        log.warning("nothing keeps %s MiB free (-fitt): loading %s, -c %d, which may not fit (lower -c or -fitt, or "
-                    "set -ngl; -fit off to skip the fit)", margin, layers, placement.n_ctx)
 
 
 def model_selection(model_path: Path) -> kv_types.Selection | None:
