@@ -26,6 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import pykvq
 from pykvq import ContextConfig, KvConfig, LlamaError, Model, kv_types
 from pykvq.devtools import random_model
 
@@ -130,11 +131,20 @@ def context_configs(space: Space) -> st.SearchStrategy[ContextConfig]:
 
 
 Refusal = (LlamaError, ValueError)
+PYKVQ = Path(pykvq.__file__).resolve().parent
 
 
 def assert_clear(err: Exception) -> None:
+    """A refusal that pykvq's own checks raised, saying why: not a ValueError that escaped from a library or the
+    standard library (int(), numpy, cffi) with its own words."""
     message = str(err)
     assert message.strip() and "Traceback" not in message, repr(err)
+    frame = err.__traceback__
+    assert frame is not None, repr(err)
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    raised_in = Path(frame.tb_frame.f_code.co_filename).resolve()
+    assert PYKVQ in raised_in.parents, f"{err!r} was raised in {raised_in}, not by pykvq's checks"
 
 
 # operations: each records how to replay it on a twin, and what it does to the positions each sequence holds
@@ -458,3 +468,13 @@ def test_every_sliding_window_configuration_is_refused_clearly_or_survives(gemma
     """Gemma 3's shape: kivi types in both caches of upstream's iSWA cache, the sliding-window one sometimes of
     its own (--kv-type-swa)."""
     explore(GEMMA3, gemma3_model, tmp_path, N_EXAMPLES // 3)
+
+
+def test_only_pykvqs_own_refusals_count_as_clear() -> None:
+    with pytest.raises(ValueError) as foreign:
+        int("twelve")
+    with pytest.raises(AssertionError, match="not by pykvq's checks"):
+        assert_clear(foreign.value)
+    with pytest.raises(kv_types.KvTypeError) as own:
+        kv_types.type_id("kivi3")
+    assert_clear(own.value)

@@ -213,6 +213,9 @@ step_smoke() {
     model=$(python3 -c "from pykvq import assets; print(assets.default_model())")
     pykvq run -m "$model" -ngl 99 --kv-type kivi2 -p "The capital of France is" -n 24 --temp 0 \
         > "$WORK/smoke-run.txt" 2>&1 || return 1
+    # the default placement: upstream's fit over the GPU's free memory (every layer, the training context here)
+    pykvq -v run -m "$model" --kv-type kivi2 -c 0 -p "The capital of France is" -n 24 --temp 0 \
+        > "$WORK/smoke-fit.txt" 2>&1 || return 1
     python3 - "$model" > "$WORK/smoke-api.txt" 2>&1 <<'EOF' || return 1
 import sys
 from pykvq import ContextConfig, KvConfig, Model, Sampler, SamplerSettings
@@ -246,7 +249,8 @@ EOF
     python3 - "$WORK" "$answer" "$(gpu_name)" <<'EOF'
 import json, sys
 work, answer, gpu = sys.argv[1:]
-json.dump({"gpu": gpu, "run": open(f"{work}/smoke-run.txt").read()[-2000:],
+fit = [line for line in open(f"{work}/smoke-fit.txt") if "fitted to free memory" in line or "offloaded" in line]
+json.dump({"gpu": gpu, "run": open(f"{work}/smoke-run.txt").read()[-2000:], "fit": fit,
            "api": open(f"{work}/smoke-api.txt").read()[-2000:], "server": answer}, open(f"{work}/smoke.json", "w"), indent=1)
 EOF
     [ -n "$answer" ]
