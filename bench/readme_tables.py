@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ALL_LAYERS = -1  # n_gpu_layers: every layer on the device
 
 
 def perplexity_table(path: Path) -> str:
@@ -116,6 +117,40 @@ def iswa_memory_table(path: Path) -> str:
     for r in record["rows"]:
         lines.append(f"| {r['kv_type']} | {r['total_mib']:.1f} | {r['global_mib']:.1f} | {r['swa_mib']:.1f} | "
                      f"{r['swa_cells']} | {r['total_mib'] / f16:.2f} |")
+    return "\n".join(lines)
+
+
+def fit_context_table(path: Path) -> str:
+    return fit_context_record_table(json.loads(path.read_text()))
+
+
+def every_layer(row: dict, n_layer: int) -> bool:
+    return row["fitted"] and (row["n_gpu_layers"] == ALL_LAYERS or row["n_gpu_layers"] > n_layer)
+
+
+def cell(row: dict, n_layer: int) -> str:
+    if not row["fitted"]:
+        return "does not fit"
+    return f"{row['n_ctx']}" if every_layer(row, n_layer) else f"{row['n_ctx']} (-ngl {row['n_gpu_layers']})"
+
+
+def fit_context_record_table(record: dict) -> str:
+    types = list(dict.fromkeys(r["kv_type"] for r in record["rows"]))
+    n_layer = record["n_layer"]
+    lines = [f"The longest context that llama.cpp's fit (-c 0) gives each KV type, {record['model']} on "
+             f"{record['device']} (bench/fit_context.py; tokens, -ngl where not every layer fits, x: against f16 where "
+             "both hold every layer):", "",
+             "| budget | " + " | ".join(types) + " |", "| ---: |" + " ---: |" * len(types)]
+    for budget in dict.fromkeys(r["budget_gib"] for r in record["rows"]):
+        rows = {r["kv_type"]: r for r in record["rows"] if r["budget_gib"] == budget}
+        base = rows.get("f16")
+        cells = []
+        for t in types:
+            text = cell(rows[t], n_layer)
+            if t != "f16" and base and every_layer(base, n_layer) and every_layer(rows[t], n_layer):
+                text += f" ({rows[t]['n_ctx'] / base['n_ctx']:.1f}x)"
+            cells.append(text)
+        lines.append(f"| {budget:g} GiB | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -371,6 +406,7 @@ def render() -> str:
     parts += [batched_table(p) for p in sorted(RESULTS.glob("batched-speed-*.json"))]
     parts += [prefill_table(p) for p in sorted(RESULTS.glob("prefill-speed-*.json"))]
     parts += [iswa_memory_table(p) for p in sorted(RESULTS.glob("iswa-memory-*.json"))]
+    parts += [fit_context_table(p) for p in sorted(RESULTS.glob("fit-context-*.json"))]
     parts += [passkey_table(p) for p in sorted(RESULTS.glob("passkey-*.json"))]
     parts += [pre_rope_table(p) for p in sorted(RESULTS.glob("pre-rope-k*.json"))]
     parts += [skvq_clip_table(p) for p in sorted(RESULTS.glob("skvq-clip*.json"))]

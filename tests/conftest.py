@@ -2,16 +2,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from pykvq import assets, paths
+from pykvq import assets
+from pykvq.devtools import rpc_server as rpc_server_process
 from pykvq.devtools import upstream
 
 # importlib mode puts nothing on sys.path: the test helpers (oracles, the device setting) live next to the tests, and
@@ -21,7 +19,6 @@ sys.path[:0] = [str(TESTS), str(TESTS.parent / "bench"), str(TESTS.parent / "ben
 
 import device  # noqa: E402
 import kvq_graph as g  # noqa: E402
-from server_process import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # upstream's tools (llama-perplexity, llama-completion, ... run directly or by pykvq) put every layer on a GPU
@@ -116,28 +113,13 @@ def hamlet() -> Path:
 
 @pytest.fixture(scope="session")
 def rpc_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A ggml-rpc-server on 127.0.0.1 (CPU kernels behind it): a device whose memory the host cannot read."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("rpc") / "server.log"
-    with log.open("w") as out:
-        # -d CPU: on a CUDA build the server would serve the GPU, and "rpc" would judge the GPU's kernels twice
-        server = subprocess.Popen([str(paths.tool("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "2",
-                                   "-d", "CPU"],
-                                  stdout=out, stderr=subprocess.STDOUT)
+    """A ggml-rpc-server on 127.0.0.1 (CPU kernels behind it, even on a CUDA build, whose server would otherwise
+    lend the GPU and "rpc" would judge the GPU's kernels twice): a device whose memory the host cannot read."""
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"ggml-rpc-server did not start: {log.read_text()[-2000:]}")
-                time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+        with rpc_server_process.serve(tmp_path_factory.mktemp("rpc") / "server.log") as endpoint:
+            yield endpoint
+    except rpc_server_process.RpcServerError as exc:
+        pytest.fail(str(exc))
 
 
 @pytest.fixture

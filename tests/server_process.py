@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,12 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import device
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pykvq.devtools.rpc_server import free_port
 
 
 @dataclass(frozen=True)

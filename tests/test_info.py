@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -73,3 +74,18 @@ def test_info_text_names_upstream_and_patches() -> None:
 def test_unknown_command_fails_cleanly() -> None:
     proc = pykvq_cli("frobnicate")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_info_lists_the_devices_that_take_layers(rpc_server: str, cpu_only: None) -> None:
+    """As llama.cpp's --list-devices: none on the CPU, an RPC server's (its machine's whole memory) with --rpc."""
+    alone = json.loads(pykvq_cli("info", "--json").stdout)
+    assert alone["devices"] == []
+    assert "devices            none that take layers" in pykvq_cli("info").stdout
+    proc = pykvq_cli("info", "--json", "--rpc", rpc_server)
+    assert proc.returncode == 0, proc.stderr
+    [device] = json.loads(proc.stdout)["devices"]
+    total_mib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
+    assert (device["name"], device["description"], device["kind"]) == ("RPC0", rpc_server, "GPU")
+    assert device["total_mib"] == total_mib and 0 < device["free_mib"] <= total_mib
+    text = pykvq_cli("info", "--rpc", rpc_server).stdout
+    assert f"devices            RPC0: {rpc_server} ({total_mib} MiB, " in text

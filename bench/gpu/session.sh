@@ -266,9 +266,10 @@ step_bench() {
         --kv-types $types --tg 32 --workdir /tmp || return 1
     python3 bench/prefill_speed.py --model random:llama3-8b --ngl 99 --depth 4096 32768 --kv-types $types \
         --workdir /tmp || return 1
-    python3 bench/max_context.py --model random:llama3-8b --workdir /tmp || return 1
+    python3 bench/fit_context.py --model random:llama3-8b --device gpu --budget-gib 8 12 16 24 48 \
+        --workdir /tmp || return 1
     bundle "$WORK/bench.json" bench/results/decode-speed-h* bench/results/batched-speed-h* \
-        bench/results/prefill-speed-h* bench/results/max-context-*
+        bench/results/prefill-speed-h* bench/results/fit-context-h*
 }
 
 chain() {

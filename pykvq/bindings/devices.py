@@ -26,6 +26,8 @@ class Device:
     name: str
     description: str
     kind: str
+    free: int  # bytes of memory free when the device was listed (an RPC server's CPU: its machine's whole memory)
+    total: int
 
 
 def offload_devices() -> list[Device]:
@@ -37,8 +39,11 @@ def offload_devices() -> list[Device]:
         dev = ggml.ggml_backend_dev_get(i)
         kind = _OFFLOAD_TYPES.get(ggml.ggml_backend_dev_type(dev))
         if kind is not None:
+            free, total = lib.ffi.new("size_t *"), lib.ffi.new("size_t *")
+            ggml.ggml_backend_dev_memory(dev, free, total)
             found.append(Device(lib.ffi.string(ggml.ggml_backend_dev_name(dev)).decode(),
-                                lib.ffi.string(ggml.ggml_backend_dev_description(dev)).decode(), kind))
+                                lib.ffi.string(ggml.ggml_backend_dev_description(dev)).decode(), kind, free[0],
+                                total[0]))
     return found
 
 

@@ -62,6 +62,7 @@ _CDEF = """
     const char *       ggml_backend_dev_name(ggml_backend_dev_t device);
     const char *       ggml_backend_dev_description(ggml_backend_dev_t device);
     int                ggml_backend_dev_type(ggml_backend_dev_t device);
+    void               ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
 """
 
 

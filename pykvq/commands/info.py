@@ -6,7 +6,10 @@ import argparse
 import json
 
 from pykvq import build_info
-from pykvq.bindings import native
+from pykvq.api.llama import add_rpc_servers
+from pykvq.bindings import devices, native
+
+MIB = 2**20
 
 
 def collect() -> dict:
@@ -30,6 +33,8 @@ def collect() -> dict:
             {"name": t.name, "bits_per_element": round(t.bits_per_element, 3)} for t in native.kv_cache_types()
         ],
         "build_type": info.build_type,
+        "devices": [{"name": d.name, "description": d.description, "kind": d.kind, "total_mib": d.total // MIB,
+                     "free_mib": d.free // MIB} for d in devices.offload_devices()],
     }
 
 
@@ -51,16 +56,25 @@ def format_text(info: dict) -> str:
         + ", ".join(f"{t['name']} ({t['bits_per_element']:g} bpe)" for t in info["kv_cache_types"]),
         f"build type         {info['build_type']}",
     ]
+    # llama.cpp's --list-devices, the devices that take layers (-ngl)
+    found = [f"{d['name']}: {d['description']} ({d['total_mib']} MiB, {d['free_mib']} MiB free)"
+             for d in info["devices"]]
+    lines.append(f"devices            {'; '.join(found) or 'none that take layers: the CPU runs every layer'}")
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rpc:
+        add_rpc_servers(args.rpc)
     info = collect()
     print(json.dumps(info, indent=2) if args.json else format_text(info))
     return 0
 
 
 def add_info_command(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("info", help="show the build: upstream, patches, backends, KV cache types")
+    parser = commands.add_parser("info", help="show the build: upstream, patches, backends, KV cache types, devices")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--rpc", metavar="SERVERS",
+                        help="list these RPC servers' devices too, HOST:PORT[,HOST:PORT...] (as llama.cpp's "
+                             "--list-devices with --rpc)")
     parser.set_defaults(handler=run)
