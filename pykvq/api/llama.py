@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 
@@ -29,7 +29,6 @@ from pykvq.kv_types import KIVI_BITS, Selection, selection_depth
 
 if TYPE_CHECKING:
     from pykvq.api.capture import TensorObserver
-    from pykvq.api.fit import Placement
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 LLAMA_LOAD_MODE_NONE = 0  # enum llama_load_mode: read nothing but what is asked
@@ -303,10 +302,16 @@ class _Handle:
         self.close()
 
 
+class LayerPlacement(Protocol):
+    """Where a model's layers go, as pykvq.fit_placement decides (its Placement): it sets llama_model_params."""
+
+    def apply(self, mparams) -> None: ...
+
+
 class Model(_Handle):
     """A GGUF model loaded by libllama."""
 
-    def __init__(self, path: str | os.PathLike, n_gpu_layers: int | Placement = 0, rpc: str | None = None,
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int | LayerPlacement = 0, rpc: str | None = None,
                  vocab_only: bool = False, metadata_only: bool = False) -> None:
         """n_gpu_layers: layers on the GPU (-ngl; -1 every one), or where pykvq.fit_placement put them; rpc: RPC
         servers as extra devices, HOST:PORT[,...] (--rpc); vocab_only: load the vocabulary alone (to tokenize);
