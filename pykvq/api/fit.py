@@ -43,10 +43,6 @@ class Placement:
     # the tensor split and tensor overrides the fit wrote, which the model's parameters point into while it loads
     _buffers: tuple[object, object] = field(repr=False, compare=False)
 
-    @property
-    def tensor_split(self) -> list[float]:
-        return list(self._buffers[0])
-
     def apply(self, mparams) -> None:
         """Set llama_model_params as the fit left them."""
         tensor_split, overrides = self._buffers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from pykvq import kv_types
@@ -44,11 +45,11 @@ def selection(text: str) -> kv_types.Selection:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def add_device_arguments(p: argparse.ArgumentParser, unset: str = "all") -> None:
-    """-ngl, --rpc and --op-offload, as llama.cpp's tools take them; ``unset`` says what -ngl left out offloads where
-    a device takes layers."""
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    """-ngl, --rpc and --op-offload, as llama.cpp's tools take them."""
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=None,
-                   help=f"layers to offload to the GPU (default: {unset} with a GPU build or --rpc, else 0)")
+                   help="layers to offload to the GPU (default: as many as fit with -fit on, all with -fit off, with a "
+                        "GPU build or --rpc, else 0)")
     p.add_argument("--rpc", metavar="SERVERS",
                    help="RPC servers as devices, HOST:PORT[,HOST:PORT...] (each running ggml-rpc-server)")
     p.add_argument("--op-offload", action=argparse.BooleanOptionalAction, default=True,
@@ -81,9 +82,9 @@ def add_fit_arguments(p: argparse.ArgumentParser, context: bool = True) -> None:
         p.set_defaults(fit_ctx=fit.DEFAULT_N_CTX_MIN)
 
 
-def fit_target(args: argparse.Namespace) -> str:
+def fit_target(margins_mib: Sequence[int]) -> str:
     """-fitt as llama.cpp's tools take it."""
-    return ",".join(str(m) for m in args.fit_target)
+    return ",".join(str(m) for m in margins_mib)
 
 
 def fit_to_memory(args: argparse.Namespace, path: Path, config: ContextConfig,
@@ -97,11 +98,11 @@ def fit_to_memory(args: argparse.Namespace, path: Path, config: ContextConfig,
     placement = fit.fit_placement(path, config, layers, args.fit_target, args.fit_ctx)
     where = "every layer" if placement.n_gpu_layers == fit.ALL_LAYERS else f"-ngl {placement.n_gpu_layers}"
     if placement.fitted:
-        log.info("fitted to free memory, keeping %s MiB free (-fitt): %s, -c %d", fit_target(args), where,
+        log.info("fitted to free memory, keeping %s MiB free (-fitt): %s, -c %d", fit_target(args.fit_target), where,
                  placement.n_ctx)
     else:
         log.warning("nothing keeps %s MiB free (-fitt): loading %s, -c %d, which may not fit (lower -c or -fitt, "
-                    "or set -ngl; -fit off to skip the fit)", fit_target(args), where, placement.n_ctx)
+                    "or set -ngl; -fit off to skip the fit)", fit_target(args.fit_target), where, placement.n_ctx)
     return placement, placement.context_config(config)
 
 

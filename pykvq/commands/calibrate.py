@@ -555,6 +555,6 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                    help="with --retrieval, each pass-key prompt's length in tokens: the loss shows only past a long "
                         f"context (default {RETRIEVAL_CTX})")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")
-    arguments.add_device_arguments(p, unset="as many as fit with -fit on, all with -fit off")
+    arguments.add_device_arguments(p)
     arguments.add_fit_arguments(p, context=False)
     p.set_defaults(handler=run)

@@ -6,10 +6,9 @@ import argparse
 import json
 
 from pykvq import build_info
+from pykvq.api.fit import MIB
 from pykvq.api.llama import add_rpc_servers
 from pykvq.bindings import devices, native
-
-MIB = 2**20
 
 
 def collect() -> dict:

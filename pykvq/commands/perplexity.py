@@ -72,7 +72,7 @@ def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
     args = ["-m", str(settings.model), "-f", str(settings.text), "-c", str(settings.n_ctx), "-b", str(settings.n_ctx),
             "--chunks", str(settings.chunks), "-t", str(settings.threads), "-fa", "on",
             "-ctk", spec.name, "-ctv", spec.name, "--op-offload" if settings.op_offload else "--no-op-offload"]
-    args += ["-fit", "on" if settings.fit else "off", "-fitt", ",".join(map(str, settings.fit_target))]
+    args += ["-fit", "on" if settings.fit else "off", "-fitt", arguments.fit_target(settings.fit_target)]
     if settings.n_gpu_layers is not None:
         args += ["-ngl", str(settings.n_gpu_layers)]
     if settings.rpc:
@@ -290,7 +290,7 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=4, help="chunks of the text to evaluate (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")
-    arguments.add_device_arguments(p, unset="as many as fit with -fit on, all with -fit off")
+    arguments.add_device_arguments(p)
     arguments.add_fit_arguments(p, context=False)
     p.add_argument("--kv-window", type=int,
                    help="kivi: recent tokens kept in fp16 (default: the model's kvq.window, else 128)")

@@ -51,7 +51,7 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size (default 2048)")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch size (default 512)")
     p.add_argument("-t", "--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads")
-    arguments.add_device_arguments(p, unset="as many as fit with -fit on, all with -fit off")
+    arguments.add_device_arguments(p)
     arguments.add_fit_arguments(p)
     p.add_argument("--swa-full", action="store_true",
                    help="a full-size cache for sliding-window layers (Gemma 2/3, gpt-oss), as llama.cpp's --swa-full")
