@@ -7,8 +7,10 @@ Skipped unless PYKVQ_TEST_CUDA_BUILD names that build folder (CI sets it)."""
 from __future__ import annotations
 
 import ctypes.util
+import hashlib
 import os
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,17 @@ def test_the_cuda_build_is_installed_with_its_cuda_library() -> None:
     lib_dir = cuda_lib_dir()
     assert lib_dir.is_relative_to(VENV), lib_dir
     assert (lib_dir / "libggml-cuda.so").is_file()
+
+
+def test_its_wheel_is_what_was_installed_and_serves_any_python_3() -> None:
+    # bench/gpu/prepare.sh carries this wheel to a GPU machine, whose Python is not this one
+    wheels = list((BUILD / "dist").glob("pykvq-*.whl"))
+    assert len(wheels) == 1, wheels
+    assert wheels[0].name.endswith("-py3-none-linux_x86_64.whl"), wheels[0].name
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        packed = hashlib.sha256(wheel.read("pykvq/lib/libggml-cuda.so")).hexdigest()
+        assert not [name for name in wheel.namelist() if ".cpython-" in name or ".abi3." in name]
+    assert hashlib.sha256((cuda_lib_dir() / "libggml-cuda.so").read_bytes()).hexdigest() == packed
 
 
 def test_its_libraries_define_none_of_libstdcxx_and_need_it() -> None:

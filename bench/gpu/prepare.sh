@@ -3,10 +3,12 @@
 #   build/upstream-prepatched  the pruned, pre-patched llama.cpp (python -m pykvq.devtools.dev prune), ~30 MiB
 #   .whl/                      wheels its image lacks, for its Python 3.12: cffi, pycparser, gguf, pytest-timeout, and
 #                              llama-cpp-python (its Python package only) with its server's packages
+#   .gpu-carry/prebuilt/       the CUDA wheel (sm_90) CI builds (.ci/cuda-build), with the hash of its sources: the
+#                              GPU machine installs it in seconds instead of building for four minutes, ~25 MiB
 #   .gpu-carry/partN/          the model assets the suite reads (SmolLM2, the Shakespeare texts) in parts of
 #                              28 MiB, one part per command, each with the manifest
-# Then: the first command carries build/upstream-prepatched and .whl and runs `bash bench/gpu/session.sh start`;
-# each later one carries one .gpu-carry/partN and runs `bash bench/gpu/session.sh poll` (bench/gpu/README.md).
+# Then: the first command carries .whl and .gpu-carry/prebuilt and runs `bash bench/gpu/session.sh start`; each
+# later one carries .gpu-carry/partN and runs `bash bench/gpu/session.sh poll` (bench/gpu/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 for ignored in /.whl/ /.gpu-carry/; do
@@ -45,4 +47,12 @@ for i in "${!parts[@]}"; do
     cp .gpu-carry/assets.sha256 ".gpu-carry/part$i/"
 done
 rm .gpu-carry/assets.sha256
-du -sh build/upstream-prepatched .whl .gpu-carry/part*
+
+sources=$(bash bench/gpu/session.sh fingerprint)
+bash .ci/cuda-build
+[ "$(bash bench/gpu/session.sh fingerprint)" = "$sources" ] \
+    || { echo "prepare: the sources changed during the CUDA build: run it again" >&2; exit 1; }
+mkdir -p .gpu-carry/prebuilt
+cp build/cuda/dist/pykvq-*.whl .gpu-carry/prebuilt/
+echo "$sources" > .gpu-carry/prebuilt/sources.sha256
+du -sh build/upstream-prepatched .whl .gpu-carry/prebuilt .gpu-carry/part*

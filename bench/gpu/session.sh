@@ -6,6 +6,7 @@
 #   bash bench/gpu/session.sh start [SECONDS]   install the carried wheels, start the chain, poll
 #   bash bench/gpu/session.sh poll [SECONDS]    take any carried asset part, poll (default 540 s)
 #   bash bench/gpu/session.sh status            one line per step
+#   bash bench/gpu/session.sh fingerprint       the hash of the sources a wheel is built from (prepare.sh)
 #
 # The chain: build (CUDA, sm_90) -> diagnose (the linker record) -> smoke (`pykvq run`, the Python API, the
 # llama-cpp-python server) -> recheck (the tests that failed on the last GPU run, bench/gpu/recheck.txt) -> suite
@@ -79,24 +80,73 @@ json.dump({p.split("/")[-1]: json.load(open(p)) for p in sys.argv[2:] if p.endsw
 EOF
 }
 
-step_build() {
-    rm -rf "$SRC" && mkdir -p "$SRC"
-    (cd "$REPO" && tar --exclude=./.git --exclude=./.gpu-carry -cf - .) | tar -x -C "$SRC"
+# the files a wheel is built from: a carried wheel is installed only when it was built from the same
+SOURCES=(CMakeLists.txt pyproject.toml cmake convert ggml-kvq native pykvq)
+source_fingerprint() {
+    (cd "$1" && find "${SOURCES[@]}" -type f -not -path '*/__pycache__/*' -print0 | LC_ALL=C sort -z \
+        | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+}
+
+# The wheel's RUNPATH names the CI machine's cuBLAS wheel: any CUDA library the loader cannot find here is looked
+# for in the toolkit and the image's Python packages
+find_cuda_libraries() {
+    local lib missing found
+    lib=$(cd /tmp && python3 -c "from pykvq import paths; print(paths.lib_dir())")/libggml-cuda.so
+    for missing in $(ldd "$lib" | awk '/not found/ {print $1}'); do
+        found=$(find /usr/local /opt "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+            -name "$missing" -print -quit 2>/dev/null)
+        [ -n "$found" ] || { log "$missing: not on this machine"; return 1; }
+        export LD_LIBRARY_PATH="$(dirname "$found")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        log "$missing: from $(dirname "$found")"
+    done
+}
+
+# The CUDA wheel CI built and judged (.ci/cuda-build, carried by bench/gpu/prepare.sh) saves the lease the build's
+# four minutes, when it is of these sources and sees the GPU here; PYKVQ_GPU_PREBUILT=0 builds regardless
+install_prebuilt() {
+    [ "${PYKVQ_GPU_PREBUILT:-1}" = 1 ] || return 1
+    local wheel
+    wheel=$(ls "$REPO"/.gpu-carry/prebuilt/pykvq-*.whl 2>/dev/null | head -1)
+    [ -n "$wheel" ] || { log "no prebuilt wheel carried"; return 1; }
+    [ "$(cat "$REPO/.gpu-carry/prebuilt/sources.sha256")" = "$(source_fingerprint "$SRC")" ] \
+        || { log "the prebuilt wheel was built from other sources than this tree's"; return 1; }
+    python3 -m pip install --no-deps --force-reinstall "$wheel" || return 1
+    find_cuda_libraries || return 1
+    (cd /tmp && pykvq info) | grep -q "devices .*CUDA0" || { log "the prebuilt wheel sees no CUDA device"; return 1; }
+}
+
+build_from_source() {
+    until [ -d "$REPO/build/upstream-prepatched" ]; do
+        log "waiting for build/upstream-prepatched (carry it with the next poll)"
+        sleep 20
+    done
+    [ -d "$SRC/build/upstream-prepatched" ] || cp -a "$REPO/build/upstream-prepatched" "$SRC/build/"
     cd "$SRC"
-    local start=$SECONDS
     PYKVQ_UPSTREAM_SOURCE="$SRC/build/upstream-prepatched" PYKVQ_CUDA=ON \
     CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90-real" \
-        python3 -m pip install --no-build-isolation --no-deps -Cbuild-dir="$WORK/build" . || return 1
+        python3 -m pip install --no-build-isolation --no-deps -Cbuild-dir="$WORK/build" .
+}
+
+step_build() {
+    rm -rf "$SRC" && mkdir -p "$SRC/build"
+    (cd "$REPO" && tar --exclude=./.git --exclude=./.gpu-carry -cf - .) | tar -x -C "$SRC"
+    local start=$SECONDS how="prebuilt by CI (.ci/cuda-build), carried"
+    if ! install_prebuilt; then
+        log "building here"
+        how="built here"
+        build_from_source || return 1
+    fi
     (cd /tmp && pykvq info) || return 1
     # the image's own packages (transformers, torch, ...) decide what the converter tests meet there
     python3 -m pip list --format=json > "$WORK/packages.json"
-    printf '{"gpu": "%s", "build_seconds": %d}\n' "$(gpu_name)" $((SECONDS - start)) > "$WORK/build.json"
+    printf '{"gpu": "%s", "build": "%s", "build_seconds": %d}\n' "$(gpu_name)" "$how" $((SECONDS - start)) \
+        > "$WORK/build.json"
 }
 
 # Why a static libstdc++ can end up inside libggml-cuda.so: the toolchain, the library's dynamic section, the
 # exported libstdc++ symbols, and which input of the link pulls std::ios_base::Init in
 step_diagnose() {
-    cd "$WORK/build"
+    cd "$WORK/build" || { echo "nothing was built here (a prebuilt wheel): PYKVQ_GPU_PREBUILT=0 builds"; return 1; }
     local lib link
     lib=$(python3 -c "from pykvq import paths; print(paths.lib_dir())")/libggml-cuda.so
     {
@@ -299,7 +349,7 @@ collect() {
 status() {
     for step in $STEPS; do
         if [ -f "$WORK/$step.rc" ]; then echo "$step: exit $(cat "$WORK/$step.rc")"
-        elif [ -f "$WORK/$step.log" ]; then echo "$step: running"
+        elif [ -f "$WORK/$step.log" ]; then echo "$step: running: $(tail -n 1 "$WORK/$step.log" | cut -c 1-160)"
         else echo "$step: waiting"; fi
     done
 }
@@ -330,6 +380,7 @@ case "${1:-}" in
     chain) chain ;;
     poll) poll "${2:-540}" ;;
     status) status ;;
+    fingerprint) source_fingerprint "$REPO" ;;
     *)
         sed -n '2,16p' "$0" >&2
         exit 2
