@@ -112,7 +112,9 @@ install_prebuilt() {
         || { log "the prebuilt wheel was built from other sources than this tree's"; return 1; }
     python3 -m pip install --no-deps --force-reinstall "$wheel" || return 1
     find_cuda_libraries || return 1
-    (cd /tmp && pykvq info) | grep -q "devices .*CUDA0" || { log "the prebuilt wheel sees no CUDA device"; return 1; }
+    local info
+    info=$(cd /tmp && pykvq info) || return 1
+    grep -q "devices .*CUDA0" <<< "$info" || { log "the prebuilt wheel sees no CUDA device"; return 1; }
 }
 
 build_from_source() {
