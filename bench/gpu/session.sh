@@ -177,7 +177,9 @@ run_suite() {
     cd "$SRC"
     wait_for_assets
     local tests=(tests)
-    [ -n "$targets" ] && mapfile -t tests < "$targets"
+    [ -n "$targets" ] && mapfile -t tests < <(grep -v '^\s*$' "$targets")
+    # an empty listing would otherwise run the whole suite under the step's name
+    [ ${#tests[@]} -gt 0 ] || { echo "$targets names no test"; return 1; }
     # -v names each test as it ends, and PYKVQ_TEST_REPORT (tests/conftest.py) writes each failure with its message
     # as it happens: a suite cut short by the lease still tells what failed and why
     env "$@" PYKVQ_TEST_REPORT="$WORK/$name-failures.jsonl" \
