@@ -87,12 +87,14 @@ source_fingerprint() {
         | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
 }
 
+# the installed pykvq's (from /tmp: the tree's root would import its source folder)
+cuda_library() { echo "$(cd /tmp && python3 -c "from pykvq import paths; print(paths.lib_dir())")/libggml-cuda.so"; }
+
 # The wheel's RUNPATH names the CI machine's cuBLAS wheel: any CUDA library the loader cannot find here is looked
 # for in the toolkit and the image's Python packages
 find_cuda_libraries() {
-    local lib missing found
-    lib=$(cd /tmp && python3 -c "from pykvq import paths; print(paths.lib_dir())")/libggml-cuda.so
-    for missing in $(ldd "$lib" | awk '/not found/ {print $1}'); do
+    local missing found
+    for missing in $(ldd "$(cuda_library)" | awk '/not found/ {print $1}'); do
         found=$(find /usr/local /opt "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
             -name "$missing" -print -quit 2>/dev/null)
         [ -n "$found" ] || { log "$missing: not on this machine"; return 1; }
@@ -114,6 +116,7 @@ install_prebuilt() {
     find_cuda_libraries || return 1
     local info
     info=$(cd /tmp && pykvq info) || return 1
+    echo "$info"
     grep -q "devices .*CUDA0" <<< "$info" || { log "the prebuilt wheel sees no CUDA device"; return 1; }
 }
 
@@ -137,8 +140,8 @@ step_build() {
         log "building here"
         how="built here"
         build_from_source || return 1
+        (cd /tmp && pykvq info) || return 1
     fi
-    (cd /tmp && pykvq info) || return 1
     # the image's own packages (transformers, torch, ...) decide what the converter tests meet there
     python3 -m pip list --format=json > "$WORK/packages.json"
     printf '{"gpu": "%s", "build": "%s", "build_seconds": %d}\n' "$(gpu_name)" "$how" $((SECONDS - start)) \
@@ -150,7 +153,7 @@ step_build() {
 step_diagnose() {
     cd "$WORK/build" || { echo "nothing was built here (a prebuilt wheel): PYKVQ_GPU_PREBUILT=0 builds"; return 1; }
     local lib link
-    lib=$(python3 -c "from pykvq import paths; print(paths.lib_dir())")/libggml-cuda.so
+    lib=$(cuda_library)
     {
         g++ --version | head -1
         nvcc --version | tail -1
