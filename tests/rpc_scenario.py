@@ -3,12 +3,14 @@ next graph maybe still running), suffix removal, keep, per-sequence and whole st
 it saw as one .npy file. Run by tests/test_rpc.py in a subprocess per device (an RPC device, once added,
 stays in the process).
 
-    python rpc_scenario.py MODEL TEXT OUT.npy KV_LAYERS UNIFIED [RPC_ENDPOINT]
+    python rpc_scenario.py MODEL TEXT OUT.npy KV_LAYERS {streams,unified} [--rpc ENDPOINT] [--recurrent]
+
+--recurrent: a hybrid model's memory, whose recurrent state cannot drop a suffix (upstream refuses): no removal.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ import numpy as np
 from pykvq import ContextConfig, KvConfig, Model
 
 
-def scenario(model: Model, text: str, kv: KvConfig, unified: bool) -> list[np.ndarray]:
+def scenario(model: Model, text: str, kv: KvConfig, unified: bool, removes: bool = True) -> list[np.ndarray]:
     tokens = model.tokenize(text)
     a, b, c = tokens[:300], tokens[300:600], tokens[600:900]
     # ubatches of 32: several per batch, and on Gemma 3's shape the sliding-window cache's parts (96 + 32 + two
@@ -27,7 +29,8 @@ def scenario(model: Model, text: str, kv: KvConfig, unified: bool) -> list[np.nd
         seen.append(ctx.eval_seqs({0: a[:133]})[0])
         ctx.seq_cp(0, 1)  # right behind the prefill's graph
         seen += ctx.eval_seqs({0: a[133:150], 1: b[:40]}).values()
-        ctx.seq_rm(1, 133 + 40 - 1)  # the last token: within the window's slack
+        if removes:
+            ctx.seq_rm(1, 133 + 40 - 1)  # the last token: within the window's slack
         ctx.seq_cp(0, 2)
         seen += ctx.eval_seqs({1: b[40:41], 2: c[:64]}).values()
         one = ctx.save_seq_state(1)
@@ -45,12 +48,19 @@ def scenario(model: Model, text: str, kv: KvConfig, unified: bool) -> list[np.nd
 
 
 def main() -> None:
-    model_path, text_path, out, layers, unified = sys.argv[1:6]
-    rpc = sys.argv[6] if len(sys.argv) > 6 else None
-    kv = KvConfig("kivi2", "kivi2", window=64, sinks=4, layers=layers or None)
-    with Model(model_path, n_gpu_layers=99 if rpc else 0, rpc=rpc) as model:
-        seen = scenario(model, Path(text_path).read_text()[40000:52000], kv, unified == "unified")
-    np.save(out, np.concatenate([np.atleast_2d(s) for s in seen]))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", type=Path)
+    parser.add_argument("text", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("layers")
+    parser.add_argument("layout", choices=["streams", "unified"])
+    parser.add_argument("--rpc")
+    parser.add_argument("--recurrent", action="store_true")
+    args = parser.parse_args()
+    kv = KvConfig("kivi2", "kivi2", window=64, sinks=4, layers=args.layers or None)
+    with Model(args.model, n_gpu_layers=99 if args.rpc else 0, rpc=args.rpc) as model:
+        seen = scenario(model, args.text.read_text()[40000:52000], kv, args.layout == "unified", not args.recurrent)
+    np.save(args.out, np.concatenate([np.atleast_2d(s) for s in seen]))
 
 
 if __name__ == "__main__":

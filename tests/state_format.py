@@ -173,6 +173,7 @@ class Geometry:
     n_embd_k: tuple[int, ...]
     n_embd_v: tuple[int, ...]
     kivi: bool
+    recurrent: bool = False  # a hybrid model's recurrent state follows the KV cache: one region, not parsed
 
     @classmethod
     def of(cls, model: Model, kivi: bool) -> Geometry:
@@ -200,6 +201,8 @@ def parse(blob: bytes, geometry: Geometry, kind: str = "state") -> Layout:
         n_arch = r.field("<I", "arch.length")
         r.region(n_arch, "arch.name")
     _memory(r, geometry.n_embd_k, geometry.n_embd_v, geometry.kivi)
+    if geometry.recurrent:
+        r.region(len(blob) - r.at, "recurrent")
     layout.check_covers(len(blob))
     return layout
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +24,11 @@ SCENARIO = Path(__file__).resolve().parent / "rpc_scenario.py"
 LAYERS = {"kivi2": "", "f16-layer0": "k:0=f16,1-=kivi2;v:0=f16,1-=kivi2"}
 
 
-def run_scenario(tmp_path: Path, model: Path, hamlet: Path, layers: str, layout: str, *rpc: str) -> np.ndarray:
+def run_scenario(tmp_path: Path, model: Path, hamlet: Path, layers: str, layout: str, rpc: str | None = None,
+                 recurrent: bool = False) -> np.ndarray:
     out = tmp_path / f"{'rpc' if rpc else 'cpu'}.npy"
-    proc = subprocess.run([sys.executable, str(SCENARIO), str(model), str(hamlet), str(out), layers, layout, *rpc],
+    options = (["--rpc", rpc] if rpc else []) + (["--recurrent"] if recurrent else [])
+    proc = subprocess.run([sys.executable, str(SCENARIO), str(model), str(hamlet), str(out), layers, layout, *options],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return np.load(out)
@@ -59,6 +62,19 @@ def test_an_iswa_cache_on_an_rpc_device_equals_the_cpu(rpc_server: str, hamlet: 
     monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL[prefill])
     on_cpu = run_scenario(tmp_path, model, hamlet, "", layout)
     on_rpc = run_scenario(tmp_path, model, hamlet, "", layout, rpc_server)
+    np.testing.assert_array_equal(on_rpc, on_cpu)
+
+
+@pytest.mark.parametrize("n_swa", [0, 64], ids=["hybrid", "hybrid-iswa"])
+def test_a_hybrid_model_on_an_rpc_device_equals_the_cpu(rpc_server: str, hamlet: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch, n_swa: int) -> None:
+    """LFM2's shape: a kivi cache beside a recurrent state in upstream's hybrid memory (its sliding-window variant
+    dropping cells between ubatches)."""
+    model = tmp_path / "lfm2-small.gguf"
+    random_model.write(replace(random_model.SHAPES["lfm2-small"], n_swa=n_swa), model, q4_1=True)
+    monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL["fused"])
+    on_cpu = run_scenario(tmp_path, model, hamlet, "", "streams", recurrent=True)
+    on_rpc = run_scenario(tmp_path, model, hamlet, "", "streams", rpc_server, recurrent=True)
     np.testing.assert_array_equal(on_rpc, on_cpu)
 
 

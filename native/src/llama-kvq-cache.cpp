@@ -322,6 +322,9 @@ static void kvq_check_attention(const llama_model & model, const llama_hparams &
         missing = "ALiBi position biases";
     } else if (!hparams.causal_attn) {
         missing = "non-causal attention";
+    } else if (hparams.is_mla()) {
+        // its graph reads V as a view of K's cache through an attention path GGML_OP_KVQ is not hooked into
+        missing = "multi-head latent attention (DeepSeek, Kimi: V read from K's cache)";
     }
     if (missing != nullptr) {
         throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + types + ": the model uses " + missing +
@@ -466,8 +469,9 @@ llama_kv_cache::slot_info llama_kv_cache::kvq_find_slot(const llama_ubatch & uba
         if (n_drop > 0) {
             res.kvq_drops.push_back({ strm, first, n_drop, n_held });
         }
-        // a prompt decoded into an empty sequence, alone in its ubatch (kvq_check_select)
-        if (n_held == 0 && ubatch.n_seqs_unq == 1 && kvq_selects_prompts() &&
+        // a prompt decoded into an empty sequence, alone in its ubatch (kvq_check_select), into kivi layers (an iSWA
+        // hybrid's global cache may hold none: LFM2's attention layers all slide)
+        if (n_held == 0 && ubatch.n_seqs_unq == 1 && kvq_selects_prompts() && kvq_active() &&
             !(seq < kvq_select_whole.size() && kvq_select_whole[seq])) {
             res.kvq_select = llama_kvq_select_for(kvq_params, n_new[seq]);
             res.kvq_select.part = regions ? seq : strm;

@@ -3,11 +3,26 @@
 #include "llama-context.h"
 #include "llama-kv-cache-iswa.h"
 #include "llama-kv-cache.h"
+#include "llama-memory-hybrid-iswa.h"
+#include "llama-memory-hybrid.h"
 #include "llama-memory.h"
 #include "llama-model.h"
 
+// the KV cache of a hybrid model's memory (Qwen3.5, Nemotron-H, LFM2): its recurrent state is the same whatever
+// the KV types, and no part of what a sequence's cells hold
+static const llama_memory_i * kvq_attention_memory(const llama_memory_i * mem) {
+    if (const auto * hybrid = dynamic_cast<const llama_memory_hybrid *>(mem)) {
+        return hybrid->get_mem_attn();
+    }
+    if (const auto * hybrid = dynamic_cast<const llama_memory_hybrid_iswa *>(mem)) {
+        return hybrid->get_mem_attn();
+    }
+    return mem;
+}
+
 // the cache whose cells bound what a sequence holds: an iSWA model's global one (the sliding-window one forgets)
 static const llama_kv_cache * kvq_bounding_cache(const llama_memory_i * mem) {
+    mem = kvq_attention_memory(mem);
     const auto * iswa = dynamic_cast<const llama_kv_cache_iswa *>(mem);
     return iswa != nullptr ? iswa->get_base() : dynamic_cast<const llama_kv_cache *>(mem);
 }
@@ -18,7 +33,7 @@ bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_me
     if (ctx == nullptr || info == nullptr) {
         return false;
     }
-    const llama_memory_t mem = llama_get_memory(ctx);
+    const llama_memory_i * mem = kvq_attention_memory(llama_get_memory(ctx));
     if (mem == nullptr) {
         return false;
     }
@@ -40,11 +55,13 @@ bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_me
         info->swa_n_cells = (uint64_t) iswa->get_swa()->get_size()*iswa->get_swa()->get_n_stream();
     }
     for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
-        if (!hparams.has_kv(il)) {
+        // a hybrid's recurrent layers may still declare KV heads (Qwen3-Next)
+        if (!hparams.has_kv(il) || hparams.is_recr(il)) {
             continue;
         }
         info->n_layers_kv += 1;
-        const uint64_t width = hparams.n_embd_k_gqa(il) + hparams.n_embd_v_gqa(il);
+        // multi-head latent attention keeps no V: it reads V from K's rows
+        const uint64_t width = hparams.n_embd_k_gqa(il) + (hparams.is_mla() ? 0 : hparams.n_embd_v_gqa(il));
         if (iswa != nullptr && hparams.is_swa(il)) {
             info->swa_n_elements += info->swa_n_cells * width;
         } else {

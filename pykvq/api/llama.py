@@ -184,8 +184,10 @@ class KvMemory:
 
     @property
     def global_bits_per_element(self) -> float:
-        """The cache of the global layers (every layer's, without sliding-window ones)."""
-        return 8.0 * (self.bytes - self.swa_bytes) / (self.n_elements - self.swa_n_elements)
+        """The cache of the global layers (every layer's, without sliding-window ones; 0 without any: LFM2's
+        attention layers all slide)."""
+        n_global = self.n_elements - self.swa_n_elements
+        return 8.0 * (self.bytes - self.swa_bytes) / n_global if n_global else 0.0
 
 
 @dataclass(frozen=True)

@@ -324,6 +324,8 @@ def _report(timings: Timings, memory: KvMemory, kv: KvConfig) -> None:
         else:
             swa_type = kv.type_swa or (kv.type_k if kv.type_k == kv.type_v else f"{kv.type_k}/{kv.type_v}")
         global_mib = (memory.bytes - memory.swa_bytes) / MIB
+        global_part = (f"the global layers' {global_mib:.2f} MiB, {memory.global_bits_per_element:.2f} bits per element"
+                       if memory.n_elements > memory.swa_n_elements else "no global layers")
         print(f"pykvq: of which the sliding-window layers' cache ({swa_type}): {memory.swa_bytes / MIB:.2f} MiB for "
-              f"{memory.swa_n_cells} cells, {memory.swa_bits_per_element:.2f} bits per element; the global layers' "
-              f"{global_mib:.2f} MiB, {memory.global_bits_per_element:.2f} bits per element", file=sys.stderr)
+              f"{memory.swa_n_cells} cells, {memory.swa_bits_per_element:.2f} bits per element; {global_part}",
+              file=sys.stderr)

@@ -47,7 +47,10 @@ class Shape:
     # every swa_pattern-th layer global with head size head_dim, the others sliding-window with head_dim_swa, Q/K
     # norms, a KQ scale of 1, and the last n_kv_shared layers reading the KV cache of the last layer of their kind
     # before them; "gemma3n": every 5th layer global, AltUp, Laurel and per-layer inputs, layers from the 20th on
-    # reading earlier caches as gemma4's do (llama.cpp's fixed count)
+    # reading earlier caches as gemma4's do (llama.cpp's fixed count); "lfm2": a hybrid, short gated convolutions
+    # (a recurrent state) in the layers of 0 KV heads (n_head_kv_layers), attention with Q/K norms in the others;
+    # "deepseek2": multi-head latent attention, one compressed KV row of kv_lora_rank + the RoPE part per token
+    # (head_dim: the query/key head size, of which rope_dim rotate; V heads of head_dim - rope_dim), dense FFNs
     arch: str = "llama"
     head_dim: int | None = None  # None: n_embd / n_head
     n_swa: int = 0
@@ -59,6 +62,9 @@ class Shape:
     attn_sink: float | None = None  # gpt-oss's learned sink logit in every head; None: small random ones
     head_dim_swa: int | None = None  # gemma4's sliding-window layers' head size; None: head_dim
     n_kv_shared: int = 0  # gemma4: the last layers that keep no KV of their own
+    shortconv_l_cache: int = 3  # lfm2's convolution width
+    kv_lora_rank: int = 0  # deepseek2's compressed KV
+    rope_dim: int = 0  # deepseek2's rotated part of each head; 0: the whole head
 
     def n_head_kv_of(self, il: int) -> int:
         return self.n_head_kv_layers[il] if self.n_head_kv_layers else self.n_head_kv
@@ -82,6 +88,9 @@ class Shape:
 
     def has_kv(self, il: int) -> bool:
         return il < self.n_layer - self.n_kv_shared
+
+    def is_recurrent(self, il: int) -> bool:
+        return self.arch == "lfm2" and self.n_head_kv_of(il) == 0
 
 
 SHAPES = {
@@ -108,6 +117,11 @@ SHAPES = {
     # Gemma 3n's shape at small size: 25 layers (llama.cpp's Gemma 3n keeps KV in its first 20), 4 sliding-window
     # to 1 global, layers 20-23 reading layer 18's cache and 24 reading layer 19's
     "gemma3n-small": Shape(25, 256, 512, 4, 2, 2048, 32768, 1000000.0, arch="gemma3n", head_dim=128, n_swa=64),
+    # LFM2's hybrid at small size: convolution, attention, convolution, attention (LFM2-350M: 10 to 6 of 16)
+    "lfm2-small": Shape(4, 256, 512, 4, 2, 2048, 32768, 1000000.0, arch="lfm2", n_head_kv_layers=(0, 2, 0, 2)),
+    # DeepSeek-V2's attention at small size: a 128-wide latent and 32 RoPE channels (its cache rows hold 160 values)
+    "deepseek2-mla-small": Shape(2, 256, 512, 4, 1, 2048, 8192, 10000.0, arch="deepseek2", head_dim=96,
+                                 kv_lora_rank=128, rope_dim=32),
     "gpt-oss-small": Shape(2, 256, 128, 4, 2, 2048, 8192, 150000.0, arch="gpt-oss", head_dim=64, n_swa=64,
                            n_expert=4, n_expert_used=2),
 }
@@ -145,9 +159,22 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         writer.add_array(gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=shape.arch), list(shape.n_head_kv_layers))
     else:
         writer.add_head_count_kv(shape.n_head_kv)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if shape.arch == "deepseek2":
+        # the cache's rows: the latent and the RoPE part (K), the latent (V); the heads' own sizes are the _mla keys
+        writer.add_rope_dimension_count(shape.rope_dim)
+        writer.add_key_length(shape.kv_lora_rank + shape.rope_dim)
+        writer.add_value_length(shape.kv_lora_rank)
+        writer.add_key_length_mla(head_dim)
+        writer.add_value_length_mla(head_dim - shape.rope_dim)
+        writer.add_q_lora_rank(0)
+        writer.add_kv_lora_rank(shape.kv_lora_rank)
+        writer.add_leading_dense_block_count(shape.n_layer)
+        writer.add_expert_feed_forward_length(shape.n_ff)
+        writer.add_expert_shared_count(0)
+    else:
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(shape.rope_freq_base)
     if shape.n_swa:
         writer.add_sliding_window(shape.n_swa)
@@ -164,6 +191,8 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         writer.add_uint32(gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=shape.arch), shape.swa_pattern)
     if shape.arch == "gemma2":
         writer.add_attn_logit_softcapping(shape.attn_softcap)
+    if shape.arch == "lfm2":
+        writer.add_uint32(f"{shape.arch}.shortconv.l_cache", shape.shortconv_l_cache)
     if shape.n_expert:
         writer.add_expert_count(shape.n_expert)
         writer.add_expert_used_count(shape.n_expert_used)
@@ -231,16 +260,42 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         gemma3n_model_tensors()
     if shape.arch == "gemma4":
         norm("rope_freqs.weight", head_dim // 2)
-    for il in range(shape.n_layer):
+    def shortconv(il: int) -> None:
+        """LFM2's gated convolution: B, C and x from one projection, a depthwise kernel of l_cache taps."""
+        small(f"blk.{il}.shortconv.conv.weight", shape.n_embd, shape.shortconv_l_cache)
+        matrix(f"blk.{il}.shortconv.in_proj.weight", 3 * shape.n_embd, shape.n_embd)
+        matrix(f"blk.{il}.shortconv.out_proj.weight", shape.n_embd, shape.n_embd)
+
+    def attention(il: int) -> None:
         dim = shape.head_dim_of(il)
         n_embd_q = dim * shape.n_head
-        norm(f"blk.{il}.attn_norm.weight")
         matrix(f"blk.{il}.attn_q.weight", n_embd_q, shape.n_embd)
         n_embd_kv = dim * shape.n_head_kv_of(il)
         if shape.has_kv(il):
             matrix(f"blk.{il}.attn_k.weight", n_embd_kv, shape.n_embd)
             matrix(f"blk.{il}.attn_v.weight", n_embd_kv, shape.n_embd)
         matrix(f"blk.{il}.attn_output.weight", shape.n_embd, n_embd_q)
+
+    def latent_attention(il: int) -> None:
+        """DeepSeek-V2's MLA without a query LoRA: the latent's down-projection and norm, and per head its K and V
+        up-projections (3-D, f32)."""
+        v_dim = head_dim - shape.rope_dim
+        matrix(f"blk.{il}.attn_q.weight", shape.n_head * head_dim, shape.n_embd)
+        matrix(f"blk.{il}.attn_kv_a_mqa.weight", shape.kv_lora_rank + shape.rope_dim, shape.n_embd)
+        norm(f"blk.{il}.attn_kv_a_norm.weight", shape.kv_lora_rank)
+        small(f"blk.{il}.attn_k_b.weight", shape.n_head, shape.kv_lora_rank, v_dim)
+        small(f"blk.{il}.attn_v_b.weight", shape.n_head, v_dim, shape.kv_lora_rank)
+        matrix(f"blk.{il}.attn_output.weight", shape.n_embd, shape.n_head * v_dim)
+
+    for il in range(shape.n_layer):
+        dim = shape.head_dim_of(il)
+        norm(f"blk.{il}.attn_norm.weight")
+        if shape.is_recurrent(il):
+            shortconv(il)
+        elif shape.arch == "deepseek2":
+            latent_attention(il)
+        else:
+            attention(il)
         if shape.n_expert:
             experts(il)
         else:
@@ -260,11 +315,12 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
             norm(f"blk.{il}.post_ffw_norm.weight")
         if shape.arch == "gemma3n":
             gemma3n_layer_tensors(il)
-        if shape.arch in ("gemma3", "gemma3n", "gemma4"):
+        if shape.arch in ("gemma3", "gemma3n", "gemma4") or shape.arch == "lfm2" and not shape.is_recurrent(il):
             norm(f"blk.{il}.attn_q_norm.weight", dim)
             if shape.has_kv(il):
                 norm(f"blk.{il}.attn_k_norm.weight", dim)
-    norm("output_norm.weight")
+    # LFM2's final norm keeps the name its first converter gave it
+    norm("token_embd_norm.weight" if shape.arch == "lfm2" else "output_norm.weight")
     if not shape.is_gemma:  # Gemma ties its output to the token embedding
         matrix("output.weight", shape.n_vocab, shape.n_embd)
     writer.write_header_to_file()
