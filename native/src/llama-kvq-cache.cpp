@@ -322,6 +322,8 @@ static void kvq_check_attention(const llama_model & model, const llama_hparams &
         missing = "ALiBi position biases";
     } else if (!hparams.causal_attn) {
         missing = "non-causal attention";
+    } else if (hparams.n_rel_attn_bkts > 0) {
+        missing = "relative position biases (T5)";
     } else if (hparams.is_mla()) {
         // its graph reads V as a view of K's cache through an attention path GGML_OP_KVQ is not hooked into
         missing = "multi-head latent attention (DeepSeek, Kimi: V read from K's cache)";

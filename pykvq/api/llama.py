@@ -457,6 +457,10 @@ class Context(_Handle):
 
     def _create(self, config: ContextConfig):
         lib = self._lib
+        if lib.llama.llama_model_has_encoder(self.model._ptr):
+            # decoding without llama_encode first aborts the process in llama.cpp
+            raise LlamaError(f"cannot create the context: {self.model.path.name} is an encoder-decoder model (T5), "
+                             "and pykvq runs decoder-only models; llama.cpp's llama-completion runs it")
         params = context_params(lib, config)
         with kvq_params_applied(config.kv):
             ptr = _call(lib.llama.llama_init_from_model, self.model._ptr, params)

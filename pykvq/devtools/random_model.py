@@ -29,6 +29,7 @@ GEMMA3N_ALTUP = 4
 GEMMA3N_PER_LAYER = 256
 GEMMA3N_LAUREL_RANK = 64
 Q4_CODE_BYTES = 16  # after an fp16 scale (Q4_0), or an fp16 scale and minimum (Q4_1)
+T5_BUCKETS = 32
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class Shape:
     # reading earlier caches as gemma4's do (llama.cpp's fixed count); "lfm2": a hybrid, short gated convolutions
     # (a recurrent state) in the layers of 0 KV heads (n_head_kv_layers), attention with Q/K norms in the others;
     # "deepseek2": multi-head latent attention, one compressed KV row of kv_lora_rank + the RoPE part per token
-    # (head_dim: the query/key head size, of which rope_dim rotate; V heads of head_dim - rope_dim), dense FFNs
+    # (head_dim: the query/key head size, of which rope_dim rotate; V heads of head_dim - rope_dim), dense FFNs;
+    # "t5": an encoder and a decoder of n_layer each, relative position biases in their attention
     arch: str = "llama"
     head_dim: int | None = None  # None: n_embd / n_head
     n_swa: int = 0
@@ -122,6 +124,8 @@ SHAPES = {
     # DeepSeek-V2's attention at small size: a 128-wide latent and 32 RoPE channels (its cache rows hold 160 values)
     "deepseek2-mla-small": Shape(2, 256, 512, 4, 1, 2048, 8192, 10000.0, arch="deepseek2", head_dim=96,
                                  kv_lora_rank=128, rope_dim=32),
+    # T5's encoder-decoder at small size (flan-t5-small's 32 relative position buckets)
+    "t5-small": Shape(2, 256, 512, 4, 4, 2048, 512, 10000.0, arch="t5"),
     "gpt-oss-small": Shape(2, 256, 128, 4, 2, 2048, 8192, 150000.0, arch="gpt-oss", head_dim=64, n_swa=64,
                            n_expert=4, n_expert_used=2),
 }
@@ -193,6 +197,9 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         writer.add_attn_logit_softcapping(shape.attn_softcap)
     if shape.arch == "lfm2":
         writer.add_uint32(f"{shape.arch}.shortconv.l_cache", shape.shortconv_l_cache)
+    if shape.arch == "t5":
+        writer.add_relative_attn_buckets_count(T5_BUCKETS)
+        writer.add_decoder_start_token_id(0)
     if shape.n_expert:
         writer.add_expert_count(shape.n_expert)
         writer.add_expert_used_count(shape.n_expert_used)
@@ -255,11 +262,6 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         matrix(f"blk.{il}.laurel_r.weight", shape.n_embd, GEMMA3N_LAUREL_RANK)
         norm(f"blk.{il}.laurel_post_norm.weight")
 
-    matrix("token_embd.weight", shape.n_vocab, shape.n_embd)
-    if shape.arch == "gemma3n":
-        gemma3n_model_tensors()
-    if shape.arch == "gemma4":
-        norm("rope_freqs.weight", head_dim // 2)
     def shortconv(il: int) -> None:
         """LFM2's gated convolution: B, C and x from one projection, a depthwise kernel of l_cache taps."""
         small(f"blk.{il}.shortconv.conv.weight", shape.n_embd, shape.shortconv_l_cache)
@@ -287,42 +289,74 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         small(f"blk.{il}.attn_v_b.weight", shape.n_head, v_dim, shape.kv_lora_rank)
         matrix(f"blk.{il}.attn_output.weight", shape.n_embd, shape.n_head * v_dim)
 
-    for il in range(shape.n_layer):
-        dim = shape.head_dim_of(il)
-        norm(f"blk.{il}.attn_norm.weight")
-        if shape.is_recurrent(il):
-            shortconv(il)
-        elif shape.arch == "deepseek2":
-            latent_attention(il)
-        else:
-            attention(il)
-        if shape.n_expert:
-            experts(il)
-        else:
-            norm(f"blk.{il}.ffn_norm.weight")
-            matrix(f"blk.{il}.ffn_gate.weight", shape.n_ff, shape.n_embd)
-            matrix(f"blk.{il}.ffn_up.weight", shape.n_ff, shape.n_embd)
-            matrix(f"blk.{il}.ffn_down.weight", shape.n_embd, shape.n_ff)
-        if shape.arch == "gpt-oss":
-            norm(f"blk.{il}.post_attention_norm.weight")
-            small(f"blk.{il}.attn_output.bias", shape.n_embd)
-            if shape.attn_sink is None:
-                small(f"blk.{il}.attn_sinks.weight", shape.n_head)
-            else:
-                writer.add_tensor(f"blk.{il}.attn_sinks.weight", np.full(shape.n_head, shape.attn_sink, np.float32))
-        if shape.is_gemma:
-            norm(f"blk.{il}.post_attention_norm.weight")
-            norm(f"blk.{il}.post_ffw_norm.weight")
-        if shape.arch == "gemma3n":
-            gemma3n_layer_tensors(il)
-        if shape.arch in ("gemma3", "gemma3n", "gemma4") or shape.arch == "lfm2" and not shape.is_recurrent(il):
-            norm(f"blk.{il}.attn_q_norm.weight", dim)
-            if shape.has_kv(il):
-                norm(f"blk.{il}.attn_k_norm.weight", dim)
-    # LFM2's final norm keeps the name its first converter gave it
-    norm("token_embd_norm.weight" if shape.arch == "lfm2" else "output_norm.weight")
-    if not shape.is_gemma:  # Gemma ties its output to the token embedding
+    def t5_tensors() -> None:
+        """T5's encoder and decoder blocks: self-attention with relative position biases, the decoder's cross
+        attention, gated FFNs, and each stack's final norm."""
+        n_embd_kv = shape.n_embd_head * shape.n_head_kv
+        for stack in ("enc", "dec"):
+            for il in range(shape.n_layer):
+                blk = f"{stack}.blk.{il}"
+                for part in ("attn", "cross_attn") if stack == "dec" else ("attn",):
+                    norm(f"{blk}.{part}_norm.weight")
+                    for proj in "qkv":
+                        matrix(f"{blk}.{part}_{proj}.weight", n_embd_kv, shape.n_embd)
+                    matrix(f"{blk}.{part}_o.weight", shape.n_embd, n_embd_kv)
+                small(f"{blk}.attn_rel_b.weight", T5_BUCKETS, shape.n_head)
+                norm(f"{blk}.ffn_norm.weight")
+                matrix(f"{blk}.ffn_gate.weight", shape.n_ff, shape.n_embd)
+                matrix(f"{blk}.ffn_up.weight", shape.n_ff, shape.n_embd)
+                matrix(f"{blk}.ffn_down.weight", shape.n_embd, shape.n_ff)
+            norm(f"{stack}.output_norm.weight")
         matrix("output.weight", shape.n_vocab, shape.n_embd)
+
+    def decoder_tensors() -> None:
+        """A decoder-only model's tensors after the token embedding."""
+        if shape.arch == "gemma3n":
+            gemma3n_model_tensors()
+        if shape.arch == "gemma4":
+            norm("rope_freqs.weight", head_dim // 2)
+        for il in range(shape.n_layer):
+            dim = shape.head_dim_of(il)
+            norm(f"blk.{il}.attn_norm.weight")
+            if shape.is_recurrent(il):
+                shortconv(il)
+            elif shape.arch == "deepseek2":
+                latent_attention(il)
+            else:
+                attention(il)
+            if shape.n_expert:
+                experts(il)
+            else:
+                norm(f"blk.{il}.ffn_norm.weight")
+                matrix(f"blk.{il}.ffn_gate.weight", shape.n_ff, shape.n_embd)
+                matrix(f"blk.{il}.ffn_up.weight", shape.n_ff, shape.n_embd)
+                matrix(f"blk.{il}.ffn_down.weight", shape.n_embd, shape.n_ff)
+            if shape.arch == "gpt-oss":
+                norm(f"blk.{il}.post_attention_norm.weight")
+                small(f"blk.{il}.attn_output.bias", shape.n_embd)
+                if shape.attn_sink is None:
+                    small(f"blk.{il}.attn_sinks.weight", shape.n_head)
+                else:
+                    writer.add_tensor(f"blk.{il}.attn_sinks.weight", np.full(shape.n_head, shape.attn_sink, np.float32))
+            if shape.is_gemma:
+                norm(f"blk.{il}.post_attention_norm.weight")
+                norm(f"blk.{il}.post_ffw_norm.weight")
+            if shape.arch == "gemma3n":
+                gemma3n_layer_tensors(il)
+            if shape.arch in ("gemma3", "gemma3n", "gemma4") or shape.arch == "lfm2" and not shape.is_recurrent(il):
+                norm(f"blk.{il}.attn_q_norm.weight", dim)
+                if shape.has_kv(il):
+                    norm(f"blk.{il}.attn_k_norm.weight", dim)
+        # LFM2's final norm keeps the name its first converter gave it
+        norm("token_embd_norm.weight" if shape.arch == "lfm2" else "output_norm.weight")
+        if not shape.is_gemma:  # Gemma ties its output to the token embedding
+            matrix("output.weight", shape.n_vocab, shape.n_embd)
+
+    matrix("token_embd.weight", shape.n_vocab, shape.n_embd)
+    if shape.arch == "t5":
+        t5_tensors()
+    else:
+        decoder_tensors()
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=True)
