@@ -1192,6 +1192,10 @@ bool llama_kv_cache::kvq_is_layer(int32_t il) const {
     return it != map_layer_ids.end() && layers[it->second].k_fp16 != nullptr;
 }
 
+bool llama_kv_cache::kvq_holds_layer(int32_t il) const {
+    return map_layer_ids.find(il) != map_layer_ids.end();
+}
+
 // a unified kivi cache still keeps each sequence in a region of its own
 uint32_t llama_kv_cache::kvq_seq_cells() const {
     return kvq_active() ? kvq_part_cells : v_cells[0].size();

@@ -55,14 +55,16 @@ bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_me
         info->swa_n_cells = (uint64_t) iswa->get_swa()->get_size()*iswa->get_swa()->get_n_stream();
     }
     for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
-        // a hybrid's recurrent layers may still declare KV heads (Qwen3-Next)
-        if (!hparams.has_kv(il) || hparams.is_recr(il)) {
+        const bool in_swa = iswa != nullptr && iswa->get_swa()->kvq_holds_layer((int32_t) il);
+        // a hybrid's attention cache holds the layers its filter took (all of Falcon-H1's, not Qwen3-Next's
+        // recurrent ones, though they declare KV heads)
+        if (!hparams.has_kv(il) || !(in_swa || (kv != nullptr && kv->kvq_holds_layer((int32_t) il)))) {
             continue;
         }
         info->n_layers_kv += 1;
         // multi-head latent attention keeps no V: it reads V from K's rows
         const uint64_t width = hparams.n_embd_k_gqa(il) + (hparams.is_mla() ? 0 : hparams.n_embd_v_gqa(il));
-        if (iswa != nullptr && hparams.is_swa(il)) {
+        if (in_swa) {
             info->swa_n_elements += info->swa_n_cells * width;
         } else {
             info->n_elements += n_cells * width;
