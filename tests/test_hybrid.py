@@ -7,6 +7,7 @@ same kernels with the same batch shapes, or checks against upstream's f16 cache.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import subprocess
 from dataclasses import replace
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from pykvq import KvConfig, LlamaError, Model
+from pykvq.commands import inspect as model_info
 from pykvq.devtools import random_model
 from pykvq.kv_types import SELECT_OFF
 
@@ -196,3 +198,27 @@ def test_pykvq_run_reports_a_hybrid_s_cache(model_path: Path, sliding: bool) -> 
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert re.search(r"KV cache K kivi2, V kivi2 .*: [0-9.]+ MiB for 512 cells", proc.stderr)
     assert ("no global layers" in proc.stderr) == sliding
+
+
+def test_inspect_counts_what_the_context_holds(plain_hybrid: Model) -> None:
+    """`pykvq inspect`, from the header: the attention layers alone, as the context's f16 cache holds them."""
+    proc = subprocess.run(["pykvq", "inspect", "--json", str(plain_hybrid.path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    f16 = {c["kv_type"]: c["bytes_per_token"] for c in json.loads(proc.stdout)["kv_bytes"]}["f16"]
+    with plain_hybrid.context(config(KvConfig())) as ctx:
+        assert f16 * N_CTX == ctx.memory().bytes
+    text = subprocess.run(["pykvq", "inspect", str(plain_hybrid.path)], capture_output=True, text=True).stdout
+    assert "2 of the 4 layers have no attention" in text
+
+
+@pytest.mark.parametrize(("fields", "n_head_kv"), [
+    ({}, [0, 0, 0, 2, 0, 0, 0, 2]),  # llama.cpp's default interval for Qwen3.5: every 4th layer attends
+    ({"qwen35.full_attention_interval": 2}, [0, 2] * 4),
+    ({"qwen35.attention.recurrent_layers": [True] * 7 + [False]}, [0] * 7 + [2]),
+], ids=["default", "interval", "flags"])
+def test_inspect_reads_the_recurrent_layers_of_the_interval_families(fields: dict, n_head_kv: list[int]) -> None:
+    """Qwen3-Next/3.5 declare KV heads in every layer and say which are recurrent by an interval or flags."""
+    header = {"general.architecture": "qwen35", "qwen35.block_count": 8, "qwen35.embedding_length": 256,
+              "qwen35.attention.head_count": 4, "qwen35.attention.head_count_kv": 2, **fields}
+    shape = model_info.read_shape(header)
+    assert shape.n_head_kv == n_head_kv and shape.n_recurrent == n_head_kv.count(0)

@@ -10,6 +10,7 @@ their shapes (pykvq/devtools/random_model.py):
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -78,6 +79,15 @@ def test_upstream_types_run_latent_attention_and_count_one_row_per_token(mla: Mo
         memory = ctx.memory()
     assert memory.n_elements == 256 * MLA.n_layer * (MLA.kv_lora_rank + MLA.rope_dim)
     assert memory.bits_per_element == pytest.approx(bits)
+
+
+def test_inspect_counts_one_row_per_token_and_no_kivi_type(mla: Model) -> None:
+    proc = subprocess.run(["pykvq", "inspect", "--json", str(mla.path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    costs = {c["kv_type"]: c["bytes_per_token"] for c in json.loads(proc.stdout)["kv_bytes"]}
+    assert not set(costs) & {"kivi4", "kivi2", "kivi1"}
+    with context(mla, KvConfig()) as ctx:
+        assert costs["f16"] * 256 == ctx.memory().bytes
 
 
 def completion(model: Path, kv_type: str) -> str:

@@ -24,8 +24,9 @@ FP16_BYTES = 2
 @dataclass(frozen=True)
 class KvShape:
     """What one token costs in each layer's KV cache: K and V elements per layer (head sizes per layer: Gemma 4's
-    sliding-window layers have their own), and how many layers from the first keep KV of their own (the rest of
-    a Gemma 3n/4 read an earlier layer's)."""
+    sliding-window layers have their own; 0 KV heads in a hybrid's recurrent layers, and V's head size 0 under
+    multi-head latent attention, which reads V from K's rows), and how many layers from the first keep KV of their
+    own (the rest of a Gemma 3n/4 read an earlier layer's)."""
 
     architecture: str
     name: str
@@ -36,6 +37,8 @@ class KvShape:
     head_dim_k: list[int]
     head_dim_v: list[int]
     n_layer_kv: int
+    n_recurrent: int = 0  # a hybrid's layers without attention (a recurrent state, or an FFN alone): no KV heads
+    latent: bool = False  # multi-head latent attention (DeepSeek): kivi types are refused
 
     # cached: the cost tables read them per layer, and a list rebuilt per read made those quadratic (stop 46)
     @cached_property
@@ -49,6 +52,9 @@ class KvShape:
 
 # llama.cpp's LLAMA_MAX_LAYERS: a model with more does not load (patch 0018), and per-layer lists stay short
 MAX_LAYERS = 512
+# the families whose recurrent layers llama.cpp reads from attention.recurrent_layers, or else every layer but each
+# full_attention_interval-th, with these defaults (their load_arch_hparams); the others give such layers 0 KV heads
+FULL_ATTENTION_INTERVAL = {"qwen3next": 4, "qwen35": 4, "qwen35moe": 4, "qwen4exp": 4, "minimax-01": 8}
 
 
 def _per_layer(value: object, n_layer: int, what: str) -> list[int]:
@@ -88,9 +94,13 @@ def read_shape(fields: dict[str, object]) -> KvShape:
             own = int(get(f"attention.{part}_length_swa", full))  # type: ignore[arg-type]
             return [own if s else full for s in swa]
 
+        recurrent = _recurrent_layers(fields, arch, n_layer)
+        n_head_kv = [0 if r else h for r, h in zip(recurrent, n_head_kv, strict=True)]
+        latent = f"{arch}.attention.key_length_mla" in fields and f"{arch}.attention.value_length_mla" in fields
         n_shared = int(get("attention.shared_kv_layers", 0))  # type: ignore[arg-type]
         shape = KvShape(arch, str(fields.get("general.name", "")), n_layer, int(get("context_length", 0)),  # type: ignore[arg-type]
-                        n_head, n_head_kv, head_dims("key"), head_dims("value"), n_layer - n_shared)
+                        n_head, n_head_kv, head_dims("key"), [0] * n_layer if latent else head_dims("value"),
+                        n_layer - n_shared, n_head_kv.count(0), latent)
     except (TypeError, ValueError, OverflowError) as exc:
         raise gguf_metadata.GgufError(f"{arch} model with unusable hyperparameters: {exc}") from exc
     if min(n_head_kv) < 0 or min(shape.head_dim_k + shape.head_dim_v) < 0 or not 0 < shape.n_layer_kv <= n_layer:
@@ -98,6 +108,19 @@ def read_shape(fields: dict[str, object]) -> KvShape:
                                       f"with KV of their own), KV heads {sorted(set(n_head_kv))}, head size "
                                       f"{_sizes(shape.head_dim_k)}/{_sizes(shape.head_dim_v)}")
     return shape
+
+
+def _recurrent_layers(fields: dict[str, object], arch: str, n_layer: int) -> list[bool]:
+    """Which layers keep a recurrent state, for the families that say so other than by 0 KV heads."""
+    if arch not in FULL_ATTENTION_INTERVAL:
+        return [False] * n_layer
+    flags = fields.get(f"{arch}.attention.recurrent_layers")
+    if flags is not None:
+        return [bool(f) for f in _per_layer(flags, n_layer, "attention.recurrent_layers")]
+    interval = int(fields.get(f"{arch}.full_attention_interval", FULL_ATTENTION_INTERVAL[arch]))  # type: ignore[call-overload]
+    if interval <= 0:
+        raise gguf_metadata.GgufError(f"{arch} model with full_attention_interval {interval}")
+    return [(il + 1) % interval != 0 for il in range(n_layer)]
 
 
 def _sliding_window_layers(pattern: object, n_layer: int) -> list[bool]:
@@ -137,7 +160,9 @@ def kv_cost(shape: KvShape, label: str, types_k: list[str], types_v: list[str], 
 
 
 def costs(shape: KvShape, kvq: dict[str, object], window: int, sinks: int) -> list[KvCost]:
-    out = [kv_cost(shape, t, [t] * shape.n_layer, [t] * shape.n_layer, window, sinks) for t in kv_types.names()]
+    """Every type's (not kivi's under latent attention, which refuses them), and the model's own per-layer mix."""
+    names = [t for t in kv_types.names() if not (shape.latent and t in kv_types.KIVI_BITS)]
+    out = [kv_cost(shape, t, [t] * shape.n_layer, [t] * shape.n_layer, window, sinks) for t in names]
     layers = kvq.get(gguf_metadata.KEY_LAYERS)
     if isinstance(layers, str):
         types_k, types_v = kv_types.layer_types(layers, shape.n_layer, "kivi2", "kivi2")
@@ -200,7 +225,8 @@ def format_text(info: dict, n_ctx: int, select: dict | None = None) -> str:
         f"model         {info['model']}" + (f" ({s['name']})" if s["name"] else ""),
         f"architecture  {s['architecture']}, {s['n_layer']} layers, trained context {s['n_ctx_train']}",
         f"attention     {'/'.join(map(str, sorted(set(s['n_head']))))} query heads, "
-        f"{'/'.join(map(str, kv_heads))} KV heads, head size K {_sizes(s['head_dim_k'])} V {_sizes(s['head_dim_v'])}"
+        f"{'/'.join(map(str, kv_heads))} KV heads, head size K {_sizes(s['head_dim_k'])} "
+        + ("(V read from K's rows)" if s["latent"] else f"V {_sizes(s['head_dim_v'])}")
         + (f", layers {s['n_layer_kv']}-{s['n_layer'] - 1} read earlier layers' KV (shared KV layers)"
            if s["n_layer_kv"] < s["n_layer"] else ""),
         "kvq metadata" + ("  none" if not info["kvq"] else ":"),
@@ -218,6 +244,11 @@ def format_text(info: dict, n_ctx: int, select: dict | None = None) -> str:
     if select:
         lines.append(f"  selected: --kv-select {kv_types.selection_spec(select['select'])} keeps "
                      f"{select['cells']} of a {n_ctx}-token prompt's cells (kivi types only)")
+    if s["n_recurrent"]:
+        lines.append(f"  {s['n_recurrent']} of the {s['n_layer']} layers have no attention, hence no KV (a hybrid's "
+                     "recurrent layers: their state is the same whatever the KV type)")
+    if s["latent"]:
+        lines.append("  multi-head latent attention keeps one row per token; kivi types are refused on it")
     if info.get("sliding_window"):
         lines += [f"  every layer counted at the full context; this model has sliding-window layers (window "
                   f"{info['sliding_window']}),",
