@@ -6,10 +6,12 @@ their shapes (pykvq/devtools/random_model.py):
   in the first decode); upstream's types run, their memory reported as the cache really holds it;
 - T5's relative position biases are not computed by the kivi kernels: refused in llama.cpp's tools, which run
   encoder-decoder models; pykvq's own contexts decode without encoding, so they refuse such a model whatever the
-  KV type (llama.cpp aborted the process at the first decode)."""
+  KV type (llama.cpp aborted the process at the first decode), as does pykvq.llama_cpp.Llama (llama-cpp-python
+  never encodes either)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -110,3 +112,13 @@ def test_pykvq_refuses_an_encoder_decoder_model(t5_path: Path, kv_type: str) -> 
     assert proc.returncode == 1
     assert "is an encoder-decoder model (T5), and pykvq runs decoder-only models" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_llama_cpp_python_refuses_an_encoder_decoder_model(t5_path: Path) -> None:
+    """llama-cpp-python never calls llama_encode: its first eval aborted the process."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (.ci/run installs it)")
+    from pykvq.llama_cpp import Llama
+    with pytest.raises(ValueError, match=r"is an encoder-decoder model \(T5\): llama-cpp-python decodes it without "
+                                         r"encoding"):
+        Llama(model_path=str(t5_path), n_ctx=256, n_threads=2, verbose=False, **device.LLAMA_KWARGS)

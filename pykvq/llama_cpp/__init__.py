@@ -164,6 +164,11 @@ def _llama_class() -> type:
                     if problems := sink().take_problems():
                         raise ValueError(f"{exc}: {problems[0]}") from exc
                     raise
+            if llama_cpp.llama_model_has_encoder(self.model):
+                # llama-cpp-python decodes without llama_encode, which aborts the process at the first eval
+                self.close()
+                raise ValueError(f"{self.model_path} is an encoder-decoder model (T5): llama-cpp-python decodes it "
+                                 "without encoding, which llama.cpp aborts on; llama.cpp's llama-completion runs it")
 
         def load_state(self, state) -> None:
             try:
