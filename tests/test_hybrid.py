@@ -1,8 +1,9 @@
 """kivi in upstream's hybrid memories, where recurrent layers sit beside attention ones (Qwen3.5, Qwen3-Next,
 Nemotron-H, Granite 4, Falcon-H1, LFM2): the attention layers' cache is a kivi cache inside llama_memory_hybrid, or
 inside llama_memory_hybrid_iswa's sliding-window cache (LFM2 with a window: every attention layer slides). On
-random-weight LFM2 models (pykvq/devtools/random_model.py). Judged on the suite's device: every comparison runs the
-same kernels with the same batch shapes, or checks against upstream's f16 cache."""
+random-weight LFM2 models (pykvq/devtools/random_model.py); and a model without attention at all (Mamba). Judged on
+the suite's device: every comparison runs the same kernels with the same batch shapes, or checks against upstream's
+f16 cache."""
 
 from __future__ import annotations
 
@@ -189,12 +190,16 @@ def test_memory_is_the_kv_cache_s(model: Model, sliding: bool) -> None:
     assert (f16.swa_bytes == f16.bytes) if sliding else (f16.swa_bytes == 0)
 
 
+def pykvq_run(model: Path, kv_type: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["pykvq", "run", *device.TOOL_ARGS, "-t", "2", "-m", str(model), "--kv-type", kv_type,
+                           "-p", "<t7> <t8>", "-n", "8", "--temp", "0", "-c", str(N_CTX)],
+                          capture_output=True, text=True)
+
+
 def test_pykvq_run_reports_a_hybrid_s_cache(model_path: Path, sliding: bool) -> None:
     """`pykvq run` generates and reports the cache (on the iSWA hybrid it failed dividing by the global layers'
     elements, which it has none of)."""
-    proc = subprocess.run(["pykvq", "run", *device.TOOL_ARGS, "-t", "2", "-m", str(model_path), "--kv-type", "kivi2",
-                           "-p", "<t7> <t8>", "-n", "8", "--temp", "0", "-c", str(N_CTX)],
-                          capture_output=True, text=True)
+    proc = pykvq_run(model_path, "kivi2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert re.search(r"KV cache K kivi2, V kivi2 .*: [0-9.]+ MiB for 512 cells", proc.stderr)
     assert ("no global layers" in proc.stderr) == sliding
@@ -222,3 +227,15 @@ def test_inspect_reads_the_recurrent_layers_of_the_interval_families(fields: dic
               "qwen35.attention.head_count": 4, "qwen35.attention.head_count_kv": 2, **fields}
     shape = model_info.read_shape(header)
     assert shape.n_head_kv == n_head_kv and shape.n_recurrent == n_head_kv.count(0)
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "kivi2"])
+def test_pykvq_run_says_a_model_without_attention_keeps_no_kv_cache(tmp_path: Path, kv_type: str) -> None:
+    """Mamba's blocks keep a recurrent state and no KV cache: `pykvq run` generates and says so (it failed dividing
+    by the cache's elements once the text was out)."""
+    path = tmp_path / "mamba-small.gguf"
+    random_model.write(random_model.SHAPES["mamba-small"], path)
+    proc = pykvq_run(path, kv_type)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "generated 8 tokens" in proc.stderr
+    assert "no KV cache: the model keeps a recurrent state" in proc.stderr

@@ -241,8 +241,9 @@ def _generate(model: Model, ctx: Context, args: argparse.Namespace, kv: KvConfig
             sys.stdout.write(prompt)
         _stream(ctx.generate_text(tokens, args.n_predict, sampler), sys.stdout)
         sys.stdout.write("\n")
-    _report(ctx.generation, ctx.memory(), kv)
-    if kv_types.selects(select) and kv.is_kivi:
+    memory = ctx.memory()
+    _report(ctx.generation, memory, kv)
+    if kv_types.selects(select) and kv.is_kivi and memory.n_elements:
         _report_selection(ctx, kv, select)
     if ctx.context_full:
         # -n -1 asks for "until the end", and a full context is one; a count that did not fit is an error
@@ -300,6 +301,11 @@ def _chat(model: Model, ctx: Context, sampler: Sampler, args: argparse.Namespace
 def _report(timings: Timings, memory: KvMemory, kv: KvConfig) -> None:
     print(f"pykvq: prompt {timings.n_prompt} tokens, {timings.prompt_tokens_per_s:.1f} t/s | "
           f"generated {timings.n_decode} tokens, {timings.decode_tokens_per_s:.1f} t/s", file=sys.stderr)
+    if not memory.n_elements:
+        # a model without attention (Mamba, RWKV) keeps a recurrent state per sequence, which no KV type changes
+        print(f"pykvq: no KV cache: the model keeps a recurrent state ({memory.bytes / MIB:.2f} MiB), which the KV "
+              "type does not change", file=sys.stderr)
+        return
     settings = ""
     if kv.is_kivi:
         params = kv.kvq_params()

@@ -30,6 +30,7 @@ GEMMA3N_PER_LAYER = 256
 GEMMA3N_LAUREL_RANK = 64
 Q4_CODE_BYTES = 16  # after an fp16 scale (Q4_0), or an fp16 scale and minimum (Q4_1)
 T5_BUCKETS = 32
+MAMBA_STATE, MAMBA_CONV = 16, 4
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ class Shape:
     # (a recurrent state) in the layers of 0 KV heads (n_head_kv_layers), attention with Q/K norms in the others;
     # "deepseek2": multi-head latent attention, one compressed KV row of kv_lora_rank + the RoPE part per token
     # (head_dim: the query/key head size, of which rope_dim rotate; V heads of head_dim - rope_dim), dense FFNs;
-    # "t5": an encoder and a decoder of n_layer each, relative position biases in their attention
+    # "t5": an encoder and a decoder of n_layer each, relative position biases in their attention; "mamba": no
+    # attention at all, Mamba's selective state-space blocks (inner size 2 n_embd, state 16, convolution 4)
     arch: str = "llama"
     head_dim: int | None = None  # None: n_embd / n_head
     n_swa: int = 0
@@ -126,6 +128,7 @@ SHAPES = {
                                  kv_lora_rank=128, rope_dim=32),
     # T5's encoder-decoder at small size (flan-t5-small's 32 relative position buckets)
     "t5-small": Shape(2, 256, 512, 4, 4, 2048, 512, 10000.0, arch="t5"),
+    "mamba-small": Shape(2, 256, 0, 1, 0, 2048, 1048576, 10000.0, arch="mamba"),
     "gpt-oss-small": Shape(2, 256, 128, 4, 2, 2048, 8192, 150000.0, arch="gpt-oss", head_dim=64, n_swa=64,
                            n_expert=4, n_expert_used=2),
 }
@@ -143,6 +146,10 @@ def random_q4(rows: int, cols: int, rng: np.random.Generator, with_min: bool = F
     if with_min:
         blocks[:, :, 2:4] = np.frombuffer(np.float16(-8 * scale).tobytes(), dtype=np.uint8)
     return blocks.reshape(rows, -1)
+
+
+def mamba_dt_rank(shape: Shape) -> int:
+    return -(-shape.n_embd // 16)  # Mamba's ceil(d_model / 16)
 
 
 def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_1: bool = False) -> None:
@@ -197,6 +204,11 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         writer.add_attn_logit_softcapping(shape.attn_softcap)
     if shape.arch == "lfm2":
         writer.add_uint32(f"{shape.arch}.shortconv.l_cache", shape.shortconv_l_cache)
+    if shape.arch == "mamba":
+        writer.add_ssm_conv_kernel(MAMBA_CONV)
+        writer.add_ssm_inner_size(2 * shape.n_embd)
+        writer.add_ssm_state_size(MAMBA_STATE)
+        writer.add_ssm_time_step_rank(mamba_dt_rank(shape))
     if shape.arch == "t5":
         writer.add_relative_attn_buckets_count(T5_BUCKETS)
         writer.add_decoder_start_token_id(0)
@@ -278,6 +290,20 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
             matrix(f"blk.{il}.attn_v.weight", n_embd_kv, shape.n_embd)
         matrix(f"blk.{il}.attn_output.weight", shape.n_embd, n_embd_q)
 
+    def mamba_block(il: int) -> None:
+        """Mamba's selective state-space block: input projection, causal convolution, the data-dependent step
+        size and B, C, the state matrix A (negative: a decaying state) and the skip D."""
+        d_inner, dt_rank = 2 * shape.n_embd, mamba_dt_rank(shape)
+        matrix(f"blk.{il}.ssm_in.weight", 2 * d_inner, shape.n_embd)
+        small(f"blk.{il}.ssm_conv1d.weight", d_inner, MAMBA_CONV)
+        small(f"blk.{il}.ssm_conv1d.bias", d_inner)
+        matrix(f"blk.{il}.ssm_x.weight", dt_rank + 2 * MAMBA_STATE, d_inner)
+        small(f"blk.{il}.ssm_dt.weight", d_inner, dt_rank)
+        small(f"blk.{il}.ssm_dt.bias", d_inner)
+        writer.add_tensor(f"blk.{il}.ssm_a", -np.ones((d_inner, MAMBA_STATE), np.float32))
+        writer.add_tensor(f"blk.{il}.ssm_d", np.ones(d_inner, np.float32))
+        matrix(f"blk.{il}.ssm_out.weight", shape.n_embd, d_inner)
+
     def latent_attention(il: int) -> None:
         """DeepSeek-V2's MLA without a query LoRA: the latent's down-projection and norm, and per head its K and V
         up-projections (3-D, f32)."""
@@ -318,6 +344,9 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         for il in range(shape.n_layer):
             dim = shape.head_dim_of(il)
             norm(f"blk.{il}.attn_norm.weight")
+            if shape.arch == "mamba":
+                mamba_block(il)
+                continue
             if shape.is_recurrent(il):
                 shortconv(il)
             elif shape.arch == "deepseek2":
