@@ -2,6 +2,7 @@
 set(PYKVQ_NATIVE_DIR ${CMAKE_CURRENT_LIST_DIR})
 target_sources(llama PRIVATE
     ${PYKVQ_NATIVE_DIR}/src/llama-kvq.cpp
+    ${PYKVQ_NATIVE_DIR}/src/llama-kvq-batch.cpp
     ${PYKVQ_NATIVE_DIR}/src/llama-kvq-cache.cpp
     ${PYKVQ_NATIVE_DIR}/src/llama-kvq-file.cpp
     ${PYKVQ_NATIVE_DIR}/src/llama-kvq-layers.cpp

@@ -435,8 +435,11 @@ llama_kv_cache::slot_info llama_kv_cache::kvq_find_slot(const llama_ubatch & uba
     std::vector<uint32_t> n_new(kvq_n_part, 0);
     for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
         if (ubatch.n_seq_id[i] != 1) {
-            kvq_slot_fail("a token of several sequences at once (a shared prompt): kivi types keep every sequence's "
-                          "tokens apart; decode it for each sequence, or once and copy the sequence (llama_memory_seq_cp)");
+            // llama_context::decode gives each sequence its copy (llama_kvq_unshare_batch) unless every token's rows
+            // are read (embeddings, NextN)
+            kvq_slot_fail("a token of several sequences at once (a shared prompt) in a context that outputs every "
+                          "token's rows (embeddings): kivi types keep every sequence's tokens apart; "
+                          "decode it for each sequence, or once and copy the sequence (llama_memory_seq_cp)");
             return {};
         }
         const llama_seq_id seq = ubatch.seq_id[i][0];

@@ -40,3 +40,6 @@ struct llama_kvq_drop {
 // Graph nodes a context's graphs may need on top of upstream's budget: prompt selection adds some to every layer
 // (a few hundred bytes of host memory each, so every context gets them)
 uint32_t llama_kvq_graph_extra_nodes(const llama_model & model);
+
+// Whether a context's memory has kivi layers: its KV cache, either half of an iSWA one, or a hybrid's
+bool llama_kvq_memory_has_kivi(const llama_memory_i * mem);

@@ -1,4 +1,5 @@
 #include "llama-kvq.h"
+#include "llama-kvq-cache.h"
 
 #include "llama-context.h"
 #include "llama-kv-cache-iswa.h"
@@ -25,6 +26,15 @@ static const llama_kv_cache * kvq_bounding_cache(const llama_memory_i * mem) {
     mem = kvq_attention_memory(mem);
     const auto * iswa = dynamic_cast<const llama_kv_cache_iswa *>(mem);
     return iswa != nullptr ? iswa->get_base() : dynamic_cast<const llama_kv_cache *>(mem);
+}
+
+bool llama_kvq_memory_has_kivi(const llama_memory_i * mem) {
+    mem = kvq_attention_memory(mem);
+    if (const auto * iswa = dynamic_cast<const llama_kv_cache_iswa *>(mem)) {
+        return iswa->get_base()->kvq_active() || iswa->get_swa()->kvq_active();
+    }
+    const auto * kv = dynamic_cast<const llama_kv_cache *>(mem);
+    return kv != nullptr && kv->kvq_active();
 }
 
 // The buffers are what the cache really holds, scales, windows and alignment included; the f16 figure
