@@ -123,6 +123,18 @@ def test_a_shared_token_of_sequences_that_diverged_is_refused_and_nothing_goes_i
         assert [ctx.seq_len(0), ctx.seq_len(1)] == [PROMPT, 0]
 
 
+@pytest.mark.parametrize("seqs", [(0, N_SEQ), (-1, 0), (0, 1, 2, 3, 4, 5)], ids=["past-n-seq", "negative", "too-many"])
+def test_a_shared_token_of_sequences_the_context_lacks_is_refused(model: Model, tokens, seqs: tuple[int, ...]) -> None:
+    """Sequence ids out of range in a shared token: refused by upstream's batch checks, as for one sequence,
+    nothing goes in and the context decodes on."""
+    prompt, _ = tokens
+    config = device.context_config(n_ctx=N_CTX, n_threads=2, kv=KV["kivi2"], n_seq_max=N_SEQ, kv_unified=True)
+    with model.context(config) as ctx:
+        assert decode(ctx, [Item(t, i, seqs, False) for i, t in enumerate(prompt)])[0] != 0
+        assert [ctx.seq_len(seq) for seq in range(N_SEQ)] == [0] * N_SEQ
+        assert decode(ctx, shared_batch(prompt, [prompt[:3]] * 2))[0] == 0
+
+
 # llama-perplexity's multiple-choice scores, each on tasks built from Hamlet with one clear answer (the line that
 # follows, against lines with their words reversed; the word that was there, against a made-up one), so that a
 # batch whose logits went to the wrong tokens falls to chance where every cache scores alike
@@ -219,6 +231,7 @@ KIVI2 = ["-ctk", "kivi2", "-ctv", "kivi2", "-fa", "on"]  # its window holds thes
 KIVI_QUANTIZED = ["-ctk", "kivi4", "-ctv", "kivi1", "--kv-window", "16", "-fa", "on"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("score", ["hellaswag", "multiple-choice"])
 def test_llama_perplexity_scores_multiple_choice_tasks_with_a_kivi_cache(smollm2: Path, hamlet: Path,
                                                                           tmp_path: Path, score: str) -> None:
@@ -232,6 +245,7 @@ def test_llama_perplexity_scores_multiple_choice_tasks_with_a_kivi_cache(smollm2
         assert _score(smollm2, data, flags, kv)[-1][1] == f16
 
 
+@pytest.mark.slow
 def test_llama_perplexity_winogrande_with_a_kivi_cache(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     """Winogrande prints each task's two mean log-probabilities: kivi2, whose window holds these tasks, gives f16's
     within what upstream's two attention paths over the same f16 cache differ by (a logit read from another token
