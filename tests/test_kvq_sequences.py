@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import Context, KvConfig, LlamaError, Model, llama_tools, paths
+from pykvq import KvConfig, LlamaError, Model, llama_tools, paths
 from pykvq.bindings.log import sink
 
 import device
+from raw_batch import Item, decode
 
 N_CTX_SEQ = 256  # cells per sequence
 
@@ -256,23 +257,6 @@ def test_whole_state_of_several_sequences_round_trips(model: Model, texts: list[
     assert_alone(model, ASYMKV, (got[0], a[:70]), (got[1], b[:120]))
 
 
-def decode_token(ctx: Context, token: int, pos: int, seqs: list[int]) -> int:
-    """llama_decode of one token at ``pos`` of ``seqs``, past Python's checks."""
-    llama = ctx._lib.llama
-    batch = llama.llama_batch_init(1, 0, len(seqs))
-    try:
-        batch.n_tokens = 1
-        batch.token[0] = token
-        batch.pos[0] = pos
-        batch.n_seq_id[0] = len(seqs)
-        for i, seq in enumerate(seqs):
-            batch.seq_id[0][i] = seq
-        batch.logits[0] = True
-        return llama.llama_decode(ctx._ptr, batch)
-    finally:
-        llama.llama_batch_free(batch)
-
-
 def test_a_unified_cache_refuses_what_it_cannot_keep_apart(model: Model, texts: list[list[int]]) -> None:
     """A sequence id past n_seq_max, a sequence past its region and a copy that does not start at the first token:
     each refused with its reason, the cache still serving its sequences (a token of several sequences goes in once
@@ -318,7 +302,7 @@ def test_an_evaluation_past_a_sequence_s_region_is_refused_before_any_batch(mode
         got = ctx.eval_seqs({0: a[86:100]})[0]
         ctx.eval_seqs({0: a[100:128]})
         sink().take_problems()
-        assert decode_token(ctx, a[128], 128, [0]) != 0  # llama.cpp's own check, behind Python's
+        assert decode(ctx, [Item(a[128], 128, (0,), True)])[0] != 0  # llama.cpp's own check, behind Python's
         assert any("sequence 0 is full: a unified kivi cache gives each of its 2 sequences 128 cells" in p
                    for p in sink().take_problems())
         assert ctx.seq_len(0) == 128

@@ -9,7 +9,6 @@ import functools
 import re
 import struct
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,7 @@ from pykvq import KvConfig, Model, paths
 from pykvq.bindings.log import sink
 
 import device
+from raw_batch import Item, decode
 
 N_CTX = 512  # a unified cache's region per sequence: N_CTX / N_SEQ cells
 N_SEQ = 4
@@ -33,14 +33,6 @@ KV = {
 }
 
 
-@dataclass(frozen=True)
-class Item:
-    token: int
-    pos: int
-    seqs: tuple[int, ...]
-    output: bool
-
-
 def shared_batch(prompt: list[int], endings: list[list[int]]) -> list[Item]:
     """The prompt once for every sequence, its last token an output, then each sequence's ending, every token an
     output (llama-perplexity's HellaSwag batch)."""
@@ -49,33 +41,6 @@ def shared_batch(prompt: list[int], endings: list[list[int]]) -> list[Item]:
     for seq, ending in enumerate(endings):
         items += [Item(t, len(prompt) + i, (seq,), True) for i, t in enumerate(ending)]
     return items
-
-
-def decode(ctx, items: list[Item]) -> tuple[int, dict[int, np.ndarray]]:
-    """llama_decode's status for one batch of ``items``, and the logits of each output, by the item's index."""
-    lib = ctx._lib
-    n_vocab = ctx.model.n_vocab
-    batch = lib.llama.llama_batch_init(len(items), 0, max(len(item.seqs) for item in items))
-    try:
-        batch.n_tokens = len(items)
-        for i, item in enumerate(items):
-            batch.token[i] = item.token
-            batch.pos[i] = item.pos
-            batch.n_seq_id[i] = len(item.seqs)
-            for k, seq in enumerate(item.seqs):
-                batch.seq_id[i][k] = seq
-            batch.logits[i] = item.output
-        status = lib.llama.llama_decode(ctx._ptr, batch)
-    finally:
-        lib.llama.llama_batch_free(batch)
-    if status != 0:
-        return status, {}
-    logits = {}
-    for i, item in enumerate(items):
-        if item.output:
-            row = lib.llama.llama_get_logits_ith(ctx._ptr, i)
-            logits[i] = np.frombuffer(lib.ffi.buffer(row, 4 * n_vocab), dtype=np.float32).copy()
-    return status, logits
 
 
 @pytest.fixture(scope="module")
