@@ -2,7 +2,8 @@
 fitted to the memory a device keeps free, through upstream's own fit (common_fit_params), kivi caches measured as
 they are; `pykvq calibrate`'s layers the same way, and `pykvq perplexity`'s -fit and -fitt passed to
 llama-perplexity's own fit. An RPC server's device is ggml's CPU device, which reports its machine's whole memory
-as free: a margin (-fitt) of that total less a budget leaves the device exactly the budget, the same on every run."""
+as free: a margin (-fitt) of that total less a budget leaves the device the budget (and the sub-MiB remainder of the
+machine's memory, which -fitt's whole MiB cannot take away), the same on every run."""
 
 from __future__ import annotations
 
@@ -29,9 +30,13 @@ DEVICE_BUFFER = re.compile(r"RPC0\[[^\]]+\] (model|KV|compute) buffer size = +([
 OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers")
 
 
-def total_mib() -> int:
+def total_bytes() -> int:
     """What ggml's CPU device reports as its memory, all of it free (ggml-cpu.cpp, Linux)."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // MIB
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def total_mib() -> int:
+    return total_bytes() // MIB
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,20 @@ def budget_args(budget_mib: int) -> list[str]:
     return ["-fitt", str(total_mib() - budget_mib)]
 
 
+def device_budget(budget_mib: int) -> float:
+    """What budget_args(budget_mib) leaves the device, in MiB: upstream's fit compares bytes, and the machine's
+    memory is no whole number of MiB (on a machine of 24105.07 MiB it filled a budget of 100 to 100.07)."""
+    return total_bytes() / MIB - (total_mib() - budget_mib)
+
+
+# device_mib adds buffer sizes the log prints to 0.01 MiB: up to four of them in a context
+LOGGED_ROUNDING_MIB = 0.02
+
+
+def within(device_mib: float, budget_mib: int) -> bool:
+    return 0 < device_mib <= device_budget(budget_mib) + LOGGED_ROUNDING_MIB
+
+
 def test_with_room_every_layer_goes_to_the_device_and_c_0_is_the_training_context(rpc_server: str,
                                                                                   smollm2: Path) -> None:
     got = run_fitted(smollm2, "--rpc", rpc_server, "--kv-type", "kivi2", "-c", "0", "-fitt", "0")
@@ -89,12 +108,12 @@ def test_a_small_budget_keeps_some_layers_on_the_cpu_and_the_device_within_it(rp
     got = run_fitted(smollm2, "--rpc", rpc_server, "--kv-type", "kivi2", "-c", "2048", *budget_args(budget))
     assert got.n_gpu_layers is not None and 0 < got.n_gpu_layers < 31
     assert got.offloaded == got.n_gpu_layers
-    assert 0 < got.device_mib <= budget
+    assert within(got.device_mib, budget)
     # one layer more would not have fitted: the fit fills the device
     more = run(smollm2, "--rpc", rpc_server, "--kv-type", "kivi2", "-c", "2048", "-fit", "off",
                "-ngl", str(got.n_gpu_layers + 1))
     assert more.returncode == 0, more.stderr[-3000:]
-    assert device_mib(more.stderr) > budget
+    assert device_mib(more.stderr) > device_budget(budget)
 
 
 def test_kivi2_fits_a_context_four_times_f16s_in_the_same_device_memory(rpc_server: str, smollm2: Path) -> None:
@@ -107,7 +126,7 @@ def test_kivi2_fits_a_context_four_times_f16s_in_the_same_device_memory(rpc_serv
                              *budget_args(budget)) for kv in ("f16", "kivi2")}
     for got in fitted.values():
         assert (got.n_gpu_layers, got.offloaded) == (None, 31)
-        assert 0 < got.device_mib <= budget
+        assert within(got.device_mib, budget)
     assert fitted["kivi2"].n_ctx == SMOLLM2_N_CTX_TRAIN
     assert 512 <= fitted["f16"].n_ctx <= SMOLLM2_N_CTX_TRAIN // 4
 
@@ -125,7 +144,7 @@ def test_on_gemma3_kivi2_fits_the_training_context_where_f16_fits_less_than_half
     n_ctx_train = 32768
     for got in fitted.values():
         assert got.n_gpu_layers is None
-    assert 0 < fitted["kivi2"].device_mib <= budget
+    assert within(fitted["kivi2"].device_mib, budget)
     assert 0 < fitted["f16"].device_mib <= budget * 1.01
     assert fitted["kivi2"].n_ctx == n_ctx_train
     assert 512 <= fitted["f16"].n_ctx <= n_ctx_train // 2
@@ -196,7 +215,7 @@ def test_calibrate_fits_its_layers_to_the_budget(rpc_server: str, smollm2: Path,
     loaded = proc.stderr[fitted.end():]
     assert OFFLOADED.findall(loaded)[0] == (fitted[2], "31")
     # the first context is the f16 reference, the widest
-    assert 0 < device_mib(loaded) <= budget
+    assert within(device_mib(loaded), budget)
 
 
 @pytest.mark.parametrize("fit", ["on", "off"])
@@ -215,6 +234,6 @@ def test_perplexity_passes_fit_and_its_target_to_llama_perplexity(rpc_server: st
     assert (settings["fit"], settings["fit_target"]) == (fit == "on", [total_mib() - 100])
     if fit == "on":
         assert 0 < offloaded < 31
-        assert 0 < device_mib(tool_log) <= 100
+        assert within(device_mib(tool_log), 100)
     else:
         assert offloaded == 31
