@@ -18,6 +18,7 @@ import pytest
 from pykvq import paths
 
 import device
+from test_shared_prompt import _garbled, _lines
 
 Case = Callable[[Path, Path], list[str]]
 
@@ -73,9 +74,8 @@ def test_a_score_that_stops_on_an_error_exits_1(smollm2: Path, hamlet: Path, tmp
 
 def _long_task(hamlet: Path, path: Path) -> Path:
     """One HellaSwag task whose shared prompt (~400 tokens) and an ending pass -c 256 but fit 4 x 256."""
-    text = hamlet.read_text(encoding="utf-8", errors="replace").splitlines()[2000:2400]
-    lines = [line.strip() for line in text if len(line.strip()) > 20]
-    endings = [lines[31], *(line[::-1] for line in lines[32:35])]
+    lines = _lines(hamlet)
+    endings = [lines[31], *map(_garbled, lines[32:35])]
     return _write(path, "\n".join([" ".join(lines[:30]), "0", *endings]) + "\n")
 
 
