@@ -129,6 +129,51 @@ def test_server_answers_a_chat_completion_with_kivi2(smollm2: Path, model: Model
     assert "K (kivi2)" in log.read_text() and "V (kivi2)" in log.read_text()
 
 
+def _repeat_prompt(hamlet: Path) -> str:
+    """A prompt whose continuation is in it: prompt-lookup decoding drafts from it, and some drafts are rejected."""
+    text = hamlet.read_text()[5000:5800]
+    return f"Repeat this text exactly:\n{text}\n\nRepeat:\n{text[:300]}"
+
+
+def _kivi2_llama(smollm2: Path, **kwargs):
+    from pykvq.llama_cpp import Llama
+    return Llama(model_path=str(smollm2), n_ctx=1024, n_threads=2, verbose=False, type_k=pykvq.GGML_TYPE_KIVI2,
+                 type_v=pykvq.GGML_TYPE_KIVI2, **device.LLAMA_KWARGS, **kwargs)
+
+
+def _prompt_lookup(num_pred_tokens: int):
+    from pykvq.llama_cpp import load
+    load()  # before anything of llama_cpp is imported
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    return LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens)
+
+
+def _completion(llm, prompt: str) -> str:
+    return llm.create_completion(prompt, max_tokens=48, temperature=0)["choices"][0]["text"]
+
+
+def test_prompt_lookup_decoding_removes_its_rejected_drafts_exactly(smollm2: Path, hamlet: Path) -> None:
+    """llama-cpp-python's speculative decoding removes the drafted tokens the model rejects: the kivi ring's default
+    slack (one token) refused that, and the next decode failed ("llama_decode returned -1"). The draft model's
+    length now sets kv_rollback; the text is the one generated without drafts."""
+    prompt = _repeat_prompt(hamlet)
+    plain = _completion(_kivi2_llama(smollm2), prompt)
+    assert _completion(_kivi2_llama(smollm2, draft_model=_prompt_lookup(8)), prompt) == plain
+
+
+def test_a_refused_removal_says_what_to_do_and_keeps_the_token_count_in_sync(smollm2: Path, hamlet: Path) -> None:
+    """An explicit kv_rollback=0 is kept: the first rejected draft deeper than the ring's slack is refused with the
+    cache's reason and the setting that allows it, and the next completion starts over cleanly."""
+    llm = _kivi2_llama(smollm2, draft_model=_prompt_lookup(8), kv_rollback=0)
+    refused = r"cannot go back to token \d+ of \d+: .*cannot remove tokens.*kv_rollback=N"
+    with pytest.raises(RuntimeError, match=refused):
+        _completion(llm, _repeat_prompt(hamlet))
+    import llama_cpp
+    memory = llama_cpp.llama_get_memory(llm._ctx.ctx)
+    assert llm.n_tokens == llama_cpp.llama_memory_seq_pos_max(memory, 0) + 1
+    assert _completion(llm, PROMPT) == _completion(_kivi2_llama(smollm2), PROMPT)
+
+
 def _fake_llama_cpp(root: Path, version: str, lib: str) -> Path:
     root = root / "site"
     pkg = root / "llama_cpp"
@@ -218,19 +263,29 @@ import sys
 from pykvq.bindings import native
 from pykvq.llama_cpp.server import server_argv
 rest = server_argv(sys.argv[1:])
-print(native.kvq_params().rotate, native.kvq_layer_types() or "-", " ".join(rest))
+params = native.kvq_params()
+print(params.rotate, params.n_rollback, native.kvq_layer_types() or "-", " ".join(rest))
 """
 
 
+DRAFT = ["--draft_model", "prompt-lookup-decoding"]
+
+
 @pytest.mark.parametrize(("args", "expected"), [
-    (["--kv-type", "kivi2+rot"], "True - --type_k 43 --type_v 43 --flash_attn true"),
-    (["--kv-type", "asymkv:16/0"], "False asymkv:16/0 --type_k 43 --type_v 43 --flash_attn true"),
+    (["--kv-type", "kivi2+rot"], "True 0 - --type_k 43 --type_v 43 --flash_attn true"),
+    (["--kv-type", "asymkv:16/0"], "False 0 asymkv:16/0 --type_k 43 --type_v 43 --flash_attn true"),
     (["--kv-type", "kivi2", "--kv-layers", "k:*=kivi4;v:*=kivi2"],
-     "False k:*=kivi4;v:*=kivi2 --type_k 43 --type_v 43 --flash_attn true"),
-], ids=["rotation", "asymkv", "kv-layers"])
+     "False 0 k:*=kivi4;v:*=kivi2 --type_k 43 --type_v 43 --flash_attn true"),
+    (["--kv-type", "kivi2", *DRAFT], f"False 10 - {' '.join(DRAFT)} --type_k 43 --type_v 43 --flash_attn true"),
+    (["--kv-type", "kivi2", *DRAFT, "--draft_model_num_pred_tokens=4"],
+     f"False 4 - {' '.join(DRAFT)} --draft_model_num_pred_tokens=4 --type_k 43 --type_v 43 --flash_attn true"),
+    (["--kv-type", "kivi2", "--kv-rollback", "0", *DRAFT],
+     f"False 0 - {' '.join(DRAFT)} --type_k 43 --type_v 43 --flash_attn true"),
+], ids=["rotation", "asymkv", "kv-layers", "draft", "draft-length", "explicit-rollback"])
 def test_the_server_takes_every_part_of_the_kv_type(args: list[str], expected: str, tmp_path: Path) -> None:
     """`--kv-type asymkv:16/0` ran as uniform kivi2 and `kivi2+rot` without rotation: the server dropped the
-    parts after the type name. In a subprocess: the settings are process-wide."""
+    parts after the type name. A --draft_model's rejected tokens must stay removable: its length sets the rollback
+    unless --kv-rollback is given. In a subprocess: the settings are process-wide."""
     proc = subprocess.run([sys.executable, "-c", SERVER_ARGV, *args], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -101,6 +101,13 @@ def _kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None
                     type_swa, select, clip, dither)
 
 
+def draft_length(draft_model: object) -> int | None:
+    """How many tokens a llama-cpp-python draft model proposes at a time (LlamaPromptLookupDecoding's
+    num_pred_tokens): the rejected ones are removed again, so a kivi cache's rollback must cover them."""
+    length = getattr(draft_model, "num_pred_tokens", None)
+    return length if isinstance(length, int) and length > 0 else None
+
+
 def _share_log() -> None:
     """llama-cpp-python replaced llama.cpp's log callback when imported (one per process): pykvq's takes it back,
     so pykvq's exceptions keep llama.cpp's reasons, and hands every line on to llama-cpp-python's."""
@@ -116,17 +123,17 @@ def _llama_class() -> type:
     llama_cpp = load()
 
     class Llama(llama_cpp.Llama):
-        """llama_cpp.Llama on pykvq's libllama; kv_window, kv_sinks and kv_rotate set the kivi layers (defaults:
-        128, 0, the model's kvq.kv_rotate else off; kv_rotate also takes a per-layer spec such as
-        "k:*=on;v:0-3=off,4-=on"), kv_layers per-layer types (e.g. "asymkv:16/0"), kv_rollback how many last tokens
-        can be removed exactly (speculative decoding's rejected drafts; default 0), kv_type_swa the type name of the
-        sliding-window cache of a Gemma-2/3 or gpt-oss model (default: type_k / type_v), kv_select MiniKV's prompt
-        selection as (heavy-hitter share, recent share[, observation window[, pyramid depth]]), e.g. (0.25, 0.25):
-        n_batch and n_ubatch then default to n_ctx, as a prompt must reach the cache in one ubatch; kv_clip SKVQ's
-        per-layer clip ratios (e.g. "k:*=0.9;v:*=0.85"; default: the model's kvq.kv_clip); kv_dither V's dithered
-        rounding, a spread in [0, 1] or per layer (e.g. "0.5", "v:0-9=1,10-=0"; default: the model's kvq.kv_dither,
-        else nearest). Flash attention is
-        switched on for kivi types, which are read by the fused attention only."""
+        """llama_cpp.Llama on pykvq's libllama; kv_window, kv_sinks and kv_rotate set the kivi layers (defaults: 128, 0,
+        the model's kvq.kv_rotate else off; kv_rotate also takes a per-layer spec such as "k:*=on;v:0-3=off,4-=on"),
+        kv_layers per-layer types (e.g. "asymkv:16/0"), kv_rollback how many last tokens can be removed exactly
+        (speculative decoding's rejected drafts; default: the draft_model's num_pred_tokens, else 0), kv_type_swa the
+        type name of the sliding-window cache of a Gemma-2/3 or gpt-oss model (default: type_k / type_v), kv_select
+        MiniKV's prompt selection as (heavy-hitter share, recent share[, observation window[, pyramid depth]]), e.g.
+        (0.25, 0.25): n_batch and n_ubatch then default to n_ctx, as a prompt must reach the cache in one ubatch;
+        kv_clip SKVQ's per-layer clip ratios (e.g. "k:*=0.9;v:*=0.85"; default: the model's kvq.kv_clip); kv_dither V's
+        dithered rounding, a spread in [0, 1] or per layer (e.g. "0.5", "v:0-9=1,10-=0"; default: the model's
+        kvq.kv_dither, else nearest). Flash attention is switched on for kivi types, which are read by the fused
+        attention only."""
 
         def __new__(cls, *args, **kwargs) -> Llama:
             # refused before an instance exists: upstream's __del__ fails on a half-built Llama
@@ -145,6 +152,8 @@ def _llama_class() -> type:
             rpc_servers = kwargs.pop("rpc_servers", None)
             if rpc_servers:
                 add_rpc_servers(rpc_servers)
+            if kv_rollback is None:
+                kv_rollback = draft_length(kwargs.get("draft_model"))
             kv = _kv_config(kwargs, kv_window, kv_sinks, kv_rotate, kv_layers, kv_rollback, kv_type_swa, kv_select,
                             kv_clip, kv_dither)
             if kv.is_kivi:
@@ -170,15 +179,31 @@ def _llama_class() -> type:
                 raise ValueError(f"{self.model_path} is an encoder-decoder model (T5): llama-cpp-python decodes it "
                                  "without encoding, which llama.cpp aborts on; llama.cpp's llama-completion runs it")
 
+        def _follow_the_cache(self) -> None:
+            # llama-cpp-python's token count, which its prefix reuse trusts, after the cache refused to change
+            memory = llama_cpp.llama_get_memory(self._ctx.ctx)
+            self.n_tokens = max(0, llama_cpp.llama_memory_seq_pos_max(memory, 0) + 1)
+
         def load_state(self, state) -> None:
             try:
                 super().load_state(state)
             except RuntimeError:
-                # a refused load leaves the cache cleared (or the sequence): llama-cpp-python's token count, which
-                # its prefix reuse trusts, follows what the cache holds
-                memory = llama_cpp.llama_get_memory(self._ctx.ctx)
-                self.n_tokens = max(0, llama_cpp.llama_memory_seq_pos_max(memory, 0) + 1)
+                # a refused load leaves the cache cleared (or the sequence)
+                self._follow_the_cache()
                 raise
+
+        def eval(self, tokens) -> None:
+            # upstream's eval ignores a refused removal (a rejected draft deeper than the kivi ring's slack) and
+            # then fails to decode with "llama_decode returned -1"
+            sink().take_problems()
+            if not self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1):
+                problems = sink().take_problems()
+                held = self.n_tokens
+                self._follow_the_cache()
+                reason = problems[0] if problems else "the KV cache refused the removal"
+                raise RuntimeError(f"cannot go back to token {held} of {self.n_tokens}: {reason}; Llama(kv_rollback=N) "
+                                   "keeps the last N tokens removable (a draft model's rejected tokens)")
+            super().eval(tokens)
 
     return Llama
 

@@ -21,13 +21,15 @@ from pykvq.commands.arguments import rotation
 from pykvq.kv_types import KvSpec, KvTypeError
 from pykvq.llama_cpp import LlamaCppError, check_kv_type, load
 
+DRAFT_TOKENS_DEFAULT = 10  # llama_cpp.server's --draft_model_num_pred_tokens
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m pykvq.llama_cpp.server", add_help=False)
     parser.add_argument("--kv-type", help="K and V cache type by name, e.g. kivi2")
     parser.add_argument("--kv-window", type=int, help="kivi: recent tokens kept in fp16 (default 128)")
     parser.add_argument("--kv-sinks", type=int, help="kivi: first tokens kept in fp16 (default 0)")
-    parser.add_argument("--kv-rollback", type=int, help="kivi: last tokens removable exactly (default 0)")
+    parser.add_argument("--kv-rollback", type=int, help="kivi: last tokens removable exactly (default: "
+                                                        "--draft_model_num_pred_tokens with a --draft_model, else 0)")
     parser.add_argument("--kv-rotate", type=rotation,
                         help="kivi: Hadamard rotation, on, off or per layer, e.g. k:*=on;v:0-3=off,4-=on (default: the "
                              "model's kvq.kv_rotate, else off)")
@@ -39,20 +41,37 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
-def _type_option(rest: list[str], name: str) -> int | None:
-    """The int given to ``name`` (``--type_k 43`` or ``--type_k=43``) in llama_cpp.server's arguments."""
+def _option(rest: list[str], name: str) -> str | None:
+    """The value given to ``name`` (``--type_k 43`` or ``--type_k=43``) in llama_cpp.server's arguments."""
     for i, arg in enumerate(rest):
         if arg.startswith(f"{name}="):
-            value = arg.split("=", 1)[1]
-        elif arg == name and i + 1 < len(rest):
-            value = rest[i + 1]
-        else:
-            continue
-        try:
-            return int(value)
-        except ValueError:
-            raise KvTypeError(f"{name} takes a ggml type number, got {value!r}") from None
+            return arg.split("=", 1)[1]
+        if arg == name and i + 1 < len(rest):
+            return rest[i + 1]
     return None
+
+
+def _type_option(rest: list[str], name: str) -> int | None:
+    """The ggml type number given to ``name``."""
+    value = _option(rest, name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise KvTypeError(f"{name} takes a ggml type number, got {value!r}") from None
+
+
+def _draft_rollback(rest: list[str]) -> int | None:
+    """The tokens a --draft_model proposes at a time (llama_cpp.server's --draft_model_num_pred_tokens, default
+    10): its rejected ones are removed again, so the kivi ring keeps them removable."""
+    if _option(rest, "--draft_model") is None:
+        return None
+    value = _option(rest, "--draft_model_num_pred_tokens") or str(DRAFT_TOKENS_DEFAULT)
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"--draft_model_num_pred_tokens takes a token count, got {value!r}") from None
 
 
 def server_argv(argv: list[str]) -> list[str]:
@@ -67,7 +86,8 @@ def server_argv(argv: list[str]) -> list[str]:
     # every part of the spec, as `pykvq run` takes it: kivi2+rot rotates, asymkv:16/0 sets per-layer types
     rotate = ours.kv_rotate if ours.kv_rotate is not None else (True if spec and spec.rotate else None)
     layers = ours.kv_layers if ours.kv_layers is not None else (spec.layers if spec else None)
-    kv = KvConfig(window=ours.kv_window, sinks=ours.kv_sinks, rotate=rotate, rollback=ours.kv_rollback)
+    rollback = ours.kv_rollback if ours.kv_rollback is not None else _draft_rollback(rest)
+    kv = KvConfig(window=ours.kv_window, sinks=ours.kv_sinks, rotate=rotate, rollback=rollback)
     native.set_kvq_params(kv.kvq_params())
     native.set_kvq_rotation(kv.rotation_spec)
     if layers is not None:
