@@ -98,6 +98,17 @@ def test_unknown_type_int_is_refused(smollm2: Path) -> None:
         Llama(model_path=str(smollm2), type_k=99, type_v=99, verbose=False)
 
 
+def test_embedding_with_a_kivi_cache_is_refused_before_the_model_loads(smollm2: Path) -> None:
+    """embedding=True makes llama-cpp-python ask for 256 sequences in one unified cache: llama.cpp refused with "512
+    cells for 256 sequences", naming a sequence count the caller never gave. An f16 cache embeds."""
+    from pykvq.llama_cpp import Llama
+    with pytest.raises(ValueError, match="embedding=True packs .* embed with an f16 or q8_0 KV cache"):
+        Llama(model_path=str(smollm2), embedding=True, type_k=pykvq.GGML_TYPE_KIVI2, type_v=pykvq.GGML_TYPE_KIVI2,
+              verbose=False)
+    embedder = Llama(model_path=str(smollm2), embedding=True, verbose=False, **device.LLAMA_KWARGS)
+    assert len(embedder.create_embedding(["one text", "another"])["data"]) == 2
+
+
 @pytest.mark.parametrize(("name", "hint"), [("kivi2", r"pykvq\.GGML_TYPE_KIVI2 \(43\)"),
                                             ("q8_0", r"\(8\)")])
 def test_a_type_name_is_refused_with_its_id(smollm2: Path, name: str, hint: str) -> None:
