@@ -427,6 +427,30 @@ static std::string kvq_part_text(bool regions, uint32_t n_part, uint32_t part_ce
     return drops ? text + ": the window of its sliding-window layers, a ubatch and two rings" : text;
 }
 
+// The k-th token of a sequence goes to its part's k-th cell, so its positions must run on one by one from what the
+// part holds. Upstream checks that for every model but those with several positions per token (M-RoPE: Qwen2-VL and
+// later), whose image embeddings share a position and whose text after an image jumps ahead: refused, nothing goes in
+static bool kvq_check_positions(const llama_ubatch & ubatch, const llama_kv_cells_vec & v_cells,
+        const std::vector<uint32_t> & seq_to_stream, bool regions, uint32_t n_part) {
+    std::vector<llama_pos> p_next(n_part, -1);
+    for (uint32_t seq = 0; seq < n_part; ++seq) {
+        const llama_kv_cells & cells = v_cells[regions ? 0 : seq_to_stream[seq]];
+        p_next[seq] = cells.seq_pos_min(seq) < 0 ? -1 : cells.seq_pos_max(seq) + 1;
+    }
+    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+        const llama_seq_id seq = ubatch.seq_id[i][0];
+        const llama_pos    pos = ubatch.pos[i];
+        if (p_next[seq] >= 0 && pos != p_next[seq]) {
+            return kvq_slot_fail("sequence " + std::to_string(seq) + " goes on at position " + std::to_string(pos) +
+                                 " where " + std::to_string(p_next[seq]) + " is next: kivi types hold a sequence's "
+                                 "tokens one per position, in order (an M-RoPE model's image embeddings share "
+                                 "positions); decode such input with an f16 or q8_0 cache");
+        }
+        p_next[seq] = pos + 1;
+    }
+    return true;
+}
+
 // The k-th token of sequence s goes to the k-th cell of its part (a stream, or in a unified cache the region from
 // cell s*kvq_part_cells on), after the sequence's cells: it only ever loses a suffix, or in a sliding-window cache
 // rings of cells from the front (slot_info::kvq_drops), so they are the first ones of the part
@@ -449,6 +473,9 @@ llama_kv_cache::slot_info llama_kv_cache::kvq_find_slot(const llama_ubatch & uba
             return {};
         }
         n_new[seq]++;
+    }
+    if (!kvq_check_positions(ubatch, v_cells, seq_to_stream, regions, kvq_n_part)) {
+        return {};
     }
     slot_info res = {};
     // streams: one slot per sequence of the ubatch, its tokens in a row (split_equal)

@@ -127,6 +127,7 @@ SHAPES = {
     "deepseek2-mla-small": Shape(2, 256, 512, 4, 1, 2048, 8192, 10000.0, arch="deepseek2", head_dim=96,
                                  kv_lora_rank=128, rope_dim=32),
     # T5's encoder-decoder at small size (flan-t5-small's 32 relative position buckets)
+    "qwen2vl-small": Shape(2, 256, 512, 4, 2, 2048, 32768, 1000000.0, arch="qwen2vl"),  # M-RoPE: 4 positions a token
     "t5-small": Shape(2, 256, 512, 4, 4, 2048, 512, 10000.0, arch="t5"),
     "mamba-small": Shape(2, 256, 0, 1, 0, 2048, 1048576, 10000.0, arch="mamba"),
     "gpt-oss-small": Shape(2, 256, 128, 4, 2, 2048, 8192, 150000.0, arch="gpt-oss", head_dim=64, n_swa=64,
@@ -146,6 +147,12 @@ def random_q4(rows: int, cols: int, rng: np.random.Generator, with_min: bool = F
     if with_min:
         blocks[:, :, 2:4] = np.frombuffer(np.float16(-8 * scale).tobytes(), dtype=np.uint8)
     return blocks.reshape(rows, -1)
+
+
+def mrope_sections(head_dim: int) -> list[int]:
+    """Qwen2-VL's split of the rotary pairs (16, 24, 24, 0 of a head of 128), for any head size."""
+    pairs = head_dim // 2
+    return [pairs // 4, (pairs - pairs // 4) // 2, pairs - pairs // 4 - (pairs - pairs // 4) // 2, 0]
 
 
 def mamba_dt_rank(shape: Shape) -> int:
@@ -200,6 +207,9 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         writer.add_uint32(f"{shape.arch}.embedding_length_per_layer_input", 0)
     elif shape.swa_pattern:
         writer.add_uint32(gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=shape.arch), shape.swa_pattern)
+    if shape.arch == "qwen2vl":
+        # M-RoPE's rotary pairs of each head split among time, height, width (and an unused fourth), as Qwen2-VL's
+        writer.add_array(f"{shape.arch}.rope.dimension_sections", mrope_sections(head_dim))
     if shape.arch == "gemma2":
         writer.add_attn_logit_softcapping(shape.attn_softcap)
     if shape.arch == "lfm2":
