@@ -1,8 +1,10 @@
 # Install the shared libraries into pykvq/lib and the tools into pykvq/bin, found at run time from
 # the package itself. Only the "pykvq" component goes into the wheel (pyproject.toml), which keeps
 # upstream's own install rules (headers, pkg-config, CMake packages) out of site-packages.
-set(PYKVQ_LIBRARIES ggml ggml-base ggml-cpu ggml-cuda ggml-rpc llama llama-common
+set(PYKVQ_LIBRARIES ggml ggml-base ggml-cpu ggml-cuda ggml-rpc llama llama-common mtmd
     llama-perplexity-impl llama-completion-impl llama-batched-bench-impl)
+# upstream's tree is EXCLUDE_FROM_ALL: a library no tool links (mtmd) is built only when asked for
+add_custom_target(pykvq-libraries ALL)
 
 foreach (target ${PYKVQ_LIBRARIES})
     if (NOT TARGET ${target})
@@ -13,6 +15,7 @@ foreach (target ${PYKVQ_LIBRARIES})
     set_property(TARGET ${target} PROPERTY SOVERSION)
     set_target_properties(${target} PROPERTIES INSTALL_RPATH "$ORIGIN")
     install(TARGETS ${target} LIBRARY DESTINATION pykvq/lib COMPONENT pykvq)
+    add_dependencies(pykvq-libraries ${target})
 endforeach()
 
 if (TARGET ggml-cuda AND PYKVQ_CUDA_INSTALL_RPATH)

@@ -76,3 +76,44 @@ def _skip_a_byte_fallback_byte_level_tokenizer(folder: Path) -> None:
         import transformers
         pytest.skip(f"transformers {transformers.__version__} wrote this GGUF's GPT-2 BPE back as a byte-fallback "
                     "tokenizer (5.16-5.17; fixed in 5.18): not a folder a model's own save gives")
+
+
+def tiny_gemma3_projector(dest: Path, n_embd_text: int) -> Path:
+    """The multimodal projector (mmproj GGUF) of a tiny random Gemma 3, as llama.cpp's converter writes it with
+    --mmproj: a 2-layer SigLIP tower over 64-pixel images in 8-pixel patches, pooled to 16 image tokens of
+    ``n_embd_text`` (the language model's width, which libmtmd checks)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    from pykvq import paths
+
+    folder = dest.parent / f"{dest.stem}-hf"
+    torch.manual_seed(0)
+    text = Gemma3TextConfig(vocab_size=TINY_VOCAB, hidden_size=n_embd_text, intermediate_size=2 * n_embd_text,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    vision = SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=64, patch_size=8)
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=16,
+                          image_token_index=TINY_VOCAB - 3, boi_token_index=TINY_VOCAB - 2,
+                          eoi_token_index=TINY_VOCAB - 1)
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        # transformers starts the projection at zero and the tower near it: every image would look alike
+        for name, weight in model.named_parameters():
+            if name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) and weight.dim() > 1:
+                weight.copy_(torch.randn_like(weight) / weight.shape[-1] ** 0.5)
+    model.save_pretrained(folder)
+    # transformers 5 saves the SigLIP tower without its vision_model level and with the pooling head Gemma 3 does
+    # not use; released checkpoints, which the converter maps, have the one and not the other
+    weights = folder / "model.safetensors"
+    tensors = {name.replace("vision_tower.", "vision_tower.vision_model.", 1): tensor.contiguous()
+               for name, tensor in load_file(weights).items() if not name.startswith("vision_tower.head.")}
+    save_file(tensors, weights, metadata={"format": "pt"})
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "Gemma3ImageProcessor", "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+         "size": {"height": 64, "width": 64}, "image_seq_length": 16}))
+    proc = subprocess.run([sys.executable, str(paths.hf_converter()), str(folder), "--mmproj", "--outtype", "f16",
+                           "--outfile", str(dest)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dest

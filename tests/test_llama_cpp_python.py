@@ -211,6 +211,7 @@ LOAD = ("import pykvq.llama_cpp as p\ntry:\n    p.load()\nexcept p.LlamaCppError
 
 @pytest.mark.parametrize("case, message", [
     ("other-lib-path", "names another libllama than pykvq's"),
+    ("other-mtmd-path", "names another libmtmd than pykvq's"),
     ("imported-first", "was imported before pykvq.llama_cpp and runs on /opt/other/libllama.so"),
     ("wrong-version", "llama-cpp-python 0.2.90 is installed"),
     ("missing", "llama-cpp-python is not installed"),
@@ -220,6 +221,8 @@ def test_load_refuses_the_wrong_library(case: str, message: str, tmp_path: Path)
     code = LOAD
     if case == "other-lib-path":
         env["LLAMA_CPP_LIB_PATH"] = str(tmp_path)
+    elif case == "other-mtmd-path":
+        env["MTMD_CPP_LIB"] = str(tmp_path)
     elif case == "imported-first":
         env["PYTHONPATH"] = _python_path_first(_fake_llama_cpp(tmp_path, "0.3.36", "/opt/other/libllama.so"))
         code = "import llama_cpp\n" + LOAD
@@ -262,11 +265,11 @@ def test_our_errors_keep_their_reason_once_llama_cpp_python_shares_the_library(l
 
 def test_llama_cpp_python_still_gets_the_log(smollm2: Path, capfd: pytest.CaptureFixture[str]) -> None:
     from pykvq.llama_cpp import Llama
-    with pytest.raises(ValueError, match="Failed to create llama_context: .*kivi types need a multiple of 32"):
-        # embedding=True: one unified cache for as many sequences as a batch has tokens, 1 cell each
-        Llama(model_path=str(smollm2), n_ctx=256, embedding=True, n_threads=2, verbose=True,
+    with pytest.raises(ValueError, match="Failed to create llama_context: .*the model has 30 layers"):
+        # refused by llama.cpp while it creates the context
+        Llama(model_path=str(smollm2), n_ctx=256, n_threads=2, verbose=True, kv_layers="k:0-99=kivi2;v:*=kivi2",
               type_k=pykvq.GGML_TYPE_KIVI2, type_v=pykvq.GGML_TYPE_KIVI2, **device.LLAMA_KWARGS)
-    assert "kivi types need a multiple of 32 cells" in capfd.readouterr().err
+    assert "the model has 30 layers (0-29)" in capfd.readouterr().err
 
 
 SERVER_ARGV = """

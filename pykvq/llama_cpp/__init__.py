@@ -31,6 +31,7 @@ from pykvq.bindings.log import sink
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the release whose llama.cpp pykvq patches (pykvq/upstream.py)
 LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"
+MTMD_PATH_ENV = "MTMD_CPP_LIB"  # the folder of libmtmd, which the multimodal chat handlers load
 INSTALL_HINT = f'CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install "llama-cpp-python[server]=={LLAMA_CPP_PYTHON_VERSION}"'
 
 
@@ -50,16 +51,18 @@ def _loaded_library(module: ModuleType) -> Path:
 def load() -> ModuleType:
     """Import llama_cpp bound to pykvq's libllama, or say why it cannot be."""
     ours = paths.library("llama").resolve()
-    requested = os.environ.get(LIB_PATH_ENV)
-    if requested is not None and Path(requested).resolve() != library_dir().resolve():
-        raise LlamaCppError(f"{LIB_PATH_ENV}={requested} names another libllama than pykvq's ({library_dir()}); "
-                            f"unset it, or set it to pykvq's folder")
+    for variable, library in ((LIB_PATH_ENV, "libllama"), (MTMD_PATH_ENV, "libmtmd")):
+        requested = os.environ.get(variable)
+        if requested is not None and Path(requested).resolve() != library_dir().resolve():
+            raise LlamaCppError(f"{variable}={requested} names another {library} than pykvq's ({library_dir()}); "
+                                f"unset it, or set it to pykvq's folder")
     already = sys.modules.get("llama_cpp")
     if already is not None and _loaded_library(already) != ours:
         raise LlamaCppError(f"llama_cpp was imported before pykvq.llama_cpp and runs on {_loaded_library(already)}, "
                             f"not pykvq's {ours}: import pykvq.llama_cpp first (or set {LIB_PATH_ENV}="
                             f"{library_dir()})")
     os.environ[LIB_PATH_ENV] = str(library_dir())
+    os.environ[MTMD_PATH_ENV] = str(library_dir())
     try:
         import llama_cpp
     except ModuleNotFoundError as exc:
