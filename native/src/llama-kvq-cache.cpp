@@ -399,6 +399,18 @@ static bool kvq_slot_fail(const std::string & why) {
     return false;
 }
 
+// A sequence's part holds its tokens in its first cells, in order: its k-th cell holds its k-th token. Positions
+// are the tokens' own and may repeat or jump (M-RoPE's images), so cells are counted, never taken from a span.
+static uint32_t kvq_n_cells(const llama_kv_cells & cells, llama_seq_id seq) {
+    return (uint32_t) cells.seq_pos_get(seq).size();
+}
+
+// the index in its part of the first cell of the sequence at position p or later (its cell count when none is)
+static llama_pos kvq_cell_at(const llama_kv_cells & cells, llama_seq_id seq, llama_pos p) {
+    const auto & held = cells.seq_pos_get(seq);
+    return (llama_pos) std::distance(held.begin(), held.lower_bound({ p, 0 }));
+}
+
 // Cells a sliding-window part drops from its front before n_new more tokens go in: whole rings of cells that no
 // query attends any more, not even after the deepest removal kvq_can_remove allows (a suffix of at most a ring:
 // --kv-rollback widens the ring). A multiple of the ring keeps each cell's ring slot and tile boundaries, and the
@@ -427,26 +439,35 @@ static std::string kvq_part_text(bool regions, uint32_t n_part, uint32_t part_ce
     return drops ? text + ": the window of its sliding-window layers, a ubatch and two rings" : text;
 }
 
-// The k-th token of a sequence goes to its part's k-th cell, so its positions must run on one by one from what the
-// part holds. Upstream checks that for every model but those with several positions per token (M-RoPE: Qwen2-VL and
-// later), whose image embeddings share a position and whose text after an image jumps ahead: refused, nothing goes in
+// The k-th token of a sequence goes to its part's k-th cell, so its positions must not go back. Upstream checks that
+// they run on one by one for every model but those with several positions per token (M-RoPE: Qwen2-VL and later),
+// whose image embeddings share a position and whose text after an image jumps ahead; a kivi cache takes those as
+// they are, except where it reads positions as cell distances (a sliding-window cache's drops, prompt selection),
+// which need them one by one. Refused, nothing goes in.
+static bool kvq_one_by_one(const llama_hparams & hparams, bool drop_dead, bool selects) {
+    return hparams.n_pos_per_embd() == 1 || drop_dead || selects;
+}
+
 static bool kvq_check_positions(const llama_ubatch & ubatch, const llama_kv_cells_vec & v_cells,
-        const std::vector<uint32_t> & seq_to_stream, bool regions, uint32_t n_part) {
-    std::vector<llama_pos> p_next(n_part, -1);
+        const std::vector<uint32_t> & seq_to_stream, bool regions, uint32_t n_part, bool one_by_one) {
+    std::vector<llama_pos> p_last(n_part, -1);
     for (uint32_t seq = 0; seq < n_part; ++seq) {
         const llama_kv_cells & cells = v_cells[regions ? 0 : seq_to_stream[seq]];
-        p_next[seq] = cells.seq_pos_min(seq) < 0 ? -1 : cells.seq_pos_max(seq) + 1;
+        p_last[seq] = cells.seq_pos_max(seq);
     }
     for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
-        const llama_seq_id seq = ubatch.seq_id[i][0];
-        const llama_pos    pos = ubatch.pos[i];
-        if (p_next[seq] >= 0 && pos != p_next[seq]) {
+        const llama_seq_id seq  = ubatch.seq_id[i][0];
+        const llama_pos    pos  = ubatch.pos[i];
+        const llama_pos    last = p_last[seq];
+        const bool in_order = last < 0 || (one_by_one ? pos == last + 1 : pos >= last);
+        if (!in_order) {
             return kvq_slot_fail("sequence " + std::to_string(seq) + " goes on at position " + std::to_string(pos) +
-                                 " where " + std::to_string(p_next[seq]) + " is next: kivi types hold a sequence's "
-                                 "tokens one per position, in order (an M-RoPE model's image embeddings share "
-                                 "positions); decode such input with an f16 or q8_0 cache");
+                                 " after " + std::to_string(last) + ": kivi types hold a sequence's tokens in " +
+                                 (one_by_one ? "consecutive positions here (a sliding-window cache, prompt selection)"
+                                             : "the order of their positions") +
+                                 "; decode such input with an f16 or q8_0 cache");
         }
-        p_next[seq] = pos + 1;
+        p_last[seq] = pos;
     }
     return true;
 }
@@ -474,7 +495,8 @@ llama_kv_cache::slot_info llama_kv_cache::kvq_find_slot(const llama_ubatch & uba
         }
         n_new[seq]++;
     }
-    if (!kvq_check_positions(ubatch, v_cells, seq_to_stream, regions, kvq_n_part)) {
+    const bool one_by_one = kvq_one_by_one(hparams, kvq_drop_dead, kvq_selects_prompts());
+    if (!kvq_check_positions(ubatch, v_cells, seq_to_stream, regions, kvq_n_part, one_by_one)) {
         return {};
     }
     slot_info res = {};
@@ -490,8 +512,7 @@ llama_kv_cache::slot_info llama_kv_cache::kvq_find_slot(const llama_ubatch & uba
         const uint32_t strm  = regions ? 0 : seq_to_stream[seq];
         const uint32_t first = regions ? seq*kvq_part_cells : 0;
         const llama_kv_cells & cells = v_cells[strm];
-        const llama_pos pos_min = cells.seq_pos_min(seq);
-        const uint32_t  n_held  = pos_min < 0 ? 0 : cells.seq_pos_max(seq) - pos_min + 1;
+        const uint32_t  n_held  = kvq_n_cells(cells, seq);
         const uint32_t  n_drop  = kvq_n_droppable(cells, seq, n_held, n_new[seq]);
         if (n_held - n_drop + n_new[seq] > kvq_part_cells) {
             kvq_slot_fail("sequence " + std::to_string(seq) + " is full: " +
@@ -747,14 +768,14 @@ bool llama_kv_cache::kvq_can_copy(llama_seq_id seq_id_src, llama_seq_id seq_id_d
     const llama_kv_cells & cells = v_cells[0];
     const llama_pos pos_min = cells.seq_pos_min(seq_id_src);
     const llama_pos pos_max = cells.seq_pos_max(seq_id_src);
-    const uint32_t  n       = pos_min < 0 ? 0 : pos_max - pos_min + 1;
+    const uint32_t  n       = kvq_n_cells(cells, seq_id_src);
     if (n > 0 && p0 > pos_min) {
         return kvq_slot_fail("seq_cp " + std::to_string(seq_id_src) + " -> " + std::to_string(seq_id_dst) +
                              " of positions [" + std::to_string(p0) + ", " + std::to_string(p1) + "): kivi types copy "
                              "a sequence from its first token (" + std::to_string(pos_min) + "); nothing copied");
     }
     const bool to_end = p1 < 0 || p1 > pos_max;
-    return n == 0 || to_end || kvq_can_remove_stream(n, p1 - pos_min, -1, seq_id_src);
+    return n == 0 || to_end || kvq_can_remove_stream(n, kvq_cell_at(cells, seq_id_src, p1), -1, seq_id_src);
 }
 
 // seq_cp in a unified kivi cache: the region of dst becomes a copy of src's (cells and data)
@@ -763,10 +784,8 @@ void llama_kv_cache::kvq_seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst
         return;
     }
     llama_kv_cells & cells = v_cells[0];
-    const llama_pos pos_min = cells.seq_pos_min(seq_id_src);
-    const llama_pos pos_max = cells.seq_pos_max(seq_id_src);
-    const uint32_t  n       = pos_min < 0 ? 0 : pos_max - pos_min + 1;
-    const bool      to_end  = p1 < 0 || p1 > pos_max;
+    const uint32_t  n       = kvq_n_cells(cells, seq_id_src);
+    const bool      to_end  = p1 < 0 || p1 > cells.seq_pos_max(seq_id_src);
     seq_rm(seq_id_dst, -1, -1);
 
     const uint32_t src0 = seq_id_src*kvq_part_cells;
@@ -991,8 +1010,9 @@ bool llama_kv_cache::kvq_state_read_data(llama_io_read_i & io, uint32_t strm, ui
     return true;
 }
 
-// The cells of a restored part must be what the kivi layout reads: its sequence's tokens at consecutive positions,
-// the k-th in the part's k-th cell, and no other cell of that sequence (a corrupt state's metadata says anything).
+// The cells of a restored part must be what the kivi layout reads: its sequence's tokens in the order of their
+// positions (consecutive ones where kvq_check_positions asks for them), the k-th in the part's k-th cell, and no
+// other cell of that sequence (a corrupt state's metadata says anything).
 bool llama_kv_cache::kvq_check_restored_part(uint32_t strm, uint32_t part, uint32_t n_cells) const {
     const llama_kv_cells & cells = v_cells[strm];
     const uint32_t base = kvq_in_regions() ? part*kvq_part_cells : 0;
@@ -1007,13 +1027,17 @@ bool llama_kv_cache::kvq_check_restored_part(uint32_t strm, uint32_t part, uint3
     if (pos0 < 0 || pos0 + n_cells - 1 > std::numeric_limits<llama_pos>::max()) {
         return kvq_state_fail("sequence " + std::to_string(seq) + " starts at position " + std::to_string(pos0));
     }
+    const bool one_by_one = kvq_one_by_one(hparams, kvq_drop_dead, kvq_selects_prompts());
+    llama_pos  last       = pos0;
     for (uint32_t k = 0; k < n_cells; ++k) {
         const uint32_t cell = base + k;
         if (cells.is_empty(cell) || cells.seq_count(cell) != 1 || !cells.seq_has(cell, seq) ||
-            cells.pos_get(cell) != pos0 + k) {
+            (one_by_one ? cells.pos_get(cell) != pos0 + k : cells.pos_get(cell) < last)) {
             return kvq_state_fail("the cells of sequence " + std::to_string(seq) + " are not its positions " +
-                                  std::to_string(pos0) + " .. " + std::to_string(pos0 + n_cells - 1) + " in order");
+                                  (one_by_one ? std::to_string(pos0) + " .. " + std::to_string(pos0 + n_cells - 1)
+                                              : std::string("from ") + std::to_string(pos0)) + " in order");
         }
+        last = cells.pos_get(cell);
     }
     uint32_t n_seq_cells = 0;
     for (uint32_t cell = 0; cell < cells.size(); ++cell) {
@@ -1174,7 +1198,8 @@ bool llama_kv_cache::kvq_can_remove(llama_seq_id seq_id, llama_pos p0, llama_pos
                             __func__, p0, seq, pos_min);
             return false;
         }
-        if (!kvq_can_remove_stream(cells.seq_pos_max(seq) - pos_min + 1, p0 - pos_min, p1 < 0 ? p1 : p1 - pos_min, seq)) {
+        if (!kvq_can_remove_stream(kvq_n_cells(cells, seq), kvq_cell_at(cells, seq, p0),
+                                   p1 < 0 ? p1 : kvq_cell_at(cells, seq, p1), seq)) {
             return false;
         }
     }
@@ -1229,6 +1254,13 @@ bool llama_kv_cache::kvq_holds_layer(int32_t il) const {
 // a unified kivi cache still keeps each sequence in a region of its own
 uint32_t llama_kv_cache::kvq_seq_cells() const {
     return kvq_active() ? kvq_part_cells : v_cells[0].size();
+}
+
+uint32_t llama_kv_cache::kvq_seq_n_cells(llama_seq_id seq_id) const {
+    if (seq_id < 0 || (size_t) seq_id >= seq_to_stream.size()) {
+        return 0;
+    }
+    return kvq_n_cells(v_cells[seq_to_stream[seq_id]], seq_id);
 }
 
 // Batches with at least this many tokens per sequence (prefill) attend through upstream's flash attention over

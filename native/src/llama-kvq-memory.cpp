@@ -85,13 +85,11 @@ bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_me
     return true;
 }
 
-// a selected prompt's kept cells take its last positions, consecutive (kvq_apply_select): the span of positions
-// is what the sequence holds (64-bit: a state may place a cell at INT32_MAX)
+// counted, not a span of positions: an M-RoPE model's image puts many cells at one position
 int64_t llama_kvq_seq_cells(const struct llama_context * ctx, llama_seq_id seq_id) {
     const llama_kv_cache * kv = ctx != nullptr ? kvq_bounding_cache(llama_get_memory(ctx)) : nullptr;
     if (kv == nullptr) {
         return -1;
     }
-    const llama_pos pos_min = kv->seq_pos_min(seq_id);
-    return pos_min < 0 ? 0 : (int64_t) kv->seq_pos_max(seq_id) - pos_min + 1;
+    return kv->kvq_seq_n_cells(seq_id);
 }
