@@ -459,7 +459,7 @@ static bool kvq_check_positions(const llama_ubatch & ubatch, const llama_kv_cell
         const llama_seq_id seq  = ubatch.seq_id[i][0];
         const llama_pos    pos  = ubatch.pos[i];
         const llama_pos    last = p_last[seq];
-        const bool in_order = last < 0 || (one_by_one ? pos == last + 1 : pos >= last);
+        const bool in_order = last < 0 || (one_by_one ? (int64_t) pos == (int64_t) last + 1 : pos >= last);
         if (!in_order) {
             return kvq_slot_fail("sequence " + std::to_string(seq) + " goes on at position " + std::to_string(pos) +
                                  " after " + std::to_string(last) + ": kivi types hold a sequence's tokens in " +

@@ -440,6 +440,16 @@ class Model(_Handle):
             yield from ctx.generate_text(self.tokenize(prompt), n_predict, self.sampler(sampling))
 
 
+POS_MAX = 2**31 - 1  # llama_pos is an int32_t
+
+
+def _check_positions(seq: int, start: int, n_tokens: int) -> None:
+    """Refuse tokens whose positions would pass llama_pos (a state may hold a cell at its largest value)."""
+    if start + n_tokens - 1 > POS_MAX:
+        raise LlamaError(f"sequence {seq}: {n_tokens} more tokens from position {start} pass the largest position "
+                         f"llama.cpp takes ({POS_MAX})")
+
+
 class Context(_Handle):
     """A llama_context: its KV cache and its logits. ``eval``, ``generate_*``, ``truncate`` and the whole-state
     methods work on sequence 0; with ``n_seq_max`` > 1, ``eval_seqs`` and the ``seq_*`` methods reach the others."""
@@ -493,6 +503,7 @@ class Context(_Handle):
         if self.seq_cells(0) + len(tokens) > self.n_seq_cells:
             raise LlamaError(f"{len(tokens)} more tokens do not fit the context: {self.seq_cells(0)} of the "
                              f"{self.n_seq_cells} cells of a sequence are used (raise -c)")
+        _check_positions(0, self.n_past, len(tokens))
         lib = self._lib
         n_vocab = self.model.n_vocab
         n_batch = lib.llama.llama_n_batch(self._ptr)
@@ -630,6 +641,7 @@ class Context(_Handle):
             used = self.seq_cells(seq)
             if used + len(tokens) > room:
                 raise LlamaError(f"sequence {seq}: {len(tokens)} more tokens do not fit its {used} used cells")
+            _check_positions(seq, start, len(tokens))
             items += [(seq, start + i, token, i == len(tokens) - 1) for i, token in enumerate(tokens)]
         out: dict[int, np.ndarray] = {}
         batch = self._batch
