@@ -126,8 +126,8 @@ SHAPES = {
     # DeepSeek-V2's attention at small size: a 128-wide latent and 32 RoPE channels (its cache rows hold 160 values)
     "deepseek2-mla-small": Shape(2, 256, 512, 4, 1, 2048, 8192, 10000.0, arch="deepseek2", head_dim=96,
                                  kv_lora_rank=128, rope_dim=32),
-    # T5's encoder-decoder at small size (flan-t5-small's 32 relative position buckets)
     "qwen2vl-small": Shape(2, 256, 512, 4, 2, 2048, 32768, 1000000.0, arch="qwen2vl"),  # M-RoPE: 4 positions a token
+    # T5's encoder-decoder at small size (flan-t5-small's 32 relative position buckets)
     "t5-small": Shape(2, 256, 512, 4, 4, 2048, 512, 10000.0, arch="t5"),
     "mamba-small": Shape(2, 256, 0, 1, 0, 2048, 1048576, 10000.0, arch="mamba"),
     "gpt-oss-small": Shape(2, 256, 128, 4, 2, 2048, 8192, 150000.0, arch="gpt-oss", head_dim=64, n_swa=64,
