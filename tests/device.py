@@ -92,6 +92,11 @@ GPU_TOP1_AGREEMENT = 0.9
 QUANTIZATION_SHARE = 2.0
 
 
+def moved(got: np.ndarray, want: np.ndarray) -> float:
+    """The mean absolute change of the logits ``got`` against ``want``."""
+    return float(np.abs(got - want).mean())
+
+
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     rows = np.atleast_2d(np.asarray(logits, dtype=np.float64))
     shifted = rows - rows.max(axis=1, keepdims=True)

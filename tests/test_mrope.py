@@ -79,26 +79,22 @@ def _chat(qwen2vl: Model, tokens: list[int], kv: KvConfig, seed: int = 1, n_ubat
         return ctx.eval(tokens[100:140], all_logits=True)
 
 
-def _moved(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).mean())
-
-
 def test_an_image_in_a_covering_kivi_window_is_upstream_f16(qwen2vl: Model, tokens: list[int]) -> None:
     """An image's embeddings share a position and the text after it jumps ahead: a kivi cache refused them, and
     before that overwrote the cells of the tokens before the image with them. Everything in fp16: as close to
     upstream's f16 cache as upstream's own two attention paths are, far closer than another image is."""
     f16 = _chat(qwen2vl, tokens, KvConfig())
-    noise = _moved(_chat(qwen2vl, tokens, KvConfig(), flash_attn="off"), f16)
-    assert _moved(_chat(qwen2vl, tokens, KvConfig(), seed=2), f16) > 3 * noise
-    assert _moved(_chat(qwen2vl, tokens, KvConfig.preset("kivi2", window=N_CTX)), f16) < 1.5 * noise
+    noise = device.moved(_chat(qwen2vl, tokens, KvConfig(), flash_attn="off"), f16)
+    assert device.moved(_chat(qwen2vl, tokens, KvConfig(), seed=2), f16) > 3 * noise
+    assert device.moved(_chat(qwen2vl, tokens, KvConfig.preset("kivi2", window=N_CTX)), f16) < 1.5 * noise
 
 
 def test_an_image_in_kivi_tiles_costs_what_its_width_says(qwen2vl: Model, tokens: list[int]) -> None:
     f16 = _chat(qwen2vl, tokens, KvConfig())
-    errors = {kv.type_k: _moved(_chat(qwen2vl, tokens, kv), f16) for kv in (KvConfig.preset("kivi4", window=32),
+    errors = {kv.type_k: device.moved(_chat(qwen2vl, tokens, kv), f16) for kv in (KvConfig.preset("kivi4", window=32),
                                                                              KIVI2)}
     assert 0 < errors["kivi4"] < errors["kivi2"]
-    assert errors["kivi4"] < _moved(_chat(qwen2vl, tokens, KvConfig(), seed=2), f16)
+    assert errors["kivi4"] < device.moved(_chat(qwen2vl, tokens, KvConfig(), seed=2), f16)
 
 
 def test_an_image_split_across_ubatches_changes_nothing(qwen2vl: Model, tokens: list[int]) -> None:

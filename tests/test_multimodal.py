@@ -83,24 +83,20 @@ def _logits(models: tuple[Path, Path], kv: str = "f16", window: int | None = Non
         llm.close()
 
 
-def _moved(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.abs(got - want).mean())
-
-
 def test_an_image_in_a_covering_kivi_window_is_upstream_f16(models: tuple[Path, Path]) -> None:
     """Everything in fp16 (the image's tokens too, which Gemma 3 attends both ways within the image), read right
     after the image: as close to upstream's f16 cache as upstream's own two attention paths are to each other, and
     far closer than another image is."""
     f16 = _logits(models, after=[])
-    upstream_noise = _moved(_logits(models, flash_attn=False, after=[]), f16)
-    assert _moved(_logits(models, seed=1, after=[]), f16) > 3 * upstream_noise
-    assert _moved(_logits(models, "kivi2", window=N_CTX, after=[]), f16) < 1.5 * upstream_noise
+    upstream_noise = device.moved(_logits(models, flash_attn=False, after=[]), f16)
+    assert device.moved(_logits(models, seed=1, after=[]), f16) > 3 * upstream_noise
+    assert device.moved(_logits(models, "kivi2", window=N_CTX, after=[]), f16) < 1.5 * upstream_noise
 
 
 def test_an_image_in_kivi_tiles_costs_what_its_width_says(models: tuple[Path, Path]) -> None:
     """A window of 16 and 40 tokens after the image: its tokens are in sealed 4- and 2-bit tiles. 4 bits move the
     logits less than another image does."""
     f16 = _logits(models)
-    errors = {kv: _moved(_logits(models, kv, window=16), f16) for kv in ("kivi4", "kivi2")}
+    errors = {kv: device.moved(_logits(models, kv, window=16), f16) for kv in ("kivi4", "kivi2")}
     assert 0 < errors["kivi4"] < errors["kivi2"]
-    assert errors["kivi4"] < _moved(_logits(models, seed=1), f16)
+    assert errors["kivi4"] < device.moved(_logits(models, seed=1), f16)

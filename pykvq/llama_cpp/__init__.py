@@ -142,9 +142,10 @@ def _llama_class() -> type:
             # refused before an instance exists: upstream's __del__ fails on a half-built Llama
             check_kv_type(kwargs.get("type_k"))
             check_kv_type(kwargs.get("type_v"))
-            if _kv_config(kwargs).is_kivi and kwargs.get("flash_attn") is False:
+            kivi = _kv_config(kwargs).is_kivi
+            if kivi and kwargs.get("flash_attn") is False:
                 raise ValueError("kivi KV types are read by the fused attention only: pass flash_attn=True")
-            if _kv_config(kwargs).is_kivi and kwargs.get("embedding"):
+            if kivi and kwargs.get("embedding"):
                 raise ValueError("embedding=True packs up to min(n_batch, 256) texts into one unified KV cache whose "
                                  "cells any text may take; a kivi cache gives each sequence a fixed region of 32-token "
                                  "tiles: embed with an f16 or q8_0 KV cache")

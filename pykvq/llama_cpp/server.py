@@ -23,6 +23,7 @@ from pykvq.llama_cpp import LlamaCppError, check_kv_type, load
 
 DRAFT_TOKENS_DEFAULT = 10  # llama_cpp.server's --draft_model_num_pred_tokens
 
+
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m pykvq.llama_cpp.server", add_help=False)
     parser.add_argument("--kv-type", help="K and V cache type by name, e.g. kivi2")
@@ -51,15 +52,20 @@ def _option(rest: list[str], name: str) -> str | None:
     return None
 
 
-def _type_option(rest: list[str], name: str) -> int | None:
-    """The ggml type number given to ``name``."""
+def _int_option(rest: list[str], name: str, meaning: str, error: type[ValueError] = ValueError) -> int | None:
+    """The int given to ``name``, ``meaning`` saying what it counts when it is not one."""
     value = _option(rest, name)
     if value is None:
         return None
     try:
         return int(value)
     except ValueError:
-        raise KvTypeError(f"{name} takes a ggml type number, got {value!r}") from None
+        raise error(f"{name} takes {meaning}, got {value!r}") from None
+
+
+def _type_option(rest: list[str], name: str) -> int | None:
+    """The ggml type number given to ``name``."""
+    return _int_option(rest, name, "a ggml type number", KvTypeError)
 
 
 def _draft_rollback(rest: list[str]) -> int | None:
@@ -67,11 +73,8 @@ def _draft_rollback(rest: list[str]) -> int | None:
     10): its rejected ones are removed again, so the kivi ring keeps them removable."""
     if _option(rest, "--draft_model") is None:
         return None
-    value = _option(rest, "--draft_model_num_pred_tokens") or str(DRAFT_TOKENS_DEFAULT)
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"--draft_model_num_pred_tokens takes a token count, got {value!r}") from None
+    count = _int_option(rest, "--draft_model_num_pred_tokens", "a token count")
+    return DRAFT_TOKENS_DEFAULT if count is None else count
 
 
 def server_argv(argv: list[str]) -> list[str]:
