@@ -428,3 +428,53 @@ def test_the_real_gemma3_answers_as_f16_does_while_its_prompt_is_in_the_window(g
     assert texts["kivi2"] == texts["f16"] and texts["kivi2, SWA q8_0"] == texts["f16"]
     assert "the sliding-window layers' cache (kivi2)" in reports["kivi2"]
     assert "the sliding-window layers' cache (q8_0)" in reports["kivi2, SWA q8_0"]
+
+
+# Llama 4's chunked attention: llama.cpp's chunks are 8192 tokens, fixed, so these contexts cross one
+LLAMA4_CHUNK = 8192
+LLAMA4_CTX = LLAMA4_CHUNK + 1024
+LLAMA4_PROMPT = LLAMA4_CHUNK + 600
+LLAMA4_TOKENS = LLAMA4_PROMPT + 40
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("llama4") / "llama4-small.gguf"
+    random_model.write(random_model.SHAPES["llama4-small"], path)
+    with device.load_model(path) as model:
+        yield model
+
+
+def llama4_run(model: Model, kv: KvConfig, swa_full: bool = False, flash_attn: str = "on") -> tuple[np.ndarray, int]:
+    """The prompt's logits, then 40 decoded tokens': across the first chunk's end, in ubatches of 512; and the
+    cells of the chunked layers' cache."""
+    tokens = [int(t) for t in np.random.default_rng(4).integers(300, 2048, size=LLAMA4_TOKENS)]
+    config = device.context_config(kv=kv, swa_full=swa_full, n_ctx=LLAMA4_CTX, n_batch=LLAMA4_CTX, n_ubatch=512,
+                                   n_threads=2, flash_attn=flash_attn)
+    with model.context(config) as ctx:
+        prompt = ctx.eval(tokens[:LLAMA4_PROMPT], all_logits=True)
+        decoded = np.stack([ctx.eval([t]) for t in tokens[LLAMA4_PROMPT:]])
+        return np.concatenate([prompt, decoded]), ctx.memory().swa_n_cells
+
+
+def llama4_logits(model: Model, kv: KvConfig, flash_attn: str = "on") -> np.ndarray:
+    return llama4_run(model, kv, flash_attn=flash_attn)[0]
+
+
+def test_llama4_s_chunks_are_read_as_upstream_f16_reads_them(llama4: Model) -> None:
+    """A token past a chunk's end attends only its own chunk in the chunked layers: a kivi cache whose window
+    covers the context gives upstream f16's logits there, as close as upstream's own two attention paths."""
+    f16 = llama4_logits(llama4, KvConfig())
+    upstream_noise = np.abs(llama4_logits(llama4, KvConfig(), flash_attn="off") - f16)[LLAMA4_CHUNK:].max()
+    kivi = llama4_logits(llama4, KvConfig.preset("kivi2", window=LLAMA4_CTX))
+    assert np.abs(kivi - f16)[LLAMA4_CHUNK:].max() < 1.5 * upstream_noise < 0.5
+
+
+def test_llama4_s_chunked_cache_drops_exactly(llama4: Model) -> None:
+    """The chunked layers' kivi cache holds a chunk, a ubatch and two rings, fewer cells than the tokens fed: the
+    cells of the chunk that ended leave it, and its logits are those of a full-size cache (--swa-full), prompt and
+    decode."""
+    kv = KvConfig.preset("kivi2", window=32)
+    (dropping, n_cells), (full, _) = llama4_run(llama4, kv), llama4_run(llama4, kv, swa_full=True)
+    assert n_cells == LLAMA4_CHUNK + 512 + 2 * 32 < LLAMA4_TOKENS
+    device.assert_same_logits(dropping, full)

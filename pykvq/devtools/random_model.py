@@ -53,8 +53,10 @@ class Shape:
     # (a recurrent state) in the layers of 0 KV heads (n_head_kv_layers), attention with Q/K norms in the others;
     # "deepseek2": multi-head latent attention, one compressed KV row of kv_lora_rank + the RoPE part per token
     # (head_dim: the query/key head size, of which rope_dim rotate; V heads of head_dim - rope_dim), dense FFNs;
-    # "t5": an encoder and a decoder of n_layer each, relative position biases in their attention; "mamba": no
-    # attention at all, Mamba's selective state-space blocks (inner size 2 n_embd, state 16, convolution 4)
+    # "llama4": every 4th layer global without RoPE, the others chunked attention (8192-token chunks), Q/K L2 norms,
+    # n_expert experts and a shared one in every moe_layer_step-th layer; "t5": an encoder and a decoder of n_layer
+    # each, relative position biases in their attention; "mamba": no attention at all, Mamba's selective
+    # state-space blocks (inner size 2 n_embd, state 16, convolution 4)
     arch: str = "llama"
     head_dim: int | None = None  # None: n_embd / n_head
     n_swa: int = 0
@@ -68,6 +70,7 @@ class Shape:
     n_kv_shared: int = 0  # gemma4: the last layers that keep no KV of their own
     shortconv_l_cache: int = 3  # lfm2's convolution width
     kv_lora_rank: int = 0  # deepseek2's compressed KV
+    moe_layer_step: int = 1  # every moe_layer_step-th layer has the experts (llama4), the others a dense FFN
     rope_dim: int = 0  # deepseek2's rotated part of each head; 0: the whole head
 
     def n_head_kv_of(self, il: int) -> int:
@@ -92,6 +95,9 @@ class Shape:
 
     def has_kv(self, il: int) -> bool:
         return il < self.n_layer - self.n_kv_shared
+
+    def is_moe(self, il: int) -> bool:
+        return self.n_expert > 0 and (il + 1) % self.moe_layer_step == 0
 
     def is_recurrent(self, il: int) -> bool:
         return self.arch == "lfm2" and self.n_head_kv_of(il) == 0
@@ -127,6 +133,10 @@ SHAPES = {
     "deepseek2-mla-small": Shape(2, 256, 512, 4, 1, 2048, 8192, 10000.0, arch="deepseek2", head_dim=96,
                                  kv_lora_rank=128, rope_dim=32),
     "qwen2vl-small": Shape(2, 256, 512, 4, 2, 2048, 32768, 1000000.0, arch="qwen2vl"),  # M-RoPE: 4 positions a token
+    # Llama 4's attention at small size: 3 layers of chunked attention (llama.cpp's fixed 8192-token chunks) to 1
+    # global layer without RoPE, Q and K L2-normed; experts with a shared one in every other layer
+    "llama4-small": Shape(4, 256, 512, 4, 2, 2048, 32768, 500000.0, arch="llama4", n_expert=2, n_expert_used=1,
+                          moe_layer_step=2),
     # T5's encoder-decoder at small size (flan-t5-small's 32 relative position buckets)
     "t5-small": Shape(2, 256, 512, 4, 4, 2048, 512, 10000.0, arch="t5"),
     "mamba-small": Shape(2, 256, 0, 1, 0, 2048, 1048576, 10000.0, arch="mamba"),
@@ -226,6 +236,8 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         writer.add_expert_count(shape.n_expert)
         writer.add_expert_used_count(shape.n_expert_used)
         writer.add_expert_feed_forward_length(shape.n_ff)
+    if shape.moe_layer_step > 1:
+        writer.add_uint32(gguf.Keys.LLM.INTERLEAVE_MOE_LAYER_STEP.format(arch=shape.arch), shape.moe_layer_step)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(shape.n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1 if q4_1 else gguf.LlamaFileType.MOSTLY_Q4_0)
@@ -252,13 +264,21 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         writer.add_tensor(name, (rng.standard_normal(dims) * 0.05).astype(np.float32))
 
     def experts(il: int) -> None:
-        """gpt-oss's MoE block: a biased router and biased expert matrices (f32: they are 3-D)."""
+        """The MoE block: a router and expert matrices (f32: they are 3-D), biased in gpt-oss, and in Llama 4 after
+        the FFN norm with a shared expert beside them."""
+        biased = shape.arch == "gpt-oss"
         small(f"blk.{il}.ffn_gate_inp.weight", shape.n_expert, shape.n_embd)
-        small(f"blk.{il}.ffn_gate_inp.bias", shape.n_expert)
+        if biased:
+            small(f"blk.{il}.ffn_gate_inp.bias", shape.n_expert)
         for part, rows, cols in (("gate", shape.n_ff, shape.n_embd), ("up", shape.n_ff, shape.n_embd),
                                  ("down", shape.n_embd, shape.n_ff)):
             small(f"blk.{il}.ffn_{part}_exps.weight", shape.n_expert, rows, cols)
-            small(f"blk.{il}.ffn_{part}_exps.bias", shape.n_expert, rows)
+            if biased:
+                small(f"blk.{il}.ffn_{part}_exps.bias", shape.n_expert, rows)
+            if shape.arch == "llama4":
+                matrix(f"blk.{il}.ffn_{part}_shexp.weight", rows, cols)
+        if shape.arch == "llama4":
+            norm(f"blk.{il}.ffn_norm.weight")
 
     def gemma3n_model_tensors() -> None:
         """AltUp's projections of the residual stream and the per-layer inputs, with llama.cpp's defaults: 4 AltUp
@@ -363,7 +383,7 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
                 latent_attention(il)
             else:
                 attention(il)
-            if shape.n_expert:
+            if shape.is_moe(il):
                 experts(il)
             else:
                 norm(f"blk.{il}.ffn_norm.weight")
