@@ -117,27 +117,46 @@ def test_a_type_name_is_refused_with_its_id(smollm2: Path, name: str, hint: str)
         Llama(model_path=str(smollm2), type_k=name, type_v=name, verbose=False)
 
 
-def test_server_answers_a_chat_completion_with_kivi2(smollm2: Path, model: Model, tmp_path: Path) -> None:
+def _served_answer(smollm2: Path, tmp_path: Path, args: list[str], path: str, body: dict) -> tuple[dict, str]:
+    """The server's answer to one request, and its log."""
     port = free_port()
     log = tmp_path / "server.log"
     with log.open("w") as sink:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pykvq.llama_cpp.server", "--model", str(smollm2), "--kv-type", "kivi2",
-             "--kv-window", "32", "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "1024", "--n_threads", "2",
-             "--verbose", "true"], stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path)
+             "--host", "127.0.0.1", "--port", str(port), "--n_threads", "2", "--verbose", "true", *args],
+            stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path)
         try:
             wait_for(f"http://127.0.0.1:{port}/v1/models", proc, 60)
-            body = json.dumps({"messages": [{"role": "user", "content": QUESTION}], "max_tokens": N_PREDICT,
-                               "temperature": 0}).encode()
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
                                              headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=60) as response:
-                answer = json.load(response)
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return json.load(response), log.read_text()
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    assert answer["choices"][0]["message"]["content"] == our_chat_reply(model).strip()
-    assert "K (kivi2)" in log.read_text() and "V (kivi2)" in log.read_text()
+
+
+def _served_chat_reply(smollm2: Path, tmp_path: Path, args: list[str]) -> tuple[str, str]:
+    body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": N_PREDICT, "temperature": 0}
+    answer, log = _served_answer(smollm2, tmp_path, ["--kv-window", "32", "--n_ctx", "1024", *args],
+                                 "/v1/chat/completions", body)
+    return answer["choices"][0]["message"]["content"], log
+
+
+def test_server_answers_a_chat_completion_with_kivi2(smollm2: Path, model: Model, tmp_path: Path) -> None:
+    reply, log = _served_chat_reply(smollm2, tmp_path, [])
+    assert reply == our_chat_reply(model).strip()
+    assert "K (kivi2)" in log and "V (kivi2)" in log
+
+
+def test_the_server_offloads_to_its_rpc_servers(rpc_server: str, smollm2: Path, model: Model, tmp_path: Path) -> None:
+    """--rpc_servers with --n_gpu_layers: upstream's Llama, which the server created, dropped the servers without a
+    word (llama.cpp registers them as devices now) and "offloaded" every layer to the CPU. The model's layers and
+    its kivi cache go to the RPC server's device, and the reply is the CPU's."""
+    reply, log = _served_chat_reply(smollm2, tmp_path, ["--rpc_servers", rpc_server, "--n_gpu_layers", "99"])
+    assert f"RPC0[{rpc_server}] model buffer size" in log and f"RPC0[{rpc_server}] KV buffer size" in log
+    assert reply == our_chat_reply(model).strip()
 
 
 def _repeat_prompt(hamlet: Path) -> str:
@@ -170,6 +189,16 @@ def test_prompt_lookup_decoding_removes_its_rejected_drafts_exactly(smollm2: Pat
     prompt = _repeat_prompt(hamlet)
     plain = _completion(_kivi2_llama(smollm2), prompt)
     assert _completion(_kivi2_llama(smollm2, draft_model=_prompt_lookup(8)), prompt) == plain
+
+
+def test_the_server_s_draft_model_sets_the_rollback(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
+    """The server's --draft_model proposes --draft_model_num_pred_tokens tokens at a time: its Llama keeps that many
+    removable, and the completion is the one generated without drafts."""
+    prompt = _repeat_prompt(hamlet)
+    body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "repeat_penalty": 1.0}
+    args = ["--n_ctx", "1024", "--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", "8"]
+    answer, _ = _served_answer(smollm2, tmp_path, args, "/v1/completions", body)
+    assert answer["choices"][0]["text"] == _completion(_kivi2_llama(smollm2), prompt)
 
 
 def test_a_refused_removal_says_what_to_do_and_keeps_the_token_count_in_sync(smollm2: Path, hamlet: Path) -> None:
@@ -272,35 +301,20 @@ def test_llama_cpp_python_still_gets_the_log(smollm2: Path, capfd: pytest.Captur
     assert "the model has 30 layers (0-29)" in capfd.readouterr().err
 
 
-SERVER_ARGV = """
-import sys
-from pykvq.bindings import native
-from pykvq.llama_cpp.server import server_argv
-rest = server_argv(sys.argv[1:])
-params = native.kvq_params()
-print(params.rotate, params.n_rollback, native.kvq_layer_types() or "-", " ".join(rest))
-"""
-
-
-DRAFT = ["--draft_model", "prompt-lookup-decoding"]
-
-
 @pytest.mark.parametrize(("args", "expected"), [
-    (["--kv-type", "kivi2+rot"], "True 0 - --type_k 43 --type_v 43 --flash_attn true"),
-    (["--kv-type", "asymkv:16/0"], "False 0 asymkv:16/0 --type_k 43 --type_v 43 --flash_attn true"),
+    (["--kv-type", "kivi2+rot"], "True None None --type_k 43 --type_v 43 --flash_attn true"),
+    (["--kv-type", "asymkv:16/0"], "None asymkv:16/0 None --type_k 43 --type_v 43 --flash_attn true"),
     (["--kv-type", "kivi2", "--kv-layers", "k:*=kivi4;v:*=kivi2"],
-     "False 0 k:*=kivi4;v:*=kivi2 --type_k 43 --type_v 43 --flash_attn true"),
-    (["--kv-type", "kivi2", *DRAFT], f"False 10 - {' '.join(DRAFT)} --type_k 43 --type_v 43 --flash_attn true"),
-    (["--kv-type", "kivi2", *DRAFT, "--draft_model_num_pred_tokens=4"],
-     f"False 4 - {' '.join(DRAFT)} --draft_model_num_pred_tokens=4 --type_k 43 --type_v 43 --flash_attn true"),
-    (["--kv-type", "kivi2", "--kv-rollback", "0", *DRAFT],
-     f"False 0 - {' '.join(DRAFT)} --type_k 43 --type_v 43 --flash_attn true"),
-], ids=["rotation", "asymkv", "kv-layers", "draft", "draft-length", "explicit-rollback"])
-def test_the_server_takes_every_part_of_the_kv_type(args: list[str], expected: str, tmp_path: Path) -> None:
+     "None k:*=kivi4;v:*=kivi2 None --type_k 43 --type_v 43 --flash_attn true"),
+    (["--kv-type", "kivi2", "--kv-rollback", "0", "--draft_model", "prompt-lookup-decoding"],
+     "None None 0 --draft_model prompt-lookup-decoding --type_k 43 --type_v 43 --flash_attn true"),
+    (["--kv-layers", "k:*=kivi4;v:*=f16"], "None k:*=kivi4;v:*=f16 None --flash_attn true"),
+], ids=["rotation", "asymkv", "kv-layers", "explicit-rollback", "layers-alone"])
+def test_the_server_takes_every_part_of_the_kv_type(args: list[str], expected: str) -> None:
     """`--kv-type asymkv:16/0` ran as uniform kivi2 and `kivi2+rot` without rotation: the server dropped the
-    parts after the type name. A --draft_model's rejected tokens must stay removable: its length sets the rollback
-    unless --kv-rollback is given. In a subprocess: the settings are process-wide."""
-    proc = subprocess.run([sys.executable, "-c", SERVER_ARGV, *args], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == expected.replace("43", str(pykvq.GGML_TYPE_KIVI2))
+    parts after the type name. An explicit --kv-rollback is kept beside a --draft_model (whose own length sets it
+    otherwise, in the Llama)."""
+    from pykvq.llama_cpp.server import server_argv
+    rest, settings = server_argv(args)
+    got = f"{settings['kv_rotate']} {settings['kv_layers']} {settings['kv_rollback']} {' '.join(rest)}"
+    assert got == expected.replace("43", str(pykvq.GGML_TYPE_KIVI2))

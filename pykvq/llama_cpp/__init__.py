@@ -93,7 +93,7 @@ def check_kv_type(type_id: int | str | None) -> None:
         raise ValueError(f"unknown KV cache type {type_id!r}; valid: {listed}")
 
 
-def _kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None, rotate: bool | str | None = None,
+def kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None, rotate: bool | str | None = None,
                layers: str | None = None, rollback: int | None = None, type_swa: str | None = None,
                select: Selection | None = None, clip: str | None = None, dither: str | None = None) -> KvConfig:
     """Our view of a Llama's KV settings; the type ints are already checked (check_kv_type)."""
@@ -142,7 +142,7 @@ def _llama_class() -> type:
             # refused before an instance exists: upstream's __del__ fails on a half-built Llama
             check_kv_type(kwargs.get("type_k"))
             check_kv_type(kwargs.get("type_v"))
-            kivi = _kv_config(kwargs).is_kivi
+            kivi = kv_config(kwargs).is_kivi
             if kivi and kwargs.get("flash_attn") is False:
                 raise ValueError("kivi KV types are read by the fused attention only: pass flash_attn=True")
             if kivi and kwargs.get("embedding"):
@@ -162,7 +162,7 @@ def _llama_class() -> type:
                 add_rpc_servers(rpc_servers)
             if kv_rollback is None:
                 kv_rollback = draft_length(kwargs.get("draft_model"))
-            kv = _kv_config(kwargs, kv_window, kv_sinks, kv_rotate, kv_layers, kv_rollback, kv_type_swa, kv_select,
+            kv = kv_config(kwargs, kv_window, kv_sinks, kv_rotate, kv_layers, kv_rollback, kv_type_swa, kv_select,
                             kv_clip, kv_dither)
             if kv.is_kivi:
                 kwargs["flash_attn"] = True

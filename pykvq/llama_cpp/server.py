@@ -5,7 +5,7 @@
 takes every option of ``python -m llama_cpp.server`` plus pykvq's: ``--kv-type`` (any form `pykvq run` takes:
 kivi2, kivi2+rot, asymkv:16/0) sets --type_k, --type_v and --flash_attn true; ``--kv-window``, ``--kv-sinks``,
 ``--kv-rollback``, ``--kv-rotate``, ``--kv-layers``, ``--kv-clip``, ``--kv-dither`` and ``--kv-type-swa`` set the kivi
-layers of every model the server loads.
+layers of every model the server loads. Its models are pykvq.llama_cpp.Llama objects (``--rpc_servers`` included).
 """
 
 from __future__ import annotations
@@ -15,14 +15,10 @@ import logging
 import sys
 
 from pykvq import kv_types
-from pykvq.api.llama import KvConfig
-from pykvq.bindings import native
+from pykvq.api.llama import kvq_params_applied
 from pykvq.commands.arguments import rotation
 from pykvq.kv_types import KvSpec, KvTypeError
-from pykvq.llama_cpp import LlamaCppError, check_kv_type, load
-
-DRAFT_TOKENS_DEFAULT = 10  # llama_cpp.server's --draft_model_num_pred_tokens
-
+from pykvq.llama_cpp import LlamaCppError, kv_config, check_kv_type, load
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m pykvq.llama_cpp.server", add_help=False)
@@ -52,33 +48,19 @@ def _option(rest: list[str], name: str) -> str | None:
     return None
 
 
-def _int_option(rest: list[str], name: str, meaning: str, error: type[ValueError] = ValueError) -> int | None:
-    """The int given to ``name``, ``meaning`` saying what it counts when it is not one."""
+def _type_option(rest: list[str], name: str) -> int | None:
+    """The ggml type number given to ``name``."""
     value = _option(rest, name)
     if value is None:
         return None
     try:
         return int(value)
     except ValueError:
-        raise error(f"{name} takes {meaning}, got {value!r}") from None
+        raise KvTypeError(f"{name} takes a ggml type number, got {value!r}") from None
 
 
-def _type_option(rest: list[str], name: str) -> int | None:
-    """The ggml type number given to ``name``."""
-    return _int_option(rest, name, "a ggml type number", KvTypeError)
-
-
-def _draft_rollback(rest: list[str]) -> int | None:
-    """The tokens a --draft_model proposes at a time (llama_cpp.server's --draft_model_num_pred_tokens, default
-    10): its rejected ones are removed again, so the kivi ring keeps them removable."""
-    if _option(rest, "--draft_model") is None:
-        return None
-    count = _int_option(rest, "--draft_model_num_pred_tokens", "a token count")
-    return DRAFT_TOKENS_DEFAULT if count is None else count
-
-
-def server_argv(argv: list[str]) -> list[str]:
-    """llama_cpp.server's command line for ours; applies the kivi settings to the process as a side effect."""
+def server_argv(argv: list[str]) -> tuple[list[str], dict[str, object]]:
+    """llama_cpp.server's command line for ours, and the kivi settings (checked) that every Llama it creates takes."""
     ours, rest = _parse(argv)
     for option in ("--type_k", "--type_v"):
         check_kv_type(_type_option(rest, option))
@@ -89,27 +71,37 @@ def server_argv(argv: list[str]) -> list[str]:
     # every part of the spec, as `pykvq run` takes it: kivi2+rot rotates, asymkv:16/0 sets per-layer types
     rotate = ours.kv_rotate if ours.kv_rotate is not None else (True if spec and spec.rotate else None)
     layers = ours.kv_layers if ours.kv_layers is not None else (spec.layers if spec else None)
-    rollback = ours.kv_rollback if ours.kv_rollback is not None else _draft_rollback(rest)
-    kv = KvConfig(window=ours.kv_window, sinks=ours.kv_sinks, rotate=rotate, rollback=rollback)
-    native.set_kvq_params(kv.kvq_params())
-    native.set_kvq_rotation(kv.rotation_spec)
-    if layers is not None:
-        native.set_kvq_layer_types(layers)
-    if ours.kv_clip is not None:
-        native.set_kvq_clip(ours.kv_clip)
-    if ours.kv_dither is not None:
-        native.set_kvq_dither(ours.kv_dither)
-    native.set_swa_type_name(ours.kv_type_swa)
-    if (spec is not None and spec.is_kivi) or layers is not None or ours.kv_type_swa in kv_types.KIVI_BITS:
+    settings = {"kv_window": ours.kv_window, "kv_sinks": ours.kv_sinks, "kv_rotate": rotate, "kv_layers": layers,
+                "kv_rollback": ours.kv_rollback, "kv_type_swa": ours.kv_type_swa, "kv_clip": ours.kv_clip,
+                "kv_dither": ours.kv_dither}
+    kv = kv_config({}, **{name.removeprefix("kv_"): value for name, value in settings.items()})
+    with kvq_params_applied(kv):
+        pass  # refused here, with the reason, before any model loads
+    if (spec is not None and spec.is_kivi) or kv.is_kivi:
         rest += ["--flash_attn", "true"]
-    return rest
+    return rest, settings
+
+
+def serving_llama(settings: dict[str, object]) -> type:
+    """pykvq's Llama with the server's kivi settings, for llama_cpp.server to create: upstream's Llama would
+    ignore --rpc_servers (llama.cpp now registers them as devices) and skip pykvq's checks; a draft model's length
+    sets the rollback unless --kv-rollback is given."""
+    from pykvq.llama_cpp import Llama
+
+    class ServingLlama(Llama):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **{**settings, **kwargs})
+
+    return ServingLlama
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="pykvq: %(message)s")
     try:
-        rest = server_argv(sys.argv[1:] if argv is None else argv)
-        load()
+        rest, settings = server_argv(sys.argv[1:] if argv is None else argv)
+        llama_cpp = load()
+        # llama_cpp.server creates its models as llama_cpp.Llama
+        llama_cpp.Llama = serving_llama(settings)
         from llama_cpp.server.__main__ import main as server_main
     except (LlamaCppError, ValueError) as exc:
         print(f"pykvq: error: {exc}", file=sys.stderr)
