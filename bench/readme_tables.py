@@ -20,13 +20,21 @@ def perplexity_table(path: Path) -> str:
     lines = [f"Perplexity, {Path(s['model']).stem}, {Path(s['text']).stem}, n_ctx {s['n_ctx']}, "
              f"{s['chunks']} chunks, kivi window {s['window']}, sinks {s['n_sink']}:", "",
              "| KV type | K bpe | V bpe | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    # the KL divergence from the f16 run's distributions, where it was measured (--kl-divergence)
+    with_kld = any(r.get("kld") is not None for r in record["runs"])
+    if with_kld:
+        lines[-2] += " KLD vs f16 | KLD p99 | same top % |"
+        lines[-1] += " ---: | ---: | ---: |"
     for r in record["runs"]:
         if r.get("failure"):
-            lines.append(f"| {r['kv_type']} | | | failed: {r['failure'].splitlines()[0]} | | |")
+            lines.append(f"| {r['kv_type']} | | | failed: {r['failure'].splitlines()[0]} | | |" + " |" * 3 * with_kld)
             continue
         delta = "" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}"
-        lines.append(f"| {r['kv_type']} | {r['bpe_k']:.2f} | {r['bpe_v']:.2f} | {r['ppl']:.4f} | {r['error']:.4f} "
-                     f"| {delta} |")
+        line = (f"| {r['kv_type']} | {r['bpe_k']:.2f} | {r['bpe_v']:.2f} | {r['ppl']:.4f} | {r['error']:.4f} "
+                f"| {delta} |")
+        if with_kld:
+            line += f" {r['kld']:.5f} | {r['kld_p99']:.4f} | {r['same_top_pct']:.2f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 

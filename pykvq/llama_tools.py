@@ -37,6 +37,21 @@ def run_tool(name: str, args: list[str], timeout: float | None = None) -> str:
 
 _FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 _CHUNK = re.compile(r"\[(\d+)\]([0-9.]+),")
+# --kl-divergence's statistics against the base run's log-probabilities, and its lines per chunk
+_KLD_PPL = re.compile(r"Mean PPL\(Q\) *: *([0-9.]+) ± *([0-9.]+)")
+_KLD_MEAN = re.compile(r"Mean +KLD: *([0-9.]+) ± *([0-9.]+)")
+_KLD_P99 = re.compile(r"99\.0% +KLD: *([0-9.]+)")
+_SAME_TOP = re.compile(r"Same top p: *([0-9.]+) ± *[0-9.]+ %")
+_KLD_CHUNK = re.compile(r"^ *(\d+) +([0-9.]+) ± ", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class KlDivergence:
+    """How far a run's next-token distributions are from the base run's: llama-perplexity --kl-divergence."""
+    mean: float
+    error: float
+    p99: float  # the 99th percentile over the scored tokens
+    same_top_pct: float  # tokens whose most likely next token is the base's
 
 
 @dataclass(frozen=True)
@@ -44,17 +59,28 @@ class PerplexityResult:
     ppl: float
     error: float
     running_ppl: list[float]
+    kld: KlDivergence | None = None
+
+
+def _kl_divergence(output: str) -> KlDivergence | None:
+    found = [pattern.search(output) for pattern in (_KLD_MEAN, _KLD_P99, _SAME_TOP)]
+    if not all(found):
+        return None
+    mean, p99, same_top = found
+    return KlDivergence(float(mean.group(1)), float(mean.group(2)), float(p99.group(1)), float(same_top.group(1)))
 
 
 def parse_perplexity(output: str) -> PerplexityResult:
-    final = _FINAL.search(output)
+    """A perplexity run's result, or a --kl-divergence run's (its perplexity and its divergence)."""
+    kld = _kl_divergence(output)
+    final = (_KLD_PPL if kld else _FINAL).search(output)
     if final is None:
         # its logged errors say why (a text too short for the context, ...); they lead, as in tool_failure
         errors = "; ".join(line.strip() for line in _ERROR_LINE.findall(output))
         raise ToolError("llama-perplexity printed no final estimate" + (f": {errors}" if errors else "") + "\n"
                         + "\n".join(output.splitlines()[-10:]))
-    return PerplexityResult(float(final.group(1)), float(final.group(2)),
-                            [float(m.group(2)) for m in _CHUNK.finditer(output)])
+    chunks = (_KLD_CHUNK if kld else _CHUNK).finditer(output)
+    return PerplexityResult(float(final.group(1)), float(final.group(2)), [float(m.group(2)) for m in chunks], kld)
 
 
 def perplexity(model: Path, text: Path, extra_args: list[str]) -> PerplexityResult:

@@ -1,4 +1,5 @@
-"""`pykvq perplexity`: one type that cannot run must not cost the comparison of the others."""
+"""`pykvq perplexity`: one type that cannot run must not cost the comparison of the others; --kl-divergence
+scores every type against the f16 run."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from pykvq import KvConfig, Model
 from pykvq.api.llama import gpu_offload_supported
 
 import device
@@ -58,3 +61,41 @@ def test_a_text_too_short_says_so(smollm2: Path, tmp_path: Path) -> None:
     # llama-perplexity's own reason, in the table's row, not only in the JSON
     row = next(line for line in proc.stdout.splitlines() if line.startswith("f16"))
     assert "you need at least 256 tokens to evaluate perplexity with a context of 128" in row, proc.stdout
+
+
+def _divergence_from_f16(model: Model, text: Path, kv: KvConfig, n_ctx: int, chunks: int) -> device.Divergence:
+    """What llama-perplexity's --kl-divergence measures, from the API's logits: per chunk of n_ctx tokens, one
+    batch, the tokens of its second half scored by the distributions before them."""
+    tokens = model.tokenize(text.read_text())
+    rows = {config: [] for config in (KvConfig(), kv)}
+    for chunk in range(chunks):
+        batch = tokens[chunk * n_ctx:(chunk + 1) * n_ctx]
+        for config, scored in rows.items():
+            scored.append(device.all_logits(model, config, batch, n_ctx)[n_ctx // 2:n_ctx - 1])
+    return device.Divergence.of(np.concatenate(rows[kv]), np.concatenate(rows[KvConfig()]))
+
+
+def test_kl_divergence_scores_every_type_against_the_f16_run(smollm2: Path, hamlet: Path, model: Model,
+                                                             tmp_path: Path) -> None:
+    """--kl-divergence: the f16 run goes first (it was not asked for) and writes its log-probabilities, which the
+    others are scored against by llama-perplexity; each type's divergence is the one computed from the API's
+    logits (llama-perplexity keeps the base's log-probabilities in 16 bits), and its perplexity the plain run's."""
+    out, plain = tmp_path / "kld", tmp_path / "plain"
+    args = ("-c", "128", "--chunks", "2", "-t", "2", "--kv-window", "32", *device.TOOL_ARGS)
+    proc = pykvq_perplexity(smollm2, hamlet, *args, "--kv-types", "q8_0,kivi2", "--kl-divergence", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["kv_type"]: r for r in json.loads(out.with_suffix(".json").read_text())["runs"]}
+    assert list(rows) == ["f16", "q8_0", "kivi2"]
+    assert (rows["f16"]["kld"], rows["f16"]["same_top_pct"]) == (0.0, 100.0)
+    assert 0 < rows["q8_0"]["kld"] < rows["kivi2"]["kld"]
+    assert 100 > rows["q8_0"]["same_top_pct"] > rows["kivi2"]["same_top_pct"]
+    for name, kv in (("q8_0", KvConfig("q8_0", "q8_0")), ("kivi2", KvConfig.preset("kivi2", window=32))):
+        divergence = _divergence_from_f16(model, hamlet, kv, 128, 2)
+        assert rows[name]["kld"] == pytest.approx(divergence.mean_kl, rel=0.01)
+        assert rows[name]["same_top_pct"] == pytest.approx(100 * divergence.top1_agreement, abs=1.0)
+    assert "KLD vs f16" in proc.stdout
+    proc = pykvq_perplexity(smollm2, hamlet, *args, "--kv-types", "f16,q8_0,kivi2", "-o", str(plain))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in json.loads(plain.with_suffix(".json").read_text())["runs"]:
+        assert rows[r["kv_type"]]["ppl"] == pytest.approx(r["ppl"], abs=1e-4)
+        assert r["kld"] is None

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from functools import cache
@@ -24,7 +25,8 @@ from pykvq.kv_types import KvSpec
 
 log = logging.getLogger("pykvq.perplexity")
 
-_CHUNK_DONE = re.compile(rb"\[(\d+)\][0-9.]+,")
+# a chunk's line: "[3]21.4402," or, with --kl-divergence, "   3    21.4402 ±     1.2345    ..."
+_CHUNK_DONE = re.compile(rb"\[\d+\][0-9.]+,|^ *\d+ +[0-9.]+ \xc2\xb1 ", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class Settings:
     op_offload: bool = True
     fit: bool = True  # llama-perplexity's -fit: the layers -ngl leaves unset fitted to free memory
     fit_target: tuple[int, ...] = (DEFAULT_MARGIN_MIB,)  # -fitt: MiB each device keeps free
+    kl_divergence: bool = False  # every run's KL divergence from the f16 run's next-token distributions too
 
 
 @dataclass
@@ -61,13 +64,17 @@ class Run:
     running_ppl: list[float] = field(default_factory=list)
     delta_pct: float | None = None
     failure: str | None = None
+    kld: float | None = None  # mean KL divergence from f16 (--kl-divergence), ± kld_error
+    kld_error: float | None = None
+    kld_p99: float | None = None
+    same_top_pct: float | None = None  # tokens whose most likely next token is f16's
 
     @classmethod
     def failed(cls, kv_type: str, why: str, seconds: float = 0.0) -> Run:
         return cls(kv_type, None, None, None, None, seconds, failure=why)
 
 
-def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
+def tool_args(settings: Settings, spec: KvSpec, kld_args: tuple[str, ...] = ()) -> list[str]:
     # -b = -c: one sequence per pass, so that every type sees the same chunks the same way
     args = ["-m", str(settings.model), "-f", str(settings.text), "-c", str(settings.n_ctx), "-b", str(settings.n_ctx),
             "--chunks", str(settings.chunks), "-t", str(settings.threads), "-fa", "on",
@@ -84,12 +91,13 @@ def tool_args(settings: Settings, spec: KvSpec) -> list[str]:
     if settings.type_swa is not None:
         args += ["--kv-type-swa", settings.type_swa]
     # "none": the runs compare the named types, whatever per-layer types the model's metadata suggests
-    return [*args, "--kv-layers", spec.layers or "none"]
+    return [*args, "--kv-layers", spec.layers or "none", *kld_args]
 
 
-def run_one(settings: Settings, spec: KvSpec, progress: tqdm) -> Run:
-    """One llama-perplexity run, advancing `progress` as its chunks complete."""
-    cmd = [str(paths.tool("llama-perplexity")), *tool_args(settings, spec)]
+def run_one(settings: Settings, spec: KvSpec, progress: tqdm, kld_args: tuple[str, ...] = ()) -> Run:
+    """One llama-perplexity run, advancing `progress` as its chunks complete; ``kld_args``: llama-perplexity's
+    options that write the f16 base's log-probabilities or score against them."""
+    cmd = [str(paths.tool("llama-perplexity")), *tool_args(settings, spec, kld_args)]
     if log.isEnabledFor(logging.DEBUG):
         # -v shows llama.cpp's whole log, as for `pykvq -v run`: the tool's too (where the layers went, ...)
         cmd += ["-lv", "4"]
@@ -112,7 +120,11 @@ def run_one(settings: Settings, spec: KvSpec, progress: tqdm) -> Run:
     progress.update(settings.chunks - done)
     bpe_k, bpe_v = kv_types.layer_bits_per_element(spec, model_layers(settings.model), settings.n_ctx,
                                                    settings.window, settings.n_sink)
-    return Run(spec.label, result.ppl, result.error, bpe_k, bpe_v, time.monotonic() - start, result.running_ppl)
+    row = Run(spec.label, result.ppl, result.error, bpe_k, bpe_v, time.monotonic() - start, result.running_ppl)
+    if result.kld is not None:
+        row.kld, row.kld_error = result.kld.mean, result.kld.error
+        row.kld_p99, row.same_top_pct = result.kld.p99, result.kld.same_top_pct
+    return row
 
 
 @cache
@@ -128,18 +140,42 @@ def f16_run(runs: list[Run]) -> Run | None:
     return next((r for r in runs if r.kv_type == "f16" and r.ppl is not None), None)
 
 
+def is_f16(spec: KvSpec | Run) -> bool:
+    return isinstance(spec, KvSpec) and spec.label == "f16"
+
+
+def kld_options(settings: Settings, spec: KvSpec, base_file: str) -> tuple[str, ...]:
+    """llama-perplexity's options for --kl-divergence: the f16 run writes its log-probabilities, the others are
+    scored against them."""
+    if not settings.kl_divergence:
+        return ()
+    return ("--kl-divergence-base", base_file, *(() if is_f16(spec) else ("--kl-divergence",)))
+
+
 def compare(settings: Settings, specs: list[KvSpec | Run], base: Run | None = None) -> list[Run]:
     """Runs every spec in turn; a ``Run`` among them is a row decided before (a spec that did not parse). ΔPPL is
-    against ``base``, else the f16 run among these."""
-    runs = []
-    with tqdm(total=settings.chunks * len(specs), unit="chunk", desc="perplexity") as progress:
+    against ``base``, else the f16 run among these. With settings.kl_divergence the f16 run goes first (added if
+    not given) and writes its log-probabilities to a temporary file, which the others are scored against."""
+    if settings.kl_divergence:
+        specs = [next((s for s in specs if is_f16(s)), None) or KvSpec.parse("f16"),
+                 *(s for s in specs if not is_f16(s))]
+    runs: list[Run] = []
+    with (tqdm(total=settings.chunks * len(specs), unit="chunk", desc="perplexity") as progress,
+          tempfile.TemporaryDirectory(prefix="pykvq-kld-") as folder):
+        kld_base = str(Path(folder) / "f16.kld")
         for spec in specs:
             if isinstance(spec, Run):
                 runs.append(spec)
                 progress.update(settings.chunks)
                 continue
+            if settings.kl_divergence and runs and runs[0].failure is not None:
+                runs.append(Run.failed(spec.label, f"no f16 run to score against: {runs[0].failure}"))
+                progress.update(settings.chunks)
+                continue
             progress.set_postfix_str(spec.label)
-            runs.append(run_or_failure(settings, spec, progress))
+            runs.append(run_or_failure(settings, spec, progress, kld_options(settings, spec, kld_base)))
+    if settings.kl_divergence and runs[0].failure is None:
+        runs[0].kld, runs[0].kld_error, runs[0].kld_p99, runs[0].same_top_pct = 0.0, 0.0, 0.0, 100.0
     base = base or f16_run(runs)
     for r in runs:
         if base is not None and r.ppl is not None:
@@ -147,12 +183,12 @@ def compare(settings: Settings, specs: list[KvSpec | Run], base: Run | None = No
     return runs
 
 
-def run_or_failure(settings: Settings, spec: KvSpec, progress: tqdm) -> Run:
+def run_or_failure(settings: Settings, spec: KvSpec, progress: tqdm, kld_args: tuple[str, ...] = ()) -> Run:
     """One row: the run, or why it failed, so that the other types of a long comparison still report."""
     start = time.monotonic()
     done = progress.n
     try:
-        return run_one(settings, spec, progress)
+        return run_one(settings, spec, progress, kld_args)
     except (llama_tools.ToolError, OSError, ValueError) as exc:
         log.error("KV type %s: %s", spec.label, str(exc).splitlines()[0])
         progress.update(done + settings.chunks - progress.n)
@@ -176,14 +212,20 @@ def parse_specs(kv_types_text: str, layer_specs: list[str]) -> list[KvSpec | Run
 
 
 def format_table(runs: list[Run]) -> str:
+    with_kld = any(r.kld is not None for r in runs)
     header = f"{'KV type':<12} {'K bpe':>6} {'V bpe':>6} {'PPL':>9} {'± err':>8} {'Δ% vs f16':>10}"
+    if with_kld:
+        header += f" {'KLD vs f16':>11} {'KLD p99':>8} {'same top %':>10}"
     lines = [header, "-" * len(header)]
     for r in runs:
         if r.failure is not None:
             lines.append(f"{r.kv_type:<12} failed: {r.failure.splitlines()[0]}")
             continue
         delta = "" if r.delta_pct is None else f"{r.delta_pct:+.2f}"
-        lines.append(f"{r.kv_type:<12} {r.bpe_k:>6.2f} {r.bpe_v:>6.2f} {r.ppl:>9.4f} {r.error:>8.4f} {delta:>10}")
+        line = f"{r.kv_type:<12} {r.bpe_k:>6.2f} {r.bpe_v:>6.2f} {r.ppl:>9.4f} {r.error:>8.4f} {delta:>10}"
+        if with_kld and r.kld is not None:
+            line += f" {r.kld:>11.5f} {r.kld_p99:>8.4f} {r.same_top_pct:>10.2f}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -200,18 +242,25 @@ def plot(path: Path, settings: Settings, runs: list[Run]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    # the KL divergence from f16 where it was measured (more telling than a few chunks' perplexity), else ΔPPL
+    by_kld = any(r.kld for r in runs)
     for r in runs:
-        if r.delta_pct is None:
+        y = r.kld if by_kld else r.delta_pct
+        if y is None or (by_kld and y <= 0):
             continue
         color = "tab:blue" if r.kv_type.startswith("kivi") else "tab:gray"
-        ax.scatter((r.bpe_k + r.bpe_v) / 2, r.delta_pct, color=color)
-        ax.annotate(r.kv_type, ((r.bpe_k + r.bpe_v) / 2, r.delta_pct), textcoords="offset points", xytext=(4, 4))
-    ax.axhline(0, color="black", linewidth=0.5)
-    # symlog: a broken type (+10000%) and the near-lossless ones (+0.1%) both stay readable
-    ax.set_yscale("symlog", linthresh=1.0)
-    ax.set_ylim(bottom=min([-1.0] + [r.delta_pct * 1.5 for r in runs if r.delta_pct is not None]))
+        ax.scatter((r.bpe_k + r.bpe_v) / 2, y, color=color)
+        ax.annotate(r.kv_type, ((r.bpe_k + r.bpe_v) / 2, y), textcoords="offset points", xytext=(4, 4))
+    if by_kld:
+        ax.set_yscale("log")
+        ax.set_ylabel("mean KL divergence from f16 KV (nats per token), log")
+    else:
+        ax.axhline(0, color="black", linewidth=0.5)
+        # symlog: a broken type (+10000%) and the near-lossless ones (+0.1%) both stay readable
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_ylim(bottom=min([-1.0] + [r.delta_pct * 1.5 for r in runs if r.delta_pct is not None]))
+        ax.set_ylabel("ΔPPL vs f16 KV (%), symlog")
     ax.set_xlabel("bits per element (K and V mean, scales, window and sinks included)")
-    ax.set_ylabel("ΔPPL vs f16 KV (%), symlog")
     ax.set_title(f"{settings.model.stem}, {settings.text.stem}, n_ctx {settings.n_ctx}, {settings.chunks} chunks")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -264,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("kivi runs dither V with %s", dither)
     settings = Settings(args.model, args.file, args.ctx_size, args.chunks, args.threads, window, n_sink,
                         args.kv_type_swa, clip, rotate, dither, arguments.gpu_layers(args, unset=None), args.rpc,
-                        args.op_offload, args.fit, tuple(args.fit_target))
+                        args.op_offload, args.fit, tuple(args.fit_target), args.kl_divergence)
     runs = compare(settings, specs)
     print(format_table(runs))
     out = Path(args.output)
@@ -309,6 +358,10 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-type-swa", metavar="TYPE",
                    help="every run: K and V type of the sliding-window cache of a model with sliding-window layers "
                         "(Gemma 2/3, gpt-oss), e.g. f16 (default: each run's type)")
+    p.add_argument("--kl-divergence", action="store_true",
+                   help="also score every type by its KL divergence from the f16 run's next-token distributions, as "
+                        "llama-perplexity --kl-divergence does (the f16 run goes first; its log-probabilities, "
+                        "n_ctx/2 x vocabulary x 2 bytes a chunk, wait in a temporary file)")
     p.add_argument("-o", "--output", default="pykvq-perplexity",
                    help="output prefix: writes PREFIX.json and PREFIX.png (default: %(default)s)")
     p.set_defaults(handler=run)
