@@ -1,9 +1,10 @@
 """kivi in upstream's hybrid memories, where recurrent layers sit beside attention ones (Qwen3.5, Qwen3-Next,
 Nemotron-H, Granite 4, Falcon-H1, LFM2): the attention layers' cache is a kivi cache inside llama_memory_hybrid, or
 inside llama_memory_hybrid_iswa's sliding-window cache (LFM2 with a window: every attention layer slides). On
-random-weight LFM2 models (pykvq/devtools/random_model.py); and a model without attention at all (Mamba). Judged on
-the suite's device: every comparison runs the same kernels with the same batch shapes, or checks against upstream's
-f16 cache."""
+random-weight LFM2 models and Qwen 3.5's shape (gated delta nets, gated attention rotating a quarter of each head by
+M-RoPE) from pykvq/devtools/random_model.py; and a model without attention at all (Mamba). Judged on the suite's
+device: every comparison runs the same kernels with the same batch shapes, or checks against upstream's f16
+cache."""
 
 from __future__ import annotations
 
@@ -27,14 +28,20 @@ import state_format
 
 N_CTX = 512
 HYBRID = random_model.SHAPES["lfm2-small"]  # convolution, attention, convolution, attention
-MEMORIES = {"hybrid": HYBRID, "hybrid-iswa": replace(HYBRID, n_swa=64)}
+# Qwen 3.5's gated delta nets beside its gated attention, whose heads rotate a quarter of their channels by M-RoPE
+MEMORIES = {"hybrid": HYBRID, "hybrid-iswa": replace(HYBRID, n_swa=64), "qwen35": random_model.SHAPES["qwen35-small"]}
 PYRAMID = (0.25, 0.25, 0, 3.0)  # the heavy-hitter share falls from 5/12 in the lower attention layer to 1/12
 
 
 @pytest.fixture(scope="module", params=MEMORIES)
-def model_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("hybrid") / f"lfm2-{request.param}.gguf"
-    random_model.write(MEMORIES[request.param], path)
+def shape(request: pytest.FixtureRequest) -> random_model.Shape:
+    return MEMORIES[request.param]
+
+
+@pytest.fixture(scope="module")
+def model_path(shape: random_model.Shape, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("hybrid") / f"{shape.arch}{'-iswa' if shape.n_swa else ''}.gguf"
+    random_model.write(shape, path)
     return path
 
 
@@ -45,9 +52,9 @@ def model(model_path: Path):
 
 
 @pytest.fixture(scope="module")
-def sliding(model_path: Path) -> bool:
+def sliding(shape: random_model.Shape) -> bool:
     """Whether the model's attention layers all slide (LFM2 with a window: the iSWA hybrid)."""
-    return "iswa" in model_path.stem
+    return shape.n_swa > 0
 
 
 @pytest.fixture(scope="module")
@@ -177,14 +184,14 @@ def test_selection_leaves_a_cache_of_sliding_layers_alone(model: Model, sliding:
     device.assert_same_logits(got, plain)
 
 
-def test_memory_is_the_kv_cache_s(model: Model, sliding: bool) -> None:
+def test_memory_is_the_kv_cache_s(model: Model, shape: random_model.Shape, sliding: bool) -> None:
     """What the context reports is its KV cache: the recurrent state (the same for every KV type) is not counted,
     and only the attention layers' elements are."""
     with model.context(config(KvConfig())) as ctx:
         f16 = ctx.memory()
     with model.context(config(KvConfig.preset("kivi2", window=32))) as ctx:
         kivi = ctx.memory()
-    assert f16.n_layers == kivi.n_layers == 2
+    assert f16.n_layers == kivi.n_layers == sum(not shape.is_recurrent(il) for il in range(shape.n_layer))
     assert f16.bits_per_element == 16.0 and f16.bytes == f16.f16_bytes
     assert kivi.bits_per_element < 6.0
     assert (f16.swa_bytes == f16.bytes) if sliding else (f16.swa_bytes == 0)

@@ -31,6 +31,9 @@ GEMMA3N_LAUREL_RANK = 64
 Q4_CODE_BYTES = 16  # after an fp16 scale (Q4_0), or an fp16 scale and minimum (Q4_1)
 T5_BUCKETS = 32
 MAMBA_STATE, MAMBA_CONV = 16, 4
+# Qwen 3.5's gated delta nets at small size: heads of 32 channels, 2 key heads, 4 value heads, convolution 4
+DELTA_HEAD, DELTA_K_HEADS, DELTA_V_HEADS, DELTA_CONV = 32, 2, 4, 4
+QWEN35_ATTENTION_INTERVAL = 4  # llama.cpp's default: every 4th layer attends, the others are delta nets
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,9 @@ class Shape:
     # "llama4": every 4th layer global without RoPE, the others chunked attention (8192-token chunks), Q/K L2 norms,
     # n_expert experts and a shared one in every moe_layer_step-th layer; "t5": an encoder and a decoder of n_layer
     # each, relative position biases in their attention; "mamba": no attention at all, Mamba's selective
-    # state-space blocks (inner size 2 n_embd, state 16, convolution 4)
+    # state-space blocks (inner size 2 n_embd, state 16, convolution 4); "qwen35": a hybrid, gated delta nets (a
+    # recurrent state) in 3 layers of 4, gated attention in the others, Q/K norms, interleaved M-RoPE on rope_dim
+    # channels of each head
     arch: str = "llama"
     head_dim: int | None = None  # None: n_embd / n_head
     n_swa: int = 0
@@ -71,7 +76,7 @@ class Shape:
     shortconv_l_cache: int = 3  # lfm2's convolution width
     kv_lora_rank: int = 0  # deepseek2's compressed KV
     moe_layer_step: int = 1  # every moe_layer_step-th layer has the experts (llama4), the others a dense FFN
-    rope_dim: int = 0  # deepseek2's rotated part of each head; 0: the whole head
+    rope_dim: int = 0  # deepseek2's and qwen35's rotated part of each head; 0: the whole head
 
     def n_head_kv_of(self, il: int) -> int:
         return self.n_head_kv_layers[il] if self.n_head_kv_layers else self.n_head_kv
@@ -100,6 +105,8 @@ class Shape:
         return self.n_expert > 0 and (il + 1) % self.moe_layer_step == 0
 
     def is_recurrent(self, il: int) -> bool:
+        if self.arch == "qwen35":
+            return (il + 1) % QWEN35_ATTENTION_INTERVAL != 0
         return self.arch == "lfm2" and self.n_head_kv_of(il) == 0
 
 
@@ -133,6 +140,8 @@ SHAPES = {
     "deepseek2-mla-small": Shape(2, 256, 512, 4, 1, 2048, 8192, 10000.0, arch="deepseek2", head_dim=96,
                                  kv_lora_rank=128, rope_dim=32),
     "qwen2vl-small": Shape(2, 256, 512, 4, 2, 2048, 32768, 1000000.0, arch="qwen2vl"),  # M-RoPE: 4 positions a token
+    # Qwen 3.5's hybrid at small size: delta nets in layers 0-2, gated attention (head size 64, a quarter rotated)
+    "qwen35-small": Shape(4, 256, 512, 4, 2, 2048, 262144, 10000000.0, arch="qwen35", head_dim=64, rope_dim=16),
     # Llama 4's attention at small size: 3 layers of chunked attention (llama.cpp's fixed 8192-token chunks) to 1
     # global layer without RoPE, Q and K L2-normed; experts with a shared one in every other layer
     "llama4-small": Shape(4, 256, 512, 4, 2, 2048, 32768, 500000.0, arch="llama4", n_expert=2, n_expert_used=1,
@@ -200,7 +209,7 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         writer.add_expert_feed_forward_length(shape.n_ff)
         writer.add_expert_shared_count(0)
     else:
-        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_dimension_count(shape.rope_dim or head_dim)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_freq_base(shape.rope_freq_base)
@@ -217,9 +226,15 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         writer.add_uint32(f"{shape.arch}.embedding_length_per_layer_input", 0)
     elif shape.swa_pattern:
         writer.add_uint32(gguf.Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=shape.arch), shape.swa_pattern)
-    if shape.arch == "qwen2vl":
+    if shape.arch in ("qwen2vl", "qwen35"):
         # M-RoPE's rotary pairs of each head split among time, height, width (and an unused fourth), as Qwen2-VL's
-        writer.add_array(f"{shape.arch}.rope.dimension_sections", mrope_sections(head_dim))
+        writer.add_array(f"{shape.arch}.rope.dimension_sections", mrope_sections(shape.rope_dim or head_dim))
+    if shape.arch == "qwen35":
+        writer.add_ssm_conv_kernel(DELTA_CONV)
+        writer.add_ssm_inner_size(DELTA_HEAD * DELTA_V_HEADS)
+        writer.add_ssm_state_size(DELTA_HEAD)
+        writer.add_ssm_time_step_rank(DELTA_V_HEADS)
+        writer.add_ssm_group_count(DELTA_K_HEADS)
     if shape.arch == "gemma2":
         writer.add_attn_logit_softcapping(shape.attn_softcap)
     if shape.arch == "lfm2":
@@ -313,7 +328,8 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
     def attention(il: int) -> None:
         dim = shape.head_dim_of(il)
         n_embd_q = dim * shape.n_head
-        matrix(f"blk.{il}.attn_q.weight", n_embd_q, shape.n_embd)
+        # Qwen 3.5's query projection carries the output gate beside the queries
+        matrix(f"blk.{il}.attn_q.weight", n_embd_q * (2 if shape.arch == "qwen35" else 1), shape.n_embd)
         n_embd_kv = dim * shape.n_head_kv_of(il)
         if shape.has_kv(il):
             matrix(f"blk.{il}.attn_k.weight", n_embd_kv, shape.n_embd)
@@ -333,6 +349,20 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         writer.add_tensor(f"blk.{il}.ssm_a", -np.ones((d_inner, MAMBA_STATE), np.float32))
         writer.add_tensor(f"blk.{il}.ssm_d", np.ones(d_inner, np.float32))
         matrix(f"blk.{il}.ssm_out.weight", shape.n_embd, d_inner)
+
+    def delta_net(il: int) -> None:
+        """Qwen 3.5's gated delta net: Q, K, V from one projection through a causal convolution, its output gate,
+        the per-head decay (A, negative: a decaying state; dt's bias) and write strength (beta), a norm per head."""
+        key_dim, value_dim = DELTA_HEAD * DELTA_K_HEADS, DELTA_HEAD * DELTA_V_HEADS
+        matrix(f"blk.{il}.attn_qkv.weight", 2 * key_dim + value_dim, shape.n_embd)
+        matrix(f"blk.{il}.attn_gate.weight", value_dim, shape.n_embd)
+        small(f"blk.{il}.ssm_conv1d.weight", 2 * key_dim + value_dim, DELTA_CONV)
+        small(f"blk.{il}.ssm_dt.bias", DELTA_V_HEADS)
+        writer.add_tensor(f"blk.{il}.ssm_a", -np.ones(DELTA_V_HEADS, np.float32))
+        matrix(f"blk.{il}.ssm_beta.weight", DELTA_V_HEADS, shape.n_embd)
+        matrix(f"blk.{il}.ssm_alpha.weight", DELTA_V_HEADS, shape.n_embd)
+        norm(f"blk.{il}.ssm_norm.weight", DELTA_HEAD)
+        matrix(f"blk.{il}.ssm_out.weight", shape.n_embd, value_dim)
 
     def latent_attention(il: int) -> None:
         """DeepSeek-V2's MLA without a query LoRA: the latent's down-projection and norm, and per head its K and V
@@ -378,7 +408,7 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
                 mamba_block(il)
                 continue
             if shape.is_recurrent(il):
-                shortconv(il)
+                delta_net(il) if shape.arch == "qwen35" else shortconv(il)
             elif shape.arch == "deepseek2":
                 latent_attention(il)
             else:
@@ -386,7 +416,8 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
             if shape.is_moe(il):
                 experts(il)
             else:
-                norm(f"blk.{il}.ffn_norm.weight")
+                # Qwen 3.5 norms the FFN's input with the post-attention norm
+                norm(f"blk.{il}.post_attention_norm.weight" if shape.arch == "qwen35" else f"blk.{il}.ffn_norm.weight")
                 matrix(f"blk.{il}.ffn_gate.weight", shape.n_ff, shape.n_embd)
                 matrix(f"blk.{il}.ffn_up.weight", shape.n_ff, shape.n_embd)
                 matrix(f"blk.{il}.ffn_down.weight", shape.n_embd, shape.n_ff)
@@ -402,7 +433,8 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
                 norm(f"blk.{il}.post_ffw_norm.weight")
             if shape.arch == "gemma3n":
                 gemma3n_layer_tensors(il)
-            if shape.arch in ("gemma3", "gemma3n", "gemma4") or shape.arch == "lfm2" and not shape.is_recurrent(il):
+            if shape.arch in ("gemma3", "gemma3n", "gemma4") or (shape.arch in ("lfm2", "qwen35")
+                                                                  and not shape.is_recurrent(il)):
                 norm(f"blk.{il}.attn_q_norm.weight", dim)
                 if shape.has_kv(il):
                     norm(f"blk.{il}.attn_k_norm.weight", dim)
