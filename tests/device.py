@@ -11,11 +11,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pykvq import ContextConfig, KvConfig, Model
+from pykvq.devtools import random_model
 
 _OP_OFFLOAD = {"on": True, "off": False}
 
@@ -47,6 +49,14 @@ def load_model(path: str | os.PathLike, on_cpu: bool = False) -> Model:
     """The model on the suite's device; on_cpu: for a test that judges the CPU whatever the setting (with
     context_config(on_cpu=True), so that no op is offloaded either)."""
     return Model(path, n_gpu_layers=0 if on_cpu else NGL)
+
+
+def load_random_model(folder: Path, shape: str) -> Model:
+    """A random-weight model of the named shape (pykvq.devtools.random_model), written in ``folder``, on the suite's
+    device."""
+    path = folder / f"{shape}.gguf"
+    random_model.write(random_model.SHAPES[shape], path)
+    return load_model(path)
 
 
 def context_config(on_cpu: bool = False, **fields: Any) -> ContextConfig:

@@ -439,9 +439,7 @@ LLAMA4_TOKENS = LLAMA4_PROMPT + 40
 
 @pytest.fixture(scope="module")
 def llama4(tmp_path_factory: pytest.TempPathFactory):
-    path = tmp_path_factory.mktemp("llama4") / "llama4-small.gguf"
-    random_model.write(random_model.SHAPES["llama4-small"], path)
-    with device.load_model(path) as model:
+    with device.load_random_model(tmp_path_factory.mktemp("llama4"), "llama4-small") as model:
         yield model
 
 

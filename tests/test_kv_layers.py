@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from pykvq import KvConfig, Model, gguf_metadata, kv_types, llama_tools, paths
-from pykvq.devtools import random_model
 from pykvq.kv_types import bits_per_element
 
 import device
@@ -176,9 +175,7 @@ def test_pykvq_run_reports_per_layer_types(smollm2: Path, tagged: Path, tmp_path
 
 @pytest.fixture(scope="module")
 def kv_heads_model(tmp_path_factory: pytest.TempPathFactory):
-    path = tmp_path_factory.mktemp("kv-heads") / "deci-kv-heads.gguf"
-    random_model.write(random_model.SHAPES["deci-kv-heads"], path)
-    with device.load_model(path) as m:
+    with device.load_random_model(tmp_path_factory.mktemp("kv-heads"), "deci-kv-heads") as m:
         yield m
 
 
