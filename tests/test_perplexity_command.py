@@ -63,6 +63,17 @@ def test_a_text_too_short_says_so(smollm2: Path, tmp_path: Path) -> None:
     assert "you need at least 256 tokens to evaluate perplexity with a context of 128" in row, proc.stdout
 
 
+def test_without_an_f16_run_the_divergences_say_why(smollm2: Path, tmp_path: Path) -> None:
+    text = tmp_path / "short.txt"
+    text.write_text("Too short to score.\n")
+    proc = pykvq_perplexity(smollm2, text, "--kv-types", "q8_0", "--kl-divergence", "-o", str(tmp_path / "out"),
+                            *device.TOOL_ARGS)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    rows = {line.split()[0]: line for line in proc.stdout.splitlines()[2:] if line.startswith(("f16", "q8_0"))}
+    assert "failed: llama-perplexity exited with status 1: perplexity: you need at least" in rows["f16"]
+    assert "failed: no f16 run to score against: llama-perplexity exited" in rows["q8_0"]
+
+
 def _divergence_from_f16(model: Model, text: Path, kv: KvConfig, n_ctx: int, chunks: int) -> device.Divergence:
     """What llama-perplexity's --kl-divergence measures, from the API's logits: per chunk of n_ctx tokens, one
     batch, the tokens of its second half scored by the distributions before them."""
