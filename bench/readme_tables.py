@@ -33,7 +33,8 @@ def perplexity_table(path: Path) -> str:
         line = (f"| {r['kv_type']} | {r['bpe_k']:.2f} | {r['bpe_v']:.2f} | {r['ppl']:.4f} | {r['error']:.4f} "
                 f"| {delta} |")
         if with_kld:
-            line += f" {r['kld']:.5f} | {r['kld_p99']:.4f} | {r['same_top_pct']:.2f} |"
+            p99 = "" if r["kld_p99"] is None else f"{r['kld_p99']:.4f}"
+            line += f" {r['kld']:.5f} | {p99} | {r['same_top_pct']:.2f} |"
         lines.append(line)
     return "\n".join(lines)
 

@@ -37,12 +37,15 @@ def run_tool(name: str, args: list[str], timeout: float | None = None) -> str:
 
 _FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 _CHUNK = re.compile(r"\[(\d+)\]([0-9.]+),")
-# --kl-divergence's statistics against the base run's log-probabilities, and its lines per chunk
+# --kl-divergence's statistics against the base run's log-probabilities (printed from 100 scored tokens on), and
+# its line per chunk, with the running means: PPL, ln(PPL(Q)/PPL(base)), KLD, Δp RMS, same top p, each "± error"
+_KLD_HEADER = "ln(PPL(Q)/PPL(base))"
 _KLD_PPL = re.compile(r"Mean PPL\(Q\) *: *([0-9.]+) ± *([0-9.]+)")
 _KLD_MEAN = re.compile(r"Mean +KLD: *([0-9.]+) ± *([0-9.]+)")
 _KLD_P99 = re.compile(r"99\.0% +KLD: *([0-9.]+)")
 _SAME_TOP = re.compile(r"Same top p: *([0-9.]+) ± *[0-9.]+ %")
-_KLD_CHUNK = re.compile(r"^ *(\d+) +([0-9.]+) ± ", re.MULTILINE)
+_KLD_CHUNK = re.compile(r"^ *(\d+) +([0-9.]+) ± +([0-9.]+) +-?[0-9.]+ ± +[0-9.]+ +([0-9.]+) ± +([0-9.]+) "
+                        r"+[0-9.]+ ± +[0-9.]+ % +([0-9.]+) ± +[0-9.]+ %", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class KlDivergence:
     """How far a run's next-token distributions are from the base run's: llama-perplexity --kl-divergence."""
     mean: float
     error: float
-    p99: float  # the 99th percentile over the scored tokens
+    p99: float | None  # the 99th percentile over the scored tokens (None: too few for llama-perplexity's statistics)
     same_top_pct: float  # tokens whose most likely next token is the base's
 
 
@@ -62,25 +65,38 @@ class PerplexityResult:
     kld: KlDivergence | None = None
 
 
-def _kl_divergence(output: str) -> KlDivergence | None:
-    found = [pattern.search(output) for pattern in (_KLD_MEAN, _KLD_P99, _SAME_TOP)]
-    if not all(found):
-        return None
-    mean, p99, same_top = found
-    return KlDivergence(float(mean.group(1)), float(mean.group(2)), float(p99.group(1)), float(same_top.group(1)))
+def _no_estimate(output: str) -> ToolError:
+    # its logged errors say why (a text too short for the context, ...); they lead, as in tool_failure
+    errors = "; ".join(line.strip() for line in _ERROR_LINE.findall(output))
+    return ToolError("llama-perplexity printed no final estimate" + (f": {errors}" if errors else "") + "\n"
+                     + "\n".join(output.splitlines()[-10:]))
+
+
+def _parse_kl_divergence(output: str) -> PerplexityResult:
+    chunks = list(_KLD_CHUNK.finditer(output))
+    if not chunks:
+        raise _no_estimate(output)
+    last = chunks[-1]
+    ppl, mean, p99, same_top = (pattern.search(output) for pattern in (_KLD_PPL, _KLD_MEAN, _KLD_P99, _SAME_TOP))
+    if ppl and mean and p99 and same_top:
+        kld = KlDivergence(float(mean.group(1)), float(mean.group(2)), float(p99.group(1)), float(same_top.group(1)))
+        ppl_error = (float(ppl.group(1)), float(ppl.group(2)))
+    else:
+        # under 100 scored tokens llama-perplexity prints no statistics: the last chunk's running means are theirs
+        kld = KlDivergence(float(last.group(4)), float(last.group(5)), None, float(last.group(6)))
+        ppl_error = (float(last.group(2)), float(last.group(3)))
+    return PerplexityResult(*ppl_error, [float(m.group(2)) for m in chunks], kld)
 
 
 def parse_perplexity(output: str) -> PerplexityResult:
     """A perplexity run's result, or a --kl-divergence run's (its perplexity and its divergence)."""
-    kld = _kl_divergence(output)
-    final = (_KLD_PPL if kld else _FINAL).search(output)
+    if _KLD_HEADER in output:
+        return _parse_kl_divergence(output)
+    final = _FINAL.search(output)
     if final is None:
-        # its logged errors say why (a text too short for the context, ...); they lead, as in tool_failure
-        errors = "; ".join(line.strip() for line in _ERROR_LINE.findall(output))
-        raise ToolError("llama-perplexity printed no final estimate" + (f": {errors}" if errors else "") + "\n"
-                        + "\n".join(output.splitlines()[-10:]))
-    chunks = (_KLD_CHUNK if kld else _CHUNK).finditer(output)
-    return PerplexityResult(float(final.group(1)), float(final.group(2)), [float(m.group(2)) for m in chunks], kld)
+        raise _no_estimate(output)
+    return PerplexityResult(float(final.group(1)), float(final.group(2)),
+                            [float(m.group(2)) for m in _CHUNK.finditer(output)])
 
 
 def perplexity(model: Path, text: Path, extra_args: list[str]) -> PerplexityResult:

@@ -74,6 +74,18 @@ def test_without_an_f16_run_the_divergences_say_why(smollm2: Path, tmp_path: Pat
     assert "failed: no f16 run to score against: llama-perplexity exited" in rows["q8_0"]
 
 
+def test_a_divergence_over_few_tokens_is_read_from_its_chunk_lines(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
+    """Under 100 scored tokens llama-perplexity prints no statistics: its last chunk line holds the means (and no
+    percentile); the run failed with "printed no final estimate"."""
+    out = tmp_path / "few"
+    proc = pykvq_perplexity(smollm2, hamlet, "-t", "2", "--kv-types", "q8_0", "--kl-divergence", "-o", str(out),
+                            *device.TOOL_ARGS)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    q8_0 = json.loads(out.with_suffix(".json").read_text())["runs"][1]
+    assert q8_0["kv_type"] == "q8_0" and q8_0["kld"] > 0 and q8_0["kld_p99"] is None
+    assert 50 < q8_0["same_top_pct"] < 100 and q8_0["ppl"] > 1
+
+
 def _divergence_from_f16(model: Model, text: Path, kv: KvConfig, n_ctx: int, chunks: int) -> device.Divergence:
     """What llama-perplexity's --kl-divergence measures, from the API's logits: per chunk of n_ctx tokens, one
     batch, the tokens of its second half scored by the distributions before them."""

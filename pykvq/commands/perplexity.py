@@ -224,7 +224,8 @@ def format_table(runs: list[Run]) -> str:
         delta = "" if r.delta_pct is None else f"{r.delta_pct:+.2f}"
         line = f"{r.kv_type:<12} {r.bpe_k:>6.2f} {r.bpe_v:>6.2f} {r.ppl:>9.4f} {r.error:>8.4f} {delta:>10}"
         if with_kld and r.kld is not None:
-            line += f" {r.kld:>11.5f} {r.kld_p99:>8.4f} {r.same_top_pct:>10.2f}"
+            p99 = "" if r.kld_p99 is None else f"{r.kld_p99:.4f}"
+            line += f" {r.kld:>11.5f} {p99:>8} {r.same_top_pct:>10.2f}"
         lines.append(line)
     return "\n".join(lines)
 
