@@ -64,7 +64,7 @@ def test_impossible_budget_is_refused() -> None:
 
 
 def test_missing_sensitivities_are_refused() -> None:
-    with pytest.raises(ValueError, match="one sensitivity per layer and part"):
+    with pytest.raises(ValueError, match="one sensitivity per part for each layer that keeps K and V"):
         allocate(random_sensitivities(2, random.Random(0))[:-1], 2, 2.0)
 
 

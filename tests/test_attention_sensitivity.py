@@ -76,6 +76,6 @@ def test_a_mixs_clip_spec_takes_each_tensors_ratio_at_its_width() -> None:
               sens.WidthErrors("v", 0, {}, {"kivi4": 1.0, "kivi2": 0.9, "kivi1": 0.7}),
               sens.WidthErrors("v", 1, {}, {"kivi4": 1.0, "kivi2": 1.0, "kivi1": 1.0})]
     types = {("k", 0): "kivi4", ("k", 1): "kivi2", ("v", 0): "kivi1", ("v", 1): "kivi2"}
-    assert sens.clip_spec(errors, types) == "k:0=1,1=0.8;v:0=0.7,1=1"
+    assert sens.clip_spec(errors, types, 2) == "k:0=1,1=0.8;v:0=0.7,1=1"
     everywhere2 = dict.fromkeys(types, "kivi2")
-    assert sens.clip_spec(errors, everywhere2) == "k:0-1=0.8;v:0=0.9,1=1"
+    assert sens.clip_spec(errors, everywhere2, 2) == "k:0-1=0.8;v:0=0.9,1=1"

@@ -14,6 +14,7 @@ from pykvq import gguf_metadata, kv_types
 from pykvq.calibration import attention_sensitivity, window_choice
 from pykvq.calibration.allocation import BITS
 from pykvq.commands import calibrate as calibrate_command
+from pykvq.devtools import random_model
 
 import device
 
@@ -69,6 +70,33 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     assert clip == "none" or f"clip {clip}" in run.stderr
     assert rotate == "off" or ("rotated" if rotate == "on" else f"rotation {rotate}") in run.stderr
     assert dither == "none" or f"V dither {dither}" in run.stderr
+
+
+@pytest.mark.parametrize(("shape", "kv_layers"), [
+    ("lfm2-small", [1, 3]),        # a hybrid: convolutions in layers 0 and 2
+    ("gemma4-small", [0, 1, 2, 3]),  # layers 4-7 read layers 2's and 3's caches; head sizes 64 and 128
+], ids=["hybrid", "shared-kv"])
+def test_calibrate_takes_the_layers_the_cache_holds(shape: str, kv_layers: list[int], hamlet: Path,
+                                                    tmp_path: Path) -> None:
+    """Models whose layers do not all keep K and V: pykvq calibrate stopped at the first ("no Qcur tensor in layer
+    0"), or on Gemma 4 with numpy's shape error. Only the layers the cache holds are weighed, the budget is theirs,
+    and the others take kivi2, which reads alike there, in the written spec."""
+    model, out = tmp_path / f"{shape}.gguf", tmp_path / "calibrated.gguf"
+    random_model.write(random_model.SHAPES[shape], model)
+    n_layer = random_model.SHAPES[shape].n_layer
+    proc = calibrate("-m", str(model), "-f", str(hamlet), "-o", str(out), "--kv-budget", "2.5", "-c", "128",
+                     "--recall", "16", "--kv-window", "16", "--kv-sinks", "0", "--refine", "4", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = gguf_metadata.read_kvq(out)
+    types_k, types_v = kv_types.layer_types(meta[gguf_metadata.KEY_LAYERS], n_layer, "kivi2", "kivi2")
+    held = [BITS[types[il]] for types in (types_k, types_v) for il in kv_layers]
+    assert sum(held) / len(held) <= 2.5 and max(held) == 4
+    assert all(types_k[il] == types_v[il] == "kivi2" for il in range(n_layer) if il not in kv_layers)
+    for name in (f"kvq.calibration.kld_{p}_{w}" for p in "kv" for w in ("kivi4", "kivi1")):
+        assert len(meta[name]) == n_layer and all(meta[name][il] == 0.0 for il in range(n_layer) if il not in kv_layers)
+    run = subprocess.run(["pykvq", "run", *device.TOOL_ARGS, "-m", str(out), "-p", "<t7> <t8>", "-n", "4", "-c", "256",
+                          "-t", "2"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 0 and f"KV cache layers {meta[gguf_metadata.KEY_LAYERS]}" in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize("case, message", [
@@ -174,6 +202,7 @@ class ScriptedCalibrator(calibrate_command.Calibrator):
 
     def __init__(self, n_layer: int, kld, probe: calibrate_command.Probe | None = None) -> None:  # noqa: ANN001
         self.model = argparse.Namespace(n_layer=n_layer)
+        self.layers = list(range(n_layer))
         self.probe = probe or calibrate_command.Probe(64, 16, 0, 1)
         self.weights = self.probe.weights()
         self.calls: list[tuple[str, str | None]] = []

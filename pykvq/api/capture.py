@@ -23,15 +23,17 @@ class TensorObserver(Protocol):
 class AttentionCapture:
     """Each layer's Q, K and V of one ubatch of n_tokens tokens, as [n_tokens, heads, head_dim] float32 arrays.
 
-    llama.cpp names every step of a layer's Q, K and V alike ("Qcur-<layer>": projected, biased, normed, rotated);
-    the graph computes them in that order, so the last one kept is what the attention reads."""
+    The families name the steps of their Q, K and V each their own way (LFM2 names none after its projection, Gemma 4
+    its rotated ones "Qcur_pos"); pykvq's libllama names what the attention reads "attn_q-<layer>", "attn_k-<layer>"
+    and "attn_v-<layer>" (patch 0027). A layer that attends no K and V of its own (a hybrid's recurrent layer, a
+    layer reading an earlier layer's cache) has no attn_k or attn_v."""
 
     n_tokens: int
     tensors: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
     _callback: object = field(default=None, repr=False)
     _error: Exception | None = field(default=None, repr=False)
 
-    NAME = re.compile(rb"^(Qcur|Kcur|Vcur)-(\d+)$")
+    NAME = re.compile(rb"^attn_([qkv])-(\d+)$")
 
     def c_callback(self) -> object:
         lib = native.libs()
@@ -54,12 +56,19 @@ class AttentionCapture:
     def _keep(self, lib, tensor, what: str, layer: int) -> None:
         n = lib.ggml_base.ggml_nelements(tensor)
         if lib.ggml_base.ggml_nbytes(tensor) != 4 * n or n % self.n_tokens != 0:
-            raise ValueError(f"{what}-{layer} is not float32 over the {self.n_tokens} tokens of one ubatch")
+            raise ValueError(f"attn_{what}-{layer} is not float32 over the {self.n_tokens} tokens of one ubatch")
         data = np.empty(n, dtype=np.float32)
         lib.ggml_base.ggml_backend_tensor_get(tensor, lib.ffi.from_buffer(data), 0, data.nbytes)
         rows = lib.ggml_base.ggml_nrows(tensor)
         heads = rows // self.n_tokens
         self.tensors[what, layer] = data.reshape(self.n_tokens, heads, n // rows)
+
+    def kv_layers(self) -> list[int]:
+        """The layers that attended with Q, K and V of their own."""
+        if self._error is not None:
+            raise self._error
+        return sorted(il for what, il in self.tensors if what == "k" and ("q", il) in self.tensors
+                      and ("v", il) in self.tensors)
 
     def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Q [tokens, heads, dim], K and V [tokens, KV heads, dim] of a layer; V split into K's heads where the graph
@@ -67,8 +76,8 @@ class AttentionCapture:
         if self._error is not None:
             raise self._error
         try:
-            q, k, v = (self.tensors[what, layer] for what in ("Qcur", "Kcur", "Vcur"))
+            q, k, v = (self.tensors[what, layer] for what in "qkv")
         except KeyError as exc:
-            raise ValueError(f"llama.cpp's graph named no {exc.args[0][0]} tensor in layer {layer}: its Q, K and V "
-                             "cannot be captured for calibration") from None
+            raise ValueError(f"llama.cpp's graph named no attn_{exc.args[0][0]} tensor in layer {layer}: its Q, K "
+                             "and V cannot be captured for calibration") from None
         return q, k, v.reshape(self.n_tokens, k.shape[1], -1)

@@ -24,6 +24,9 @@ from functools import partial
 
 BITS = {"kivi4": 4, "kivi2": 2, "kivi1": 1}
 PARTS = ("k", "v")
+# the width every calibration starts from; also the spec's type for a layer the cache does not hold (a hybrid's
+# recurrent layer, a layer reading an earlier layer's cache), where any type reads alike
+REFERENCE = "kivi2"
 
 
 class BudgetError(ValueError):
@@ -41,9 +44,13 @@ class Sensitivity:
 
 @dataclass(frozen=True)
 class Allocation:
-    types: dict[tuple[str, int], str]   # (part, layer) -> kivi type
-    n_layer: int
+    types: dict[tuple[str, int], str]   # (part, layer) -> kivi type, for the layers that keep K and V
+    n_layer: int                        # the model's, which the spec covers
     predicted_cost: float
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({il for _, il in self.types})
 
     @property
     def mean_bits(self) -> float:
@@ -55,10 +62,13 @@ class Allocation:
 
     def _ranges(self, part: str) -> list[str]:
         out, start = [], 0
+        def type_of(il: int) -> str:
+            return self.types.get((part, il), REFERENCE)
+
         for il in range(1, self.n_layer + 1):
-            if il == self.n_layer or self.types[part, il] != self.types[part, start]:
+            if il == self.n_layer or type_of(il) != type_of(start):
                 span = str(start) if il - 1 == start else f"{start}-{il - 1}"
-                out.append(f"{span}={self.types[part, start]}")
+                out.append(f"{span}={type_of(start)}")
                 start = il
         return out
 
@@ -69,10 +79,12 @@ def _capacity(budget_bits: float, n_items: int) -> int:
 
 
 def allocate(sensitivities: list[Sensitivity], n_layer: int, budget_bits: float) -> Allocation:
-    """The least-cost widths with mean code bits per element <= ``budget_bits`` (K and V weigh alike)."""
+    """The least-cost widths with mean code bits per element <= ``budget_bits`` (K and V weigh alike), for the
+    layers of an ``n_layer`` model that the sensitivities cover (those that keep K and V)."""
     items = sorted(sensitivities, key=lambda s: (s.part, s.layer))
-    if sorted((s.part, s.layer) for s in items) != [(p, il) for p in PARTS for il in range(n_layer)]:
-        raise ValueError(f"need one sensitivity per layer and part for {n_layer} layers")
+    layers = sorted({s.layer for s in items})
+    if [(s.part, s.layer) for s in items] != [(p, il) for p in PARTS for il in layers] or layers[-1:] >= [n_layer]:
+        raise ValueError(f"need one sensitivity per part for each layer that keeps K and V, of {n_layer} layers")
     lowest = min(BITS.values())
     if budget_bits < lowest:
         raise BudgetError(f"a budget of {budget_bits:g} bits per element is below what any mix reaches "
@@ -155,20 +167,20 @@ def _moves(types: dict[tuple[str, int], str], capacity: int,
 DEPTH_BLOCKS = 4  # the depth ranges block moves trade between
 
 
-def _depth_blocks(n_layer: int) -> list[range]:
-    """The layers cut into DEPTH_BLOCKS contiguous ranges (fewer when there are fewer layers)."""
-    n = min(DEPTH_BLOCKS, n_layer)
-    edges = [round(i * n_layer / n) for i in range(n + 1)]
-    return [range(edges[i], edges[i + 1]) for i in range(n)]
+def _depth_blocks(layers: list[int]) -> list[list[int]]:
+    """The layers cut into DEPTH_BLOCKS runs in depth order (fewer when there are fewer layers)."""
+    n = min(DEPTH_BLOCKS, len(layers))
+    edges = [round(i * len(layers) / n) for i in range(n + 1)]
+    return [layers[edges[i]:edges[i + 1]] for i in range(n)]
 
 
-def _block_moves(types: dict[tuple[str, int], str], n_layer: int,
+def _block_moves(types: dict[tuple[str, int], str], layers: list[int],
                  predicted: Callable[[Move], float]) -> list[Move]:
     """Per part and pair of adjacent widths, every tensor of one depth block at the lower width up to the higher,
     and as many tensors of another block at the higher width (those whose step down costs least) down: the same
     code bits, spent at another depth."""
     moves: list[Move] = []
-    blocks = _depth_blocks(n_layer)
+    blocks = _depth_blocks(layers)
     for part in PARTS:
         for lower, higher in ((name, _neighbour(name, 1)) for name in BITS):
             if higher is None:
@@ -208,7 +220,7 @@ def refine(start: Allocation, sensitivities: list[Sensitivity], budget_bits: flo
         downs = [(key, name) for key, name in ((key, _neighbour(t, -1)) for key, t in types.items()) if name]
         cheapest = sorted(downs, key=lambda down: predicted(types, dict([down])))[:PAIRED_DOWNS]
         ranked = partial(predicted, types)
-        blocks = sorted(_block_moves(types, start.n_layer, ranked), key=ranked)
+        blocks = sorted(_block_moves(types, start.layers, ranked), key=ranked)
         for move in blocks + sorted(_moves(types, capacity, cheapest), key=ranked):
             mix = {**types, **move}
             key = tuple(sorted(mix.items()))
@@ -229,6 +241,6 @@ def refine(start: Allocation, sensitivities: list[Sensitivity], budget_bits: flo
 
 def format_allocation(allocation: Allocation) -> str:
     lines = [f"{'layer':>5}  K      V"]
-    for il in range(allocation.n_layer):
+    for il in allocation.layers:
         lines.append(f"{il:>5}  {allocation.types['k', il]:<6} {allocation.types['v', il]}")
     return "\n".join(lines)

@@ -25,12 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pykvq.calibration.allocation import BITS, PARTS, Sensitivity
-from pykvq.calibration.clip_ratios import MAX_TOKENS, RATIOS, Contract, LayerAttention, clip_spec_per_layer
-
-REFERENCE = "kivi2"
-
-LayerQkv = Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+from pykvq.calibration.allocation import BITS, PARTS, REFERENCE, Sensitivity
+from pykvq.calibration.clip_ratios import (NO_CLIP, RATIOS, Contract, LayerAttention, LayerQkv, clip_spec_per_layer,
+                                           each_layer)
 
 
 @dataclass(frozen=True)
@@ -46,12 +43,14 @@ class WidthErrors:
 def width_errors(layer_qkv: LayerQkv, n_layer: int, window: int, sinks: int, kivi2_clip: dict[str, list[float]],
                  ratios: Sequence[float] | None = RATIOS,
                  progress: Callable[[], None] | None = None) -> list[WidthErrors]:
-    """Every layer's K and V errors per width; ``kivi2_clip`` gives each part's per-layer ratio at kivi2, the other
-    widths take their best among ``ratios`` (None: kivi2's too, for clip ratios the user gave)."""
+    """The K and V errors per width of every layer that keeps them; ``kivi2_clip`` gives each part's per-layer ratio
+    at kivi2, the other widths take their best among ``ratios`` (None: kivi2's too, for clip ratios the user gave)."""
     contract = None
     out = []
-    for il in range(n_layer):
-        q, k, v = (x[:MAX_TOKENS] for x in layer_qkv(il))
+    for il, captured in each_layer(layer_qkv, n_layer, progress):
+        if captured is None:
+            continue
+        q, k, v = captured
         if contract is None:
             contract = Contract.of(q.shape[0], window, sinks)
         attention = LayerAttention(q, k, v, contract)
@@ -66,8 +65,6 @@ def width_errors(layer_qkv: LayerQkv, n_layer: int, window: int, sinks: int, kiv
                 clip[name] = min(found, key=found.__getitem__)
                 error[name] = found[clip[name]]
             out.append(WidthErrors(part, il, error, clip))
-        if progress is not None:
-            progress()
     return out
 
 
@@ -85,9 +82,10 @@ def sensitivities(errors: list[WidthErrors], scale: dict[str, float]) -> list[Se
             for e in errors]
 
 
-def clip_spec(errors: list[WidthErrors], types: dict[tuple[str, int], str]) -> str:
-    """The --kv-clip spec of a mix: each layer's K and V at the ratio of its width."""
-    ratios: dict[str, list[float]] = {part: [] for part in PARTS}
-    for e in sorted(errors, key=lambda e: (e.part, e.layer)):
-        ratios[e.part].append(e.clip[types[e.part, e.layer]])
+def clip_spec(errors: list[WidthErrors], types: dict[tuple[str, int], str], n_layer: int) -> str:
+    """The --kv-clip spec of a mix over an ``n_layer`` model: each layer's K and V at the ratio of its width (none in
+    the layers that keep no K and V)."""
+    ratios: dict[str, list[float]] = {part: [NO_CLIP] * n_layer for part in PARTS}
+    for e in errors:
+        ratios[e.part][e.layer] = e.clip[types[e.part, e.layer]]
     return clip_spec_per_layer(ratios)

@@ -10,7 +10,7 @@ used only to choose.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,9 +23,25 @@ BITS = 2
 # a group's halves): tried down to 0.3, SmolLM2's 1-bit tensors took 0.35-0.6 and the probe's divergence fell by a
 # third, but the pass key lost its lead at 1024 tokens (-0.035 to -0.118) and Hamlet's PPL did not improve
 RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+NO_CLIP = 1.0
 # the attention is computed whole ([heads, tokens, tokens] per layer): longer calibration texts are judged on their
 # first tokens, which are a sequence of their own under the contract
 MAX_TOKENS = 1024
+
+# a layer's captured Q [tokens, heads, dim], K and V [tokens, KV heads, dim]; None for a layer that attends with no K
+# and V of its own (a hybrid's recurrent layer, a layer reading an earlier layer's cache): nothing to calibrate there
+LayerQkv = Callable[[int], "tuple[np.ndarray, np.ndarray, np.ndarray] | None"]
+
+
+def each_layer(layer_qkv: LayerQkv, n_layer: int, progress: Callable[[], None] | None = None
+               ) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray] | None]]:
+    """Every layer's captured Q, K and V on their first MAX_TOKENS tokens (None where the layer keeps no K and V),
+    ``progress`` called after each."""
+    for il in range(n_layer):
+        captured = layer_qkv(il)
+        yield il, None if captured is None else tuple(x[:MAX_TOKENS] for x in captured)
+        if progress is not None:
+            progress()
 
 
 def fake_quantize(x: np.ndarray, bits: int, clip: float) -> np.ndarray:
@@ -120,21 +136,22 @@ def layer_errors(q: np.ndarray, k: np.ndarray, v: np.ndarray, contract: Contract
                        tuple(attention.v_error(BITS, r) for r in ratios))
 
 
-def per_layer_ratios(layer_qkv: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]], n_layer: int,
-                     window: int, sinks: int, ratios: Sequence[float] = RATIOS,
+def per_layer_ratios(layer_qkv: LayerQkv, n_layer: int, window: int, sinks: int, ratios: Sequence[float] = RATIOS,
                      progress: Callable[[], None] | None = None) -> dict[str, list[float]]:
-    """Each layer's least-error K and V ratio, per part."""
+    """Each layer's least-error K and V ratio, per part (none where the layer keeps no K and V)."""
     contract = None
     chosen: dict[str, list[float]] = {"k": [], "v": []}
-    for il in range(n_layer):
-        q, k, v = (x[:MAX_TOKENS] for x in layer_qkv(il))
+    for _, captured in each_layer(layer_qkv, n_layer, progress):
+        if captured is None:
+            chosen["k"].append(NO_CLIP)
+            chosen["v"].append(NO_CLIP)
+            continue
+        q, k, v = captured
         if contract is None:
             contract = Contract.of(q.shape[0], window, sinks)
         errors = layer_errors(q, k, v, contract, ratios)
         chosen["k"].append(ratios[int(np.argmin(errors.k))])
         chosen["v"].append(ratios[int(np.argmin(errors.v))])
-        if progress is not None:
-            progress()
     return chosen
 
 

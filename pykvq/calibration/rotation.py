@@ -17,11 +17,10 @@ from collections.abc import Callable
 import numpy as np
 
 from pykvq import kv_types
-from pykvq.calibration.clip_ratios import BITS, MAX_TOKENS, RATIOS, Contract, LayerAttention
+from pykvq.calibration.clip_ratios import BITS, RATIOS, Contract, LayerAttention, LayerQkv, each_layer
 
 SMALLEST = 64
 
-LayerQkv = Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 def hadamard(n: int) -> np.ndarray:
@@ -64,16 +63,25 @@ def rotated_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, rotate_k: bool,
 
 def rotated_layer(layer_qkv: LayerQkv, rotation: dict[str, list[bool]]) -> LayerQkv:
     """``layer_qkv`` under ``rotation`` (per part, per layer)."""
-    return lambda il: rotated_qkv(*layer_qkv(il), rotation["k"][il], rotation["v"][il])
+    def rotated(il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        captured = layer_qkv(il)
+        return None if captured is None else rotated_qkv(*captured, rotation["k"][il], rotation["v"][il])
+
+    return rotated
 
 
 def per_layer_rotation(layer_qkv: LayerQkv, n_layer: int, window: int, sinks: int,
                        progress: Callable[[], None] | None = None) -> str:
-    """The --kv-rotate spec that rotates each layer's K and V where that lowers its attention-output error."""
+    """The --kv-rotate spec that rotates each layer's K and V where that lowers its attention-output error (off where
+    the layer keeps no K and V)."""
     contract: Contract | None = None
     chosen: dict[str, list[str]] = {"k": [], "v": []}
-    for il in range(n_layer):
-        q, k, v = (x[:MAX_TOKENS] for x in layer_qkv(il))
+    for _, captured in each_layer(layer_qkv, n_layer, progress):
+        if captured is None:
+            chosen["k"].append("off")
+            chosen["v"].append("off")
+            continue
+        q, k, v = captured
         if contract is None:
             contract = Contract.of(q.shape[0], window, sinks)
         plain = LayerAttention(q, k, v, contract)
@@ -81,7 +89,5 @@ def per_layer_rotation(layer_qkv: LayerQkv, n_layer: int, window: int, sinks: in
         for part, error in (("k", LayerAttention.k_error), ("v", LayerAttention.v_error)):
             better = min(error(turned, BITS, r) for r in RATIOS) < min(error(plain, BITS, r) for r in RATIOS)
             chosen[part].append("on" if better else "off")
-        if progress is not None:
-            progress()
     spec = kv_types.per_layer_spec(chosen, "off")
     return "off" if spec == "none" else spec

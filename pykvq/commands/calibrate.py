@@ -124,9 +124,9 @@ def mean_kld(reference: np.ndarray, other: np.ndarray, weights: np.ndarray) -> f
     return float(np.dot(weights, np.sum(np.exp(reference) * (reference - other), axis=1)))
 
 
-def uniform_types(n_layer: int, **by_part: str) -> dict[tuple[str, int], str]:
+def uniform_types(layers: list[int], **by_part: str) -> dict[tuple[str, int], str]:
     """Each part's one type in every layer (the reference where a part is not given)."""
-    return {(part, il): by_part.get(part, REFERENCE) for part in PARTS for il in range(n_layer)}
+    return {(part, il): by_part.get(part, REFERENCE) for part in PARTS for il in layers}
 
 
 class Calibrator:
@@ -141,6 +141,12 @@ class Calibrator:
         self.weights = probe.weights()
         self.capture = AttentionCapture(len(self.tokens))
         self.reference = self._log_probs(self.tokens, KvConfig(layers="none"), self.capture)
+        # what is calibrated: the layers the cache holds (not a hybrid's recurrent ones, nor those reading an
+        # earlier layer's cache)
+        self.layers = self.capture.kv_layers()
+        if not self.layers:
+            raise ValueError("no layer of the model attends with K and V of its own: it keeps no KV cache to "
+                             "calibrate")
         self.retrieval = retrieval or []
         self.retrieval_reference = [self._log_probs(p, KvConfig(layers="none"), last_only=True)
                                     for p in tqdm(self.retrieval, unit="prompt", desc="pass-key reference")]
@@ -178,16 +184,20 @@ class Calibrator:
                 for p, ref in zip(self.retrieval, self.retrieval_reference, strict=True)]
         return float(np.mean(klds)) if klds else 0.0
 
-    def layer_qkv(self, il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def captured(self, il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Layer il's captured Q, K and V; None where the cache holds no K and V of the layer."""
+        return self.capture.layer(il) if il in self.layers else None
+
+    def layer_qkv(self, il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Layer il's captured Q, K and V as the cache takes them under the probe's rotation."""
         rotate_k, rotate_v = native.resolve_rotation(self.probe.rotate, self.model.n_layer)
-        return rotation.rotated_layer(self.capture.layer, {"k": rotate_k, "v": rotate_v})(il)
+        return rotation.rotated_layer(self.captured, {"k": rotate_k, "v": rotate_v})(il)
 
     def rotation_klds(self) -> dict[str, float]:
         """KL divergence of kivi2 everywhere (the probe's clip ratios) without rotation, with the per-layer rotation
         of least attention-output error (pykvq.calibration.rotation), and with every layer rotated."""
         with tqdm(total=self.model.n_layer, unit="layer", desc="rotation") as progress:
-            per_layer = rotation.per_layer_rotation(self.capture.layer, self.model.n_layer, self.probe.window,
+            per_layer = rotation.per_layer_rotation(self.captured, self.model.n_layer, self.probe.window,
                                                     self.probe.sinks, progress.update)
         return {spec: self.kld("none", rotate=spec) for spec in dict.fromkeys(("off", per_layer, "on"))}
 
@@ -201,7 +211,7 @@ class Calibrator:
         candidates = self.probe.window_candidates()
         weights = window_choice.scored_from(self.weights, max(candidates) + clip_ratios.GROUP)
         n_layer = self.model.n_layer
-        dearer = Allocation(uniform_types(n_layer, k=window_choice.DEARER, v=window_choice.DEARER), n_layer, 0.0)
+        dearer = Allocation(uniform_types(self.layers, k=window_choice.DEARER, v=window_choice.DEARER), n_layer, 0.0)
         with tqdm(total=len(candidates) + 1, unit="run", desc="window") as progress:
             klds = {}
             for w in candidates:
@@ -237,7 +247,8 @@ class Calibrator:
 
     def _mix(self, types: dict[tuple[str, int], str], widths: list[WidthErrors]) -> tuple[str, str]:
         """A mix's --kv-layers spec and its --kv-clip, each tensor clipped at its width's ratio."""
-        return Allocation(types, self.model.n_layer, 0.0).spec(), attention_sensitivity.clip_spec(widths, types)
+        n_layer = self.model.n_layer
+        return Allocation(types, n_layer, 0.0).spec(), attention_sensitivity.clip_spec(widths, types, n_layer)
 
     def mix_kld(self, types: dict[tuple[str, int], str], widths: list[WidthErrors]) -> float:
         """KL divergence of a mix, each tensor clipped at its width's ratio."""
@@ -253,7 +264,7 @@ class Calibrator:
 
     def dither_choice(self, types: dict[tuple[str, int], str], widths: list[WidthErrors]) -> DitherChoice:
         """The finished mix's cost with its low-bit V layers at each candidate spread (dither_choice)."""
-        types_v = [types[("v", il)] for il in range(self.model.n_layer)]
+        types_v = [types.get(("v", il), REFERENCE) for il in range(self.model.n_layer)]
         with tqdm(total=len(dither_choice.SPREADS), unit="run", desc="V dither") as progress:
             return choose_dither(types_v, lambda spec: self.mix_cost(types, widths, spec).total, progress.update)
 
@@ -261,22 +272,20 @@ class Calibrator:
         """The attention errors in KL divergence: each part's scale from one measured mix, that part kivi2 and the
         other kivi4 everywhere."""
         other = {"k": "v", "v": "k"}
-        n_layer = self.model.n_layer
         scale = {}
         for part in tqdm(PARTS, unit="part", desc="error scale"):
-            kld = self.mix_kld(uniform_types(n_layer, **{part: REFERENCE, other[part]: "kivi4"}), widths)
+            kld = self.mix_kld(uniform_types(self.layers, **{part: REFERENCE, other[part]: "kivi4"}), widths)
             scale[part] = attention_sensitivity.kld_scale(widths, part, kld)
         return attention_sensitivity.sensitivities(widths, scale)
 
     def measured_sensitivities(self, widths: list[WidthErrors]) -> list[Sensitivity]:
         """Each tensor one width up and one down from kivi2 everywhere, measured as a whole mix."""
-        n_layer = self.model.n_layer
-        everywhere = uniform_types(n_layer)
+        everywhere = uniform_types(self.layers)
         base = self.mix_kld(everywhere, widths)
         out = []
-        with tqdm(total=len(PARTS) * n_layer * len(PROBED), unit="probe", desc="calibrate") as progress:
+        with tqdm(total=len(PARTS) * len(self.layers) * len(PROBED), unit="probe", desc="calibrate") as progress:
             for part in PARTS:
-                for layer in range(n_layer):
+                for layer in self.layers:
                     cost = {REFERENCE: 0.0}
                     for name in PROBED:
                         progress.set_postfix_str(f"{part}{layer} {name}")
@@ -342,9 +351,12 @@ def metadata(allocation: Allocation, clip: str, budget: float, sensitivities: li
         record[gguf_metadata.KEY_ROTATE] = probe.rotate
     if probe.dither != "none":
         record[gguf_metadata.KEY_DITHER] = probe.dither
+    costs = {(s.part, s.layer): s.cost for s in sensitivities}
     for part in PARTS:
         for name in PROBED:
-            record[f"kvq.calibration.kld_{part}_{name}"] = [s.cost[name] for s in sensitivities if s.part == part]
+            # 0 in the layers the cache does not hold: their width changes nothing
+            record[f"kvq.calibration.kld_{part}_{name}"] = [costs[part, il][name] if (part, il) in costs else 0.0
+                                                            for il in range(allocation.n_layer)]
     return record
 
 
@@ -428,7 +440,7 @@ def run(args: argparse.Namespace) -> int:
             probe = replace(probe, dither=dithers.chosen)
             print(format_dither_choice(dithers) + f" -> --kv-dither '{probe.dither}'")
     allocation = result.allocation
-    clip = attention_sensitivity.clip_spec(widths, allocation.types)
+    clip = attention_sensitivity.clip_spec(widths, allocation.types, allocation.n_layer)
     print(format_allocation(allocation))
     print(f"mean code bits {allocation.mean_bits:.3f} (budget {args.kv_budget:g}); KL divergence against f16 KV: "
           f"{format_cost(costs[additive.spec()])} measured for the additive choice (predicted "
