@@ -459,6 +459,7 @@ def llama4_logits(model: Model, kv: KvConfig, flash_attn: str = "on") -> np.ndar
     return llama4_run(model, kv, flash_attn=flash_attn)[0]
 
 
+@pytest.mark.slow  # 9000-token contexts: 20 s, 3 minutes under the sanitizers
 def test_llama4_s_chunks_are_read_as_upstream_f16_reads_them(llama4: Model) -> None:
     """A token past a chunk's end attends only its own chunk in the chunked layers: a kivi cache whose window
     covers the context gives upstream f16's logits there, as close as upstream's own two attention paths."""
@@ -468,6 +469,7 @@ def test_llama4_s_chunks_are_read_as_upstream_f16_reads_them(llama4: Model) -> N
     assert np.abs(kivi - f16)[LLAMA4_CHUNK:].max() < 1.5 * upstream_noise < 0.5
 
 
+@pytest.mark.slow  # 9000-token contexts: 20 s, 3 minutes under the sanitizers
 def test_llama4_s_chunked_cache_drops_exactly(llama4: Model) -> None:
     """The chunked layers' kivi cache holds a chunk, a ubatch and two rings, fewer cells than the tokens fed: the
     cells of the chunk that ended leave it, and its logits are those of a full-size cache (--swa-full), prompt and

@@ -33,7 +33,8 @@ class AttentionCapture:
     _callback: object = field(default=None, repr=False)
     _error: Exception | None = field(default=None, repr=False)
 
-    NAME = re.compile(rb"^attn_([qkv])-(\d+)$")
+    # and what it computes from them: upstream names each layer's attention output kqv_out-<layer>
+    NAME = re.compile(rb"^(?:attn_([qkv])|kqv_(out))-(\d+)$")
 
     def c_callback(self) -> object:
         lib = native.libs()
@@ -45,7 +46,7 @@ class AttentionCapture:
                 return name is not None
             # an exception must not cross into C: kept, and raised by layer()
             try:
-                self._keep(lib, tensor, name.group(1).decode(), int(name.group(2)))
+                self._keep(lib, tensor, (name.group(1) or name.group(2)).decode(), int(name.group(3)))
             except (ValueError, MemoryError) as exc:
                 self._error = exc
             return True
@@ -69,6 +70,13 @@ class AttentionCapture:
             raise self._error
         return sorted(il for what, il in self.tensors if what == "k" and ("q", il) in self.tensors
                       and ("v", il) in self.tensors)
+
+    def output(self, layer: int) -> np.ndarray:
+        """The layer's attention output [tokens, heads, V's head size] (before its output projection)."""
+        q = self.layer(layer)[0]
+        if ("out", layer) not in self.tensors:
+            raise ValueError(f"llama.cpp's graph named no kqv_out tensor in layer {layer}")
+        return self.tensors["out", layer].reshape(self.n_tokens, q.shape[1], -1)
 
     def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Q [tokens, heads, dim], K and V [tokens, KV heads, dim] of a layer; V split into K's heads where the graph

@@ -357,6 +357,11 @@ class Model(_Handle):
         return self._lib.llama.llama_model_n_ctx_train(self._ptr)
 
     @property
+    def n_swa(self) -> int:
+        """The sliding window (or chunk) of the model's sliding-window layers; 0 without any."""
+        return self._lib.llama.llama_model_n_swa(self._ptr)
+
+    @property
     def n_vocab(self) -> int:
         return self._lib.llama.llama_vocab_n_tokens(self._vocab)
 

@@ -130,6 +130,7 @@ LLAMA_CDEF = """
     int32_t  llama_model_n_ctx_train(const struct llama_model * model);
     int32_t  llama_model_n_embd(const struct llama_model * model);
     int32_t  llama_model_n_layer(const struct llama_model * model);
+    int32_t  llama_model_n_swa(const struct llama_model * model);
     bool     llama_model_has_encoder(const struct llama_model * model);
     int32_t  llama_model_n_head(const struct llama_model * model);
     int32_t  llama_model_n_head_kv(const struct llama_model * model);

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,7 +23,8 @@ import numpy as np
 from tqdm import tqdm
 
 from pykvq import gguf_metadata, kv_types
-from pykvq.calibration import attention_sensitivity, clip_ratios, dither_choice, retrieval, rotation, window_choice
+from pykvq.calibration import (attention_scale, attention_sensitivity, clip_ratios, dither_choice, retrieval, rotation,
+                               window_choice)
 from pykvq.calibration.allocation import (BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, format_allocation,
                                           refine)
 from pykvq.calibration.attention_sensitivity import WidthErrors
@@ -147,6 +149,8 @@ class Calibrator:
         if not self.layers:
             raise ValueError("no layer of the model attends with K and V of its own: it keeps no KV cache to "
                              "calibrate")
+        self.scales = {il: attention_scale.layer_scale(*self.capture.layer(il), self.capture.output(il), model.n_swa)
+                       for il in tqdm(self.layers, unit="layer", desc="attention scales")}
         self.retrieval = retrieval or []
         self.retrieval_reference = [self._log_probs(p, KvConfig(layers="none"), last_only=True)
                                     for p in tqdm(self.retrieval, unit="prompt", desc="pass-key reference")]
@@ -185,8 +189,12 @@ class Calibrator:
         return float(np.mean(klds)) if klds else 0.0
 
     def captured(self, il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Layer il's captured Q, K and V; None where the cache holds no K and V of the layer."""
-        return self.capture.layer(il) if il in self.layers else None
+        """Layer il's captured Q, K and V, Q carrying what the layer's attention scale adds to head_dim^-0.5 (which
+        the attention model applies); None where the cache holds no K and V of the layer."""
+        if il not in self.layers:
+            return None
+        q, k, v = self.capture.layer(il)
+        return q * np.float32(self.scales[il] * math.sqrt(q.shape[-1])), k, v
 
     def layer_qkv(self, il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Layer il's captured Q, K and V as the cache takes them under the probe's rotation."""
