@@ -46,7 +46,8 @@ class AttentionCapture:
                 return name is not None
             # an exception must not cross into C: kept, and raised by layer()
             try:
-                self._keep(lib, tensor, (name.group(1) or name.group(2)).decode(), int(name.group(3)))
+                self._keep(lib, tensor, name.group(0).decode(), (name.group(1) or name.group(2)).decode(),
+                           int(name.group(3)))
             except (ValueError, MemoryError) as exc:
                 self._error = exc
             return True
@@ -54,10 +55,10 @@ class AttentionCapture:
         self._callback = observe
         return lib.ffi.cast("void *", observe)
 
-    def _keep(self, lib, tensor, what: str, layer: int) -> None:
+    def _keep(self, lib, tensor, name: str, what: str, layer: int) -> None:
         n = lib.ggml_base.ggml_nelements(tensor)
         if lib.ggml_base.ggml_nbytes(tensor) != 4 * n or n % self.n_tokens != 0:
-            raise ValueError(f"attn_{what}-{layer} is not float32 over the {self.n_tokens} tokens of one ubatch")
+            raise ValueError(f"{name} is not float32 over the {self.n_tokens} tokens of one ubatch")
         data = np.empty(n, dtype=np.float32)
         lib.ggml_base.ggml_backend_tensor_get(tensor, lib.ffi.from_buffer(data), 0, data.nbytes)
         rows = lib.ggml_base.ggml_nrows(tensor)

@@ -61,10 +61,10 @@ class Allocation:
         return ";".join(f"{part}:" + ",".join(self._ranges(part)) for part in PARTS)
 
     def _ranges(self, part: str) -> list[str]:
-        out, start = [], 0
         def type_of(il: int) -> str:
             return self.types.get((part, il), REFERENCE)
 
+        out, start = [], 0
         for il in range(1, self.n_layer + 1):
             if il == self.n_layer or type_of(il) != type_of(start):
                 span = str(start) if il - 1 == start else f"{start}-{il - 1}"

@@ -16,6 +16,8 @@ import math
 
 import numpy as np
 
+from pykvq.calibration.clip_ratios import masked_softmax
+
 FIT_TOKENS = 256  # the first tokens are a causal sequence of their own: enough to pin one number
 SPAN = math.log(64.0)  # searched within 64x either way of head_dim^-0.5
 STEPS = 40  # golden-section steps: the interval shrinks by 0.618 each, to 1e-7 of the span
@@ -31,10 +33,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.n
     qh, kh, vh = q.transpose(1, 0, 2), np.repeat(k.transpose(1, 0, 2), group, 0), np.repeat(v.transpose(1, 0, 2),
                                                                                           group, 0)
     scores = qh @ kh.transpose(0, 2, 1) * np.float32(scale)
-    n = q.shape[0]
-    scores = np.where(np.tri(n, dtype=bool), scores, -np.inf)
-    p = np.exp(scores - scores.max(-1, keepdims=True))
-    return ((p / p.sum(-1, keepdims=True)) @ vh).transpose(1, 0, 2)
+    return (masked_softmax(scores, np.tri(q.shape[0], dtype=bool)) @ vh).transpose(1, 0, 2)
 
 
 def layer_scale(q: np.ndarray, k: np.ndarray, v: np.ndarray, output: np.ndarray, n_swa: int = 0) -> float:

@@ -78,7 +78,7 @@ class Contract:
         return cls(j <= i, near_v | (j // GROUP >= i // GROUP), near_v)
 
 
-def _softmax(scores: np.ndarray, causal: np.ndarray) -> np.ndarray:
+def masked_softmax(scores: np.ndarray, causal: np.ndarray) -> np.ndarray:
     scores = np.where(causal, scores, -np.inf)
     p = np.exp(scores - scores.max(-1, keepdims=True))
     return p / p.sum(-1, keepdims=True)
@@ -98,7 +98,7 @@ class LayerAttention:
         self.vh = np.repeat(_fp16(self.v), self.group, 0)
         self.scale = np.float32(q.shape[-1] ** -0.5)
         self.scores = self.qh @ np.repeat(self.kh, self.group, 0).transpose(0, 2, 1) * self.scale
-        p = _softmax(self.scores, contract.causal)
+        p = masked_softmax(self.scores, contract.causal)
         self.output = p @ self.vh
         # with K in fp16 a quantized V moves the output by the far probabilities times its error
         self.far_v = p * ~contract.near_v
@@ -112,7 +112,7 @@ class LayerAttention:
         """Squared error of the output with K quantized (per channel over tokens: groups run along the token axis)."""
         kq = np.repeat(fake_quantize(self.kh.transpose(0, 2, 1), bits, clip).transpose(0, 2, 1), self.group, 0)
         scores = np.where(self.contract.near_k, self.scores, self.qh @ kq.transpose(0, 2, 1) * self.scale)
-        return float(((_softmax(scores, self.contract.causal) @ self.vh - self.output) ** 2).sum())
+        return float(((masked_softmax(scores, self.contract.causal) @ self.vh - self.output) ** 2).sum())
 
     def v_error(self, bits: int, clip: float) -> float:
         """Squared error of the output with V quantized (per token, groups of 32 channels)."""

@@ -22,7 +22,6 @@ from pykvq.calibration.clip_ratios import BITS, RATIOS, Contract, LayerAttention
 SMALLEST = 64
 
 
-
 def hadamard(n: int) -> np.ndarray:
     """The orthonormal Walsh-Hadamard matrix of order n (a power of two), Sylvester's construction."""
     h = np.ones((1, 1), dtype=np.float32)
