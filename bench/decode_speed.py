@@ -239,7 +239,9 @@ def main(argv: list[str] | None = None) -> None:
         out = RESULTS / f"batched-speed-{tag}-{depths}-npl{'-'.join(str(n) for n in args.npl)}"
         out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
         return
-    out = RESULTS / f"decode-speed-{tag}-{depths}"
+    # SmolLM2's records keep their names; another model's name its own
+    model_part = "" if args.model == "smollm2" else f"-{model_tag(args.model.replace(':', '-'))}"
+    out = RESULTS / f"decode-speed-{tag}{model_part}-{depths}"
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     plot(rows, out.with_suffix(".png"), f"{device}, {model_label}")
 

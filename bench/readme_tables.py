@@ -41,7 +41,7 @@ def perplexity_table(path: Path) -> str:
 
 def decode_table(path: Path) -> str:
     record = json.loads(path.read_text())
-    lines = [f"CPU decode speed ({record['machine']}), batch 1:", "",
+    lines = [f"Decode speed ({record['machine']}), {record['model']}, batch 1:", "",
              "| context | KV type | prefill t/s | decode t/s | decode vs f16 |", "| ---: | --- | ---: | ---: | ---: |"]
     for r in record["rows"]:
         lines.append(f"| {r['depth']} | {r['kv_type']} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | "

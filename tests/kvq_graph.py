@@ -74,6 +74,12 @@ _CDEF = """
         struct ggml_tensor * v_fp16, struct ggml_tensor * k_cur, struct ggml_tensor * v_cur,
         struct ggml_tensor * mask, struct ggml_tensor * k_idxs, int32_t window, int32_t n_sink, float scale,
         int32_t n_seq, bool mask_all_streams);
+    struct ggml_tensor * ggml_kvq_attn_latent(struct ggml_context * ctx, struct ggml_tensor * q,
+        struct ggml_tensor * k_tiles, struct ggml_tensor * k_fp16, struct ggml_tensor * k_cur,
+        struct ggml_tensor * mask, struct ggml_tensor * k_idxs, int64_t head_dim_v, int32_t window, int32_t n_sink,
+        float scale, int32_t n_seq, bool mask_all_streams);
+    struct ggml_tensor * ggml_view_4d(struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1,
+        int64_t ne2, int64_t ne3, size_t nb1, size_t nb2, size_t nb3, size_t offset);
     void ggml_kvq_attn_set_softcap(struct ggml_tensor * attn, float softcap);
     void ggml_kvq_store_set_v_dither(struct ggml_tensor * store, float spread, int32_t layer, int64_t part_cells,
                                      int64_t period);

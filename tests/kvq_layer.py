@@ -27,6 +27,7 @@ class Case:
     v_spread: float = 0.0          # V's dithered rounding (ggml_kvq_store_set_v_dither); 0: nearest
     softcap: float = 0.0           # attention logit soft-capping (Gemma 2); 0: none
     sinks: tuple[float, ...] = ()  # learned sink logits per query head (gpt-oss); (): none
+    latent: bool = False           # MLA (ggml_kvq_attn_latent): no V of its own, V the first dv channels of K
 
     @property
     def dv(self) -> int:
@@ -41,9 +42,14 @@ def wide_attention(ctx: g.Context, case: Case, q, k_wide, v_wide, wide_mask, n_w
     def heads(t, d: int, n_head: int, n_rows: int):
         return lib.ggml_permute(ctx.ctx, lib.ggml_reshape_4d(ctx.ctx, t, d, n_head, n_rows, 1), 0, 2, 1, 3)
 
+    if case.latent:
+        # as llama.cpp's MLA graph takes V: a view of K's first dv channels
+        row = case.head_dim * 2  # F16 wide cells of the one KV head
+        v_heads = lib.ggml_view_4d(ctx.ctx, k_wide, case.dv, n_wide, 1, 1, row, row * n_wide, row * n_wide, 0)
+    else:
+        v_heads = heads(v_wide, case.dv, case.n_head_kv, n_wide)
     out = lib.ggml_flash_attn_ext(ctx.ctx, heads(ctx.tensor(q), case.head_dim, case.n_head, n),
-                                  heads(k_wide, case.head_dim, case.n_head_kv, n_wide),
-                                  heads(v_wide, case.dv, case.n_head_kv, n_wide),
+                                  heads(k_wide, case.head_dim, case.n_head_kv, n_wide), v_heads,
                                   wide_mask, 1.0 / np.sqrt(case.head_dim), 0.0, case.softcap)
     lib.ggml_flash_attn_ext_add_sinks(out, sinks_tensor(ctx, case))
     return out
@@ -86,9 +92,9 @@ def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches
     ctx = g.Context(backend=backend)
     try:
         k_tiles = ctx.new(case.k_type, n_embd * 32, n_alloc // 32)
-        v_rows = ctx.new(case.v_type, n_embd_v, n_alloc)
+        v_rows = None if case.latent else ctx.new(case.v_type, n_embd_v, n_alloc)
         k_fp16 = ctx.new(g.GGML_TYPE_F16, n_embd, n_fp16)
-        v_fp16 = ctx.new(g.GGML_TYPE_F16, n_embd_v, n_fp16)
+        v_fp16 = None if case.latent else ctx.new(g.GGML_TYPE_F16, n_embd_v, n_fp16)
         scores = ctx.tensor(np.zeros((case.n_head_kv, n_alloc), dtype=np.float32))
         outputs = []
         first = 0
@@ -101,18 +107,23 @@ def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches
             k_cur = ctx.tensor(k[first:first + n].astype(np.float32))
             v_cur = ctx.tensor(v[first:first + n].astype(np.float32))
             idxs = ctx.tensor(cells)
-            v_store = lib.ggml_kvq_store_v(ctx.ctx, v_rows, lib.ggml_reshape_2d(ctx.ctx, v_cur, n_embd_v, n), idxs,
-                                           case.clip_v)
+            v_store = None if case.latent else lib.ggml_kvq_store_v(
+                ctx.ctx, v_rows, lib.ggml_reshape_2d(ctx.ctx, v_cur, n_embd_v, n), idxs, case.clip_v)
             sealed = lib.ggml_kvq_seal_k(ctx.ctx, k_tiles, k_fp16, k_cur, idxs, n_sink, 1, case.clip_k)
             k_wide = lib.ggml_kvq_wide(ctx.ctx, sealed, k_fp16, k_cur, idxs, window, n_sink, 1, n_alloc, n_kv)
             wide_mask = lib.ggml_kvq_wide_mask(ctx.ctx, mask, idxs, window, n_sink, 1, n_alloc, False, n_kv)
             if wide:
-                v_wide = lib.ggml_kvq_wide(ctx.ctx, v_store, v_fp16, v_cur, idxs, window, n_sink, 1, n_alloc, n_kv)
+                v_wide = None if case.latent else lib.ggml_kvq_wide(ctx.ctx, v_store, v_fp16, v_cur, idxs, window,
+                                                                    n_sink, 1, n_alloc, n_kv)
                 attn = wide_attention(ctx, case, q[first:first + n].astype(np.float32), k_wide, v_wide, wide_mask,
                                       n_wide)
+            elif case.latent:
+                attn = lib.ggml_kvq_attn_latent(ctx.ctx, q_cur, sealed, k_fp16, k_cur, mask, idxs, case.dv, window,
+                                                n_sink, scale, 1, False)
             else:
                 attn = lib.ggml_kvq_attn(ctx.ctx, q_cur, sealed, v_store, k_fp16, v_fp16, k_cur, v_cur, mask, idxs,
                                          window, n_sink, scale, 1, False)
+            if not wide:
                 lib.ggml_kvq_attn_set_softcap(attn, case.softcap)
                 lib.ggml_kvq_attn_set_sinks(attn, sinks_tensor(ctx, case))
                 if attention_op is not None:
@@ -124,7 +135,7 @@ def feed_layer(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray, ubatches
                 nodes.append(lib.ggml_kvq_score_add(ctx.ctx, scores, q_cur, k_wide, wide_mask, lse, idxs, window,
                                                     n_sink, n_kv, observe, scale))
             nodes += [lib.ggml_kvq_ring_put(ctx.ctx, fp16, cur, idxs, nodes[-1], n_sink, 1, n_alloc)
-                      for fp16, cur in ((k_fp16, k_cur), (v_fp16, v_cur))]
+                      for fp16, cur in ((k_fp16, k_cur), (v_fp16, v_cur)) if fp16 is not None]
             ctx.compute(*nodes, n_threads=n_threads)
             outputs.append(ctx.read(attn, np.float32, (n, case.n_head, case.dv)))
             first += n

@@ -175,6 +175,18 @@ def kivi_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, query_cells: np.
     return out
 
 
+def latent_attention(q: np.ndarray, k: np.ndarray, query_cells: np.ndarray, *, head_dim_v: int, window: int,
+                     n_sink: int, k_bits: int, scale: float, clip_k: float = 1.0) -> np.ndarray:
+    """MLA's contract (ggml_kvq_attn_latent): one KV head, each cell's value the first head_dim_v channels of its
+    key as the query reads that key, quantized or fp16 (so V's window is K's)."""
+    out = np.zeros((q.shape[0], q.shape[1], head_dim_v))
+    for n, _, keys, _ in _contract_reads(k, None, query_cells, window=window, n_sink=n_sink, k_bits=k_bits,
+                                         v_bits=0, n_swa=0, clip_k=clip_k):
+        for h in range(q.shape[1]):
+            out[n, h] = _probabilities(keys[:, 0], q[n, h], scale) @ keys[:, 0, :head_dim_v]
+    return out
+
+
 def attention_mass(q: np.ndarray, k: np.ndarray, query_cells: np.ndarray, *, window: int, n_sink: int,
                    k_bits: int, scale: float, n_swa: int = 0, scoring: np.ndarray | None = None) -> np.ndarray:
     """MiniKV's accumulated attention scores, from the full probability matrix of the wide prefill's contract

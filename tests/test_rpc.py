@@ -78,6 +78,20 @@ def test_a_hybrid_model_on_an_rpc_device_equals_the_cpu(rpc_server: str, hamlet:
     np.testing.assert_array_equal(on_rpc, on_cpu)
 
 
+@pytest.mark.parametrize(("layout", "prefill"), [("streams", "fused"), ("unified", "flash")])
+def test_a_latent_attention_model_on_an_rpc_device_equals_the_cpu(rpc_server: str, hamlet: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch, layout: str,
+                                                                  prefill: str) -> None:
+    """DeepSeek-V2's shape: a cache of K tiles and fp16 cells alone, V read from them (no V tensors to save, copy or
+    keep); the flash prefill reads V as a view of the wide K cells."""
+    model = tmp_path / "deepseek2-mla-small.gguf"
+    random_model.write(random_model.SHAPES["deepseek2-mla-small"], model, q4_1=True)
+    monkeypatch.setenv("LLAMA_KVQ_FA_PREFILL", PREFILL[prefill])
+    on_cpu = run_scenario(tmp_path, model, hamlet, "", layout)
+    on_rpc = run_scenario(tmp_path, model, hamlet, "", layout, rpc_server)
+    np.testing.assert_array_equal(on_rpc, on_cpu)
+
+
 def test_pykvq_run_offloads_to_an_rpc_server(rpc_server: str, smollm2: Path) -> None:
     args = ["-m", str(smollm2), "--kv-type", "kivi2", "-p", "The capital of France is", "-n", "12", "--temp", "0",
             "-c", "512", "-t", "2"]

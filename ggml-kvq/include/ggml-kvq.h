@@ -325,6 +325,31 @@ GGML_API struct ggml_tensor * ggml_kvq_attn(
         int32_t               n_seq,
         bool                  mask_all_streams);
 
+// Multi-head latent attention (DeepSeek's MLA as llama.cpp runs it, absorbed: one KV head whose V is the first
+// head_dim_v channels of its K): ggml_kvq_attn over a cache that holds no V, each cell's V read exactly as its K is
+// read, from the K tiles (quantized) or the fp16 cells; V's window is K's (lim_v = lim_k). A tile's V part is
+// weighed through its per-channel scales and minimums (sum_u w_u (m_c + d_c q_uc) = m_c sum_u w_u + d_c sum_u w_u
+// q_uc), so the cache keeps one copy of the latent. Returns F32 [head_dim_v, n_head, n_tokens]; src[2], src[4] and
+// src[6] (V's rows, fp16 cells and batch) are NULL.
+GGML_API struct ggml_tensor * ggml_kvq_attn_latent(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k_tiles,
+        struct ggml_tensor  * k_fp16,
+        struct ggml_tensor  * k_cur,
+        struct ggml_tensor  * mask,
+        struct ggml_tensor  * k_idxs,
+        int64_t               head_dim_v,
+        int32_t               window,
+        int32_t               n_sink,
+        float                 scale,
+        int32_t               n_seq,
+        bool                  mask_all_streams);
+
+static inline bool ggml_kvq_attn_is_latent(const struct ggml_tensor * attn) {
+    return attn->src[2] == NULL;
+}
+
 // logit soft-capping (Gemma 2) for an ATTN node, as upstream's flash attention takes it: each score, once scaled,
 // becomes softcap*tanh(score/softcap) before the mask is added; 0 turns it off
 GGML_API void ggml_kvq_attn_set_softcap(struct ggml_tensor * attn, float softcap);

@@ -12,7 +12,7 @@
 #include <math.h>
 #include <string.h>
 
-#define KVQ_MAX_HEAD          512
+#define KVQ_MAX_HEAD          KVQ_CPU_MAX_HEAD
 #define KVQ_MAX_GROUP         32    // queries attended together: they share each tile's decoding and bookkeeping
 #define KVQ_K_CHUNK           128   // K channels whose codes are decoded at a time
 #define KVQ_GROUPS_PER_THREAD 4     // fewer groups than this per thread leave the threads unevenly loaded
@@ -38,6 +38,7 @@ typedef struct {
     const float * sinks;               // [n_head] learned sink logits, or NULL
     int     k_bits;
     int     v_bits;
+    bool    latent;                    // V is the first v.head_dim channels of K (ggml_kvq_attn_latent)
 } kvq_attn_args;
 
 // one query of a group
@@ -65,6 +66,8 @@ typedef struct {
     float rows[KVQ_FP16_ROWS][KVQ_MAX_HEAD];  // fp16 cells
     float qd[KVQ_MAX_GROUP][KVQ_K_CHUNK];  // each query's q_c d_c over the chunk's channels
     float wd[KVQ_MAX_GROUP][QK_KIVI];      // each query's w_u d_u over the block's cells
+    float cells[QK_KIVI*QK_KIVI];          // a latent V block: 32 channels' codes as [cell][channel]
+    float cw[KVQ_MAX_GROUP][QK_KIVI];      // each query's sum_u w_u q_uc over the block's channels
 } kvq_scratch;
 
 //
@@ -563,6 +566,62 @@ static void kvq_group_v_rows(const kvq_attn_args * a, kvq_query ** group, int n_
     }
 }
 
+// the QK_KIVI x QK_KIVI codes of QK_KIVI channel blocks ([channel][cell]) as [cell][channel]
+static void kvq_transpose_block(const float * codes, float * cells) {
+    for (int c = 0; c < QK_KIVI; ++c) {
+        for (int u = 0; u < QK_KIVI; ++u) {
+            cells[u*QK_KIVI + c] = codes[c*QK_KIVI + u];
+        }
+    }
+}
+
+// A latent layer's quantized V (the first head_dim_v channels of its K tiles, ggml_kvq_attn_latent) into the group's
+// outputs, 32 channels at a time. Per channel, KIVI's factorisation the other way round: the scale and the minimum
+// multiply the query's weighted sums of the channel's codes and of its weights; the codes, decoded per channel,
+// are turned to rows of cells so that the sums run over channels in vector lanes, as V rows' do.
+static void kvq_group_v_tiles(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t j0, int64_t n,
+                              kvq_scratch * scr) {
+    const size_t  bb = ggml_kvq_block_bytes(a->k_bits);
+    const uint8_t * tile = (const uint8_t *) a->k_tiles + (j0/QK_KIVI)*a->k_tiles_nb1;
+    const int64_t lo = j0 > a->k.n_sink ? j0 : a->k.n_sink;
+    kvq_query *   need[KVQ_MAX_GROUP];
+    const float * w[KVQ_MAX_GROUP];
+    float *       cw[KVQ_MAX_GROUP];
+    float         w_sum[KVQ_MAX_GROUP];
+    int n_need = 0;
+    for (int g = 0; g < n_q; ++g) {
+        kvq_query * qy = group[g];
+        const int64_t hi = kvq_v_rows_end(qy, j0, n);
+        if (!qy->live || lo >= hi) {
+            continue;
+        }
+        // the weights of the cells the query reads quantized; a cell of no weight counts nothing
+        float * wq = scr->wd[n_need];
+        w_sum[n_need] = 0.0f;
+        for (int64_t u = 0; u < QK_KIVI; ++u) {
+            wq[u] = j0 + u >= lo && j0 + u < hi ? qy->w[u] : 0.0f;
+            w_sum[n_need] += wq[u];
+        }
+        w[n_need]  = wq;
+        cw[n_need] = scr->cw[n_need];
+        need[n_need++] = qy;
+    }
+    for (int64_t c0 = 0; c0 < a->v.head_dim && n_need > 0; c0 += QK_KIVI) {
+        kvq_decode_blocks(tile + c0*bb, bb, a->k_bits, QK_KIVI, scr->codes, scr->d, scr->m);
+        kvq_transpose_block(scr->codes, scr->cells);
+        for (int g = 0; g < n_need; ++g) {
+            memset(cw[g], 0, QK_KIVI*sizeof(float));
+        }
+        kvq_rows_fma(n_need, w, scr->cells, QK_KIVI, cw);
+        for (int g = 0; g < n_need; ++g) {
+            float * acc = need[g]->acc + c0;
+            for (int c = 0; c < QK_KIVI; ++c) {
+                acc[c] += scr->d[c]*cw[g][c] + scr->m[c]*w_sum[g];
+            }
+        }
+    }
+}
+
 // the mask of the tile's n cells for each query (-INFINITY past them); a query is live where it attends one
 static bool kvq_group_mask(const kvq_attn_args * a, kvq_query ** group, int n_q, int64_t j0, int64_t n) {
     bool any = false;
@@ -602,7 +661,11 @@ static void kvq_group_tile(const kvq_attn_args * a, kvq_query ** group, int n_q,
             group[g]->live = kvq_query_softmax(a, group[g]);
         }
     }
-    kvq_group_v_rows(a, group, n_q, hk, j0, n, scr);
+    if (a->latent) {
+        kvq_group_v_tiles(a, group, n_q, j0, n, scr);
+    } else {
+        kvq_group_v_rows(a, group, n_q, hk, j0, n, scr);
+    }
     kvq_group_fp16_v(a, group, n_q, hk, j0, n, scr);
 }
 
@@ -618,7 +681,7 @@ static void kvq_query_init(const kvq_attn_args * a, kvq_query * qy, int64_t t, i
     qy->t        = t;
     qy->h        = h;
     qy->lim_k    = ggml_kvq_lim_k(i, a->window);
-    qy->lim_v    = ggml_kvq_lim_v(i, a->window);
+    qy->lim_v    = a->latent ? qy->lim_k : ggml_kvq_lim_v(i, a->window);
     qy->mask_row = (const char *) mask->data + (row / mask->ne[1])*mask->nb[3] + (row % mask->ne[1])*mask->nb[1];
     qy->max      = -INFINITY;
     qy->sum      = 0.0f;
@@ -674,7 +737,11 @@ static kvq_attn_args kvq_attn_args_for(const struct ggml_tensor * dst, int64_t s
     const int32_t n_seq   = kvq_n_seq(dst);
     const int64_t kv_size = kvq_kv_size(dst);
     const struct ggml_tensor * k_tiles = dst->src[1];
-    const struct ggml_tensor * v_rows  = dst->src[2];
+    const bool                 latent  = ggml_kvq_attn_is_latent(dst);
+    // a latent layer's V is K's, read through K's tiles, fp16 cells and batch
+    const struct ggml_tensor * v_rows  = latent ? k_tiles : dst->src[2];
+    const struct ggml_tensor * v_fp16  = latent ? dst->src[3] : dst->src[4];
+    const struct ggml_tensor * v_cur   = latent ? dst->src[5] : dst->src[6];
     const struct ggml_tensor * mask    = dst->src[7];
     const int64_t n_tps = kvq_seg_tokens(dst->src[5], n_seq);
     kvq_attn_args a = {
@@ -689,17 +756,20 @@ static kvq_attn_args kvq_attn_args_for(const struct ggml_tensor * dst, int64_t s
         /*.n_kv        =*/ 0,
         /*.n_head_kv   =*/ dst->src[5]->ne[1],
         /*.k           =*/ kvq_make_source(dst->src[3], dst->src[5], dst->src[8], n_sink, n_seq, kv_size, seg),
-        /*.v           =*/ kvq_make_source(dst->src[4], dst->src[6], dst->src[8], n_sink, n_seq, kv_size, seg),
+        /*.v           =*/ kvq_make_source(v_fp16, v_cur, dst->src[8], n_sink, n_seq, kv_size, seg),
         /*.window      =*/ ggml_get_op_params_i32(dst, 1),
         /*.scale       =*/ ggml_get_op_params_f32(dst, 3),
         /*.softcap     =*/ ggml_get_op_params_f32(dst, GGML_KVQ_SOFTCAP_PARAM),
         /*.sinks       =*/ dst->src[9] != NULL ? (const float *) dst->src[9]->data : NULL,
         /*.k_bits      =*/ ggml_kvq_bits(k_tiles->type),
         /*.v_bits      =*/ ggml_kvq_bits(v_rows->type),
+        /*.latent      =*/ latent,
     };
+    // a latent query reads V's first head_dim_v channels of the one KV head's K rows
+    a.v.head_dim = dst->ne[0];
     // tiles [n_embd*QK_KIVI, kv_size/QK_KIVI, n_stream]; V rows contiguous, kv_size per stream
     a.k_tiles = (const char *) k_tiles->data + a.k.stream*(kv_size/QK_KIVI)*k_tiles->nb[1];
-    a.v_rows  = (const char *) v_rows->data + a.k.stream*kv_size*v_rows->nb[1];
+    a.v_rows  = latent ? NULL : (const char *) v_rows->data + a.k.stream*kv_size*v_rows->nb[1];
     // a per-stream mask counts cells from the stream's first, a unified cache's from the cache's first
     a.mask_col0 = kvq_mask_all_streams(dst) ? a.k.stream*kv_size : 0;
     a.n_kv      = mask->ne[0] - a.mask_col0 < kv_size ? mask->ne[0] - a.mask_col0 : kv_size;
@@ -774,7 +844,7 @@ void kvq_attn(const struct ggml_compute_params * params, struct ggml_tensor * ds
     const struct ggml_tensor * mask = dst->src[7];
     const int64_t n_tps     = kvq_seg_tokens(dst->src[5], kvq_n_seq(dst));
     const int64_t n_head_kv = dst->src[5]->ne[1];
-    GGML_ASSERT(dst->src[5]->ne[0] <= KVQ_MAX_HEAD && dst->src[6]->ne[0] <= KVQ_MAX_HEAD);
+    GGML_ASSERT(dst->src[5]->ne[0] <= KVQ_MAX_HEAD && dst->ne[0] <= KVQ_MAX_HEAD);
     GGML_ASSERT(mask->ne[1]*mask->ne[3] == dst->src[5]->ne[2]);
     GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
 

@@ -11,6 +11,9 @@
 
 struct ggml_compute_params;
 
+// the widest head the CPU kernels take: DeepSeek's MLA keys, a 512-wide latent and 64 RoPE channels
+#define KVQ_CPU_MAX_HEAD 576
+
 // One segment of the batch: the tokens of one stream (sequence), in consecutive cells of that stream. A batch
 // holds n_seq segments of equal length, one per stream (upstream's split_equal); its cell indices are global,
 // stream*kv_size + cell.

@@ -7,7 +7,6 @@
 
 #include <math.h>
 
-#define KVQ_SCORE_MAX_HEAD   512
 #define KVQ_SCORE_HEAD_GROUP 64   // query heads of a row the LSE pass reads the mask once for
 
 // the segment's inputs, as both kernels read them
@@ -24,7 +23,7 @@ typedef struct {
 
 static kvq_score_inputs kvq_score_inputs_of(const struct ggml_tensor * q, const struct ggml_tensor * k_wide,
                                             const struct ggml_tensor * mask, int32_t n_observe, float scale) {
-    GGML_ASSERT(q->ne[0] <= KVQ_SCORE_MAX_HEAD);
+    GGML_ASSERT(q->ne[0] <= KVQ_CPU_MAX_HEAD);
     const kvq_score_inputs in = { q, k_wide, mask, q->ne[0], q->ne[1]/(k_wide->ne[0]/q->ne[0]), mask->ne[1],
                                   ggml_kvq_score_first_row(mask->ne[1], n_observe), scale };
     return in;
@@ -60,7 +59,7 @@ void kvq_score_lse(const struct ggml_compute_params * params, struct ggml_tensor
                                                     ggml_get_op_params_f32(dst, 3));
     const int64_t n_head = in.q->ne[1];
     const int64_t n_wide = in.k_wide->ne[1];
-    ggml_fp16_t q16[KVQ_SCORE_HEAD_GROUP][KVQ_SCORE_MAX_HEAD];
+    ggml_fp16_t q16[KVQ_SCORE_HEAD_GROUP][KVQ_CPU_MAX_HEAD];
     float max[KVQ_SCORE_HEAD_GROUP];
     float sum[KVQ_SCORE_HEAD_GROUP];
 
@@ -120,7 +119,7 @@ void kvq_score_add(const struct ggml_compute_params * params, struct ggml_tensor
     const int64_t n_head_kv = scores->ne[1];
     const int64_t n_runs    = (n_kv + QK_KIVI - 1)/QK_KIVI;
     const struct ggml_kvq_wide_layout l = ggml_kvq_wide_layout_for(n_kv, in.n_tps, window);
-    ggml_fp16_t q16[KVQ_SCORE_MAX_HEAD];
+    ggml_fp16_t q16[KVQ_CPU_MAX_HEAD];
 
     for (int64_t item = params->ith; item < n_seq*n_head_kv*n_runs; item += params->nth) {
         const int64_t seg    = item / (n_head_kv*n_runs);

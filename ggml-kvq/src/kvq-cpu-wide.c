@@ -47,8 +47,8 @@ static void kvq_wide_put_v_row(const struct ggml_tensor * rows, int64_t stream, 
 }
 
 static void kvq_wide_put_fp16(const kvq_source * src, int64_t j, int64_t n_embd, ggml_fp16_t * y) {
-    float x[512];
-    GGML_ASSERT(src->head_dim <= 512);
+    float x[KVQ_CPU_MAX_HEAD];
+    GGML_ASSERT(src->head_dim <= KVQ_CPU_MAX_HEAD);
     for (int64_t h = 0; h < n_embd/src->head_dim; ++h) {
         kvq_read_fp16(src, j, h, src->head_dim, x);
         for (int64_t c = 0; c < src->head_dim; ++c) {

@@ -146,6 +146,37 @@ void ggml_kvq_store_set_v_dither(struct ggml_tensor * store, float spread, int32
     ggml_set_op_params_i32(store, GGML_KVQ_V_PERIOD_PARAM, (int32_t) period);
 }
 
+// the ATTN node over K's tiles, fp16 cells and batch, with an output of head_dim_v channels a head; V's sources are
+// the caller's (none for a latent layer)
+static struct ggml_tensor * kvq_attn_node(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k_tiles,
+        struct ggml_tensor * k_fp16, struct ggml_tensor * k_cur, struct ggml_tensor * mask, struct ggml_tensor * k_idxs,
+        int64_t head_dim_v, int32_t window, int32_t n_sink, float scale, int32_t n_seq, bool mask_all_streams) {
+    GGML_ASSERT(q->type == GGML_TYPE_F32 && q->nb[0] == sizeof(float));
+    GGML_ASSERT(q->ne[0] == k_cur->ne[0] && q->ne[2] == k_cur->ne[2] && q->ne[1] % k_cur->ne[1] == 0);
+    GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_is_contiguous(k_tiles));
+    GGML_ASSERT(k_tiles->ne[0] == (int64_t) kvq_n_embd(k_cur)*QK_KIVI && k_tiles->ne[2] == k_fp16->ne[2]);
+    GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
+    const int64_t kv_size = k_tiles->ne[1]*QK_KIVI;
+    // one mask plane per segment over its stream's cells, or one plane for the whole batch over all cells; a
+    // unified cache's cells may outnumber its regions' (n_ctx not a multiple of n_seq_max*32): the kernels read
+    // a region's columns only
+    GGML_ASSERT(mask->ne[2] == 1 && mask->ne[1]*mask->ne[3] == q->ne[2]);
+    GGML_ASSERT(mask_all_streams ? mask->ne[3] == 1 : mask->ne[3] == n_seq && mask->ne[0] <= kv_size);
+    GGML_ASSERT(window >= 0);
+    kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink, n_seq);
+    GGML_ASSERT(k_fp16->ne[1] - n_sink >= ggml_kvq_ring_size(window));
+
+    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, head_dim_v, q->ne[1], q->ne[2]);
+    kvq_set_params(result, GGML_KVQ_OP_ATTN, window, n_sink, scale, n_seq, kv_size, mask_all_streams);
+    result->src[0] = q;
+    result->src[1] = k_tiles;
+    result->src[3] = k_fp16;
+    result->src[5] = k_cur;
+    result->src[7] = mask;
+    result->src[8] = k_idxs;
+    return result;
+}
+
 struct ggml_tensor * ggml_kvq_attn(
         struct ggml_context * ctx,
         struct ggml_tensor  * q,
@@ -162,38 +193,38 @@ struct ggml_tensor * ggml_kvq_attn(
         float                 scale,
         int32_t               n_seq,
         bool                  mask_all_streams) {
-    GGML_ASSERT(q->type == GGML_TYPE_F32 && q->nb[0] == sizeof(float));
-    GGML_ASSERT(q->ne[0] == k_cur->ne[0] && q->ne[2] == k_cur->ne[2] && q->ne[1] % k_cur->ne[1] == 0);
     GGML_ASSERT(v_cur->ne[1] == k_cur->ne[1] && v_cur->ne[2] == k_cur->ne[2]);
-    GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_kvq_is_kivi(v_rows->type));
-    GGML_ASSERT(k_tiles->ne[0] == (int64_t) kvq_n_embd(k_cur)*QK_KIVI && v_rows->ne[0] == kvq_n_embd(v_cur));
-    GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
-    const int64_t kv_size = k_tiles->ne[1]*QK_KIVI;
-    GGML_ASSERT(ggml_is_contiguous(k_tiles) && ggml_is_contiguous(v_rows) && mask->ne[2] == 1);
-    GGML_ASSERT(k_tiles->ne[2] == k_fp16->ne[2] && ggml_nrows(v_rows) == kv_size*k_fp16->ne[2]);
-    // one mask plane per segment over its stream's cells, or one plane for the whole batch over all cells; a
-    // unified cache's cells may outnumber its regions' (n_ctx not a multiple of n_seq_max*32): the kernels read
-    // a region's columns only
-    GGML_ASSERT(mask->ne[1]*mask->ne[3] == q->ne[2]);
-    GGML_ASSERT(mask_all_streams ? mask->ne[3] == 1 : mask->ne[3] == n_seq && mask->ne[0] <= kv_size);
-    GGML_ASSERT(window >= 0);
-    kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink, n_seq);
+    GGML_ASSERT(ggml_kvq_is_kivi(v_rows->type) && ggml_is_contiguous(v_rows) && v_rows->ne[0] == kvq_n_embd(v_cur));
+    GGML_ASSERT(ggml_nrows(v_rows) == k_tiles->ne[1]*QK_KIVI*k_fp16->ne[2]);
     kvq_check_batch(v_fp16, v_cur, k_idxs, n_sink, n_seq);
-    GGML_ASSERT(k_fp16->ne[1] - n_sink >= ggml_kvq_ring_size(window));
     GGML_ASSERT(v_fp16->ne[1] == k_fp16->ne[1] && v_fp16->ne[2] == k_fp16->ne[2]);
 
-    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, v_cur->ne[0], q->ne[1], q->ne[2]);
-    kvq_set_params(result, GGML_KVQ_OP_ATTN, window, n_sink, scale, n_seq, kv_size, mask_all_streams);
-    result->src[0] = q;
-    result->src[1] = k_tiles;
+    struct ggml_tensor * result = kvq_attn_node(ctx, q, k_tiles, k_fp16, k_cur, mask, k_idxs, v_cur->ne[0], window,
+                                                n_sink, scale, n_seq, mask_all_streams);
     result->src[2] = v_rows;
-    result->src[3] = k_fp16;
     result->src[4] = v_fp16;
-    result->src[5] = k_cur;
     result->src[6] = v_cur;
-    result->src[7] = mask;
-    result->src[8] = k_idxs;
     return result;
+}
+
+struct ggml_tensor * ggml_kvq_attn_latent(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k_tiles,
+        struct ggml_tensor  * k_fp16,
+        struct ggml_tensor  * k_cur,
+        struct ggml_tensor  * mask,
+        struct ggml_tensor  * k_idxs,
+        int64_t               head_dim_v,
+        int32_t               window,
+        int32_t               n_sink,
+        float                 scale,
+        int32_t               n_seq,
+        bool                  mask_all_streams) {
+    GGML_ASSERT(k_cur->ne[1] == 1);
+    GGML_ASSERT(head_dim_v > 0 && head_dim_v % QK_KIVI == 0 && head_dim_v <= k_cur->ne[0]);
+    return kvq_attn_node(ctx, q, k_tiles, k_fp16, k_cur, mask, k_idxs, head_dim_v, window, n_sink, scale, n_seq,
+                         mask_all_streams);
 }
 
 void ggml_kvq_attn_set_softcap(struct ggml_tensor * attn, float softcap) {

@@ -317,21 +317,44 @@ static void kvq_check_attention(const llama_model & model, const llama_hparams &
                                                   "attention logit soft-capping (Gemma 2)") +
                                  "; turn selection off for this model (--kv-select off)");
     }
-    const char * missing = nullptr;
+    std::string missing;
     if (hparams.use_alibi) {
         missing = "ALiBi position biases";
     } else if (!hparams.causal_attn) {
         missing = "non-causal attention";
     } else if (hparams.n_rel_attn_bkts > 0) {
         missing = "relative position biases (T5)";
-    } else if (hparams.is_mla()) {
-        // its graph reads V as a view of K's cache through an attention path GGML_OP_KVQ is not hooked into
-        missing = "multi-head latent attention (DeepSeek, Kimi: V read from K's cache)";
+    } else if (hparams.is_mla() && model.arch != LLM_ARCH_DEEPSEEK2) {
+        // only deepseek2's graph is known to attend its latent through the K-only path GGML_OP_KVQ is hooked into;
+        // the sparse (DSA) families attend through their indexers' top-k masks
+        missing = std::string("multi-head latent attention in the ") + llm_arch_name(model.arch) +
+                  " architecture (kivi types read MLA's V from K's tiles in deepseek2's)";
     }
-    if (missing != nullptr) {
+    if (!missing.empty()) {
         throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + types + ": the model uses " + missing +
                                  ", which kivi types do not support yet; use an upstream type for this model "
                                  "(e.g. -ctk q8_0 -ctv q8_0)");
+    }
+}
+
+// What an MLA layer's kivi cache, which holds K alone, cannot take: its attention reads V from K's tiles and fp16
+// cells (ggml_kvq_attn_latent)
+void llama_kv_cache::kvq_check_latent(uint32_t il) const {
+    const char * why = nullptr;
+    if (kvq_selects_prompts()) {
+        why = "prompt selection (--kv-select) keeps the selected tokens' V rows";
+    } else if (kvq_rotation.k[il] || kvq_rotation.v[il]) {
+        why = "upstream's Hadamard rotation (--kv-rotate) rotates V rows, and llama.cpp's latent attention path none";
+    } else if (kvq_v_spread[il] > 0.0f) {
+        why = "V's dithered rounding (--kv-dither) draws V rows' codes";
+    } else if (kvq_clips.v[il] != 1.0f) {
+        why = "a V clip ratio (--kv-clip v:...) clips V rows";
+    }
+    if (why != nullptr) {
+        throw std::runtime_error("KV cache layer " + std::to_string(il) + " " +
+                                 kvq_types_text(kvq_types_k[il], kvq_types_v[il]) + ": " + why +
+                                 "; a multi-head latent attention layer holds no V of its own (its V is its K's first "
+                                 "channels, read from K's tiles): turn it off for this model");
     }
 }
 
@@ -348,11 +371,18 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
     }
     const uint32_t dk = hparams.n_embd_head_k(il);
     const uint32_t dv = hparams.n_embd_head_v(il);
-    if (dk % QK_KIVI != 0 || dv % QK_KIVI != 0 || dk > 512 || dv > 512) {
+    // an MLA layer's keys hold the latent and the RoPE channels (DeepSeek's 512 + 64)
+    const bool     latent = hparams.is_mla();
+    const uint32_t max_k  = latent ? 576 : 512;
+    if (dk % QK_KIVI != 0 || dv % QK_KIVI != 0 || dk > max_k || dv > 512) {
         throw std::runtime_error("KV cache " + kvq_types_text(type_k, type_v) + ": unsupported head size " + std::to_string(dk) + "/" + std::to_string(dv) + " in layer " +
-                                 std::to_string(il) + " (kivi types need a multiple of 32, at most 512)");
+                                 std::to_string(il) + " (kivi types need a multiple of 32, at most " +
+                                 std::to_string(max_k) + " for K and 512 for V)");
     }
     kvq_check_attention(model, hparams, il, kvq_types_text(type_k, type_v), kvq_selects_prompts(), kvq_select_from_model);
+    if (latent) {
+        kvq_check_latent(il);
+    }
     const uint32_t n_embd_k = hparams.n_embd_k_gqa(il);
     const uint32_t n_embd_v = hparams.n_embd_v_gqa(il);
     // the ring holds the window, and n_rollback more cells so that that many tokens can be removed exactly
@@ -361,22 +391,36 @@ bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type
     kv_layer layer = {};
     layer.il     = il;
     layer.k      = ggml_new_tensor_3d(ctx, type_k, (int64_t) n_embd_k*QK_KIVI, kvq_part_cells/QK_KIVI, kvq_n_part);
-    layer.v      = ggml_new_tensor_3d(ctx, type_v, n_embd_v, kvq_part_cells, kvq_n_part);
     layer.k_fp16 = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, n_embd_k, n_fp16, kvq_n_part);
-    layer.v_fp16 = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, n_embd_v, n_fp16, kvq_n_part);
     ggml_format_name(layer.k,      "cache_%sk_tiles_l%d", name_tag, il);
-    ggml_format_name(layer.v,      "cache_%sv_l%d",       name_tag, il);
     ggml_format_name(layer.k_fp16, "cache_%sk_fp16_l%d",  name_tag, il);
-    ggml_format_name(layer.v_fp16, "cache_%sv_fp16_l%d",  name_tag, il);
+    if (!latent) {
+        layer.v      = ggml_new_tensor_3d(ctx, type_v, n_embd_v, kvq_part_cells, kvq_n_part);
+        layer.v_fp16 = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, n_embd_v, n_fp16, kvq_n_part);
+        ggml_format_name(layer.v,      "cache_%sv_l%d",       name_tag, il);
+        ggml_format_name(layer.v_fp16, "cache_%sv_fp16_l%d",  name_tag, il);
+    }
     // per stream: its tiles and V rows (upstream copies these views in update() for seq_cp across streams)
     for (uint32_t s = 0; s < n_stream && !kvq_in_regions(); ++s) {
         layer.k_stream.push_back(ggml_view_2d(ctx, layer.k, layer.k->ne[0], layer.k->ne[1], layer.k->nb[1], s*layer.k->nb[2]));
-        layer.v_stream.push_back(ggml_view_2d(ctx, layer.v, layer.v->ne[0], layer.v->ne[1], layer.v->nb[1], s*layer.v->nb[2]));
+        layer.v_stream.push_back(latent ? nullptr :
+                                 ggml_view_2d(ctx, layer.v, layer.v->ne[0], layer.v->ne[1], layer.v->nb[1], s*layer.v->nb[2]));
     }
 
     map_layer_ids[il] = layers.size();
     layers.push_back(layer);
     return true;
+}
+
+ggml_type llama_kv_cache::kvq_type_v(const kv_layer & layer) const {
+    return layer.v != nullptr ? layer.v->type : kvq_types_v[layer.il];
+}
+
+// the tensors of a layer that hold data: an MLA layer (kivi or upstream's) holds no V
+static std::vector<ggml_tensor *> kvq_held(std::initializer_list<ggml_tensor *> tensors) {
+    std::vector<ggml_tensor *> held;
+    std::copy_if(tensors.begin(), tensors.end(), std::back_inserter(held), [](ggml_tensor * t) { return t != nullptr; });
+    return held;
 }
 
 // the sealed tiles of a part's first n_cells cells
@@ -741,7 +785,7 @@ void llama_kv_cache::kvq_build_drops(ggml_context * ctx, ggml_cgraph * gf, const
         const uint32_t n_live = drop.n_held - drop.n_drop;
         for (const kv_layer & layer : layers) {
             if (layer.k_fp16 == nullptr) {
-                for (ggml_tensor * t : { layer.k, layer.v }) {
+                for (ggml_tensor * t : kvq_held({ layer.k, layer.v })) {
                     const size_t first = kvq_plain_part_offset(t, part, kvq_in_regions(), kvq_part_cells);
                     kvq_build_move_rows(ctx, gf, t, first + drop.n_drop*t->nb[1], first, n_live);
                 }
@@ -749,8 +793,10 @@ void llama_kv_cache::kvq_build_drops(ggml_context * ctx, ggml_cgraph * gf, const
             }
             kvq_build_move_rows(ctx, gf, layer.k, part*layer.k->nb[2] + drop.n_drop/QK_KIVI*layer.k->nb[1],
                                 part*layer.k->nb[2], (n_live + QK_KIVI - 1)/QK_KIVI);
-            kvq_build_move_rows(ctx, gf, layer.v, part*layer.v->nb[2] + drop.n_drop*layer.v->nb[1],
-                                part*layer.v->nb[2], n_live);
+            if (layer.v != nullptr) {
+                kvq_build_move_rows(ctx, gf, layer.v, part*layer.v->nb[2] + drop.n_drop*layer.v->nb[1],
+                                    part*layer.v->nb[2], n_live);
+            }
         }
     }
 }
@@ -819,7 +865,7 @@ void llama_kv_cache::kvq_copy_parts(const stream_copy_info & copies) const {
         for (const kv_layer & layer : layers) {
             if (layer.k_fp16 == nullptr) {
                 // a layer of another type (per-layer types): plain rows, one per cell
-                for (ggml_tensor * t : { layer.k, layer.v }) {
+                for (ggml_tensor * t : kvq_held({ layer.k, layer.v })) {
                     kvq_copy_bytes(t, kvq_plain_part_offset(t, src, kvq_in_regions(), kvq_part_cells),
                                    kvq_plain_part_offset(t, dst, kvq_in_regions(), kvq_part_cells),
                                    (size_t) kvq_part_cells*t->nb[1]);
@@ -827,7 +873,7 @@ void llama_kv_cache::kvq_copy_parts(const stream_copy_info & copies) const {
                 continue;
             }
             // sealed tiles, V rows, fp16 sinks and ring: one slice per part
-            for (ggml_tensor * t : { layer.k, layer.v, layer.k_fp16, layer.v_fp16 }) {
+            for (ggml_tensor * t : kvq_held({ layer.k, layer.v, layer.k_fp16, layer.v_fp16 })) {
                 kvq_copy_bytes(t, src*t->nb[2], dst*t->nb[2], t->nb[2]);
             }
         }
@@ -919,20 +965,24 @@ void llama_kv_cache::kvq_state_write_part(llama_io_write_i & io, uint32_t part, 
     const std::vector<uint32_t> & dead = kvq_dead[part];
     for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
         const kv_layer & layer = layers[ikv];
-        const int32_t types[4] = { (int32_t) layer.k->type, (int32_t) layer.v->type, kvq_layer_rotation(layer.il),
+        const int32_t types[4] = { (int32_t) layer.k->type, (int32_t) kvq_type_v(layer), kvq_layer_rotation(layer.il),
                                    dead.empty() ? 0 : (int32_t) dead[ikv] };
         io.write(types, sizeof(types));
         if (layer.k_fp16 == nullptr) {
             // a layer of another type (per-layer types): the part's rows, one per cell
-            for (ggml_tensor * t : { layer.k, layer.v }) {
+            for (ggml_tensor * t : kvq_held({ layer.k, layer.v })) {
                 io.write_tensor(t, kvq_plain_part_offset(t, part, kvq_in_regions(), kvq_part_cells), (size_t) n_cells*t->nb[1]);
             }
             continue;
         }
         io.write_tensor(layer.k,      part*layer.k->nb[2],      kvq_tile_bytes(layer.k, n_cells));
-        io.write_tensor(layer.v,      part*layer.v->nb[2],      (size_t) n_cells * layer.v->nb[1]);
+        if (layer.v != nullptr) {
+            io.write_tensor(layer.v,      part*layer.v->nb[2],      (size_t) n_cells * layer.v->nb[1]);
+        }
         io.write_tensor(layer.k_fp16, part*layer.k_fp16->nb[2], layer.k_fp16->nb[2]);
-        io.write_tensor(layer.v_fp16, part*layer.v_fp16->nb[2], layer.v_fp16->nb[2]);
+        if (layer.v_fp16 != nullptr) {
+            io.write_tensor(layer.v_fp16, part*layer.v_fp16->nb[2], layer.v_fp16->nb[2]);
+        }
     }
 }
 
@@ -1069,13 +1119,13 @@ void llama_kv_cache::kvq_state_clear(llama_seq_id seq_id, uint32_t strm) {
     const uint32_t part = kvq_in_regions() ? (uint32_t) seq_id : strm;
     for (const kv_layer & layer : layers) {
         if (layer.k_fp16 == nullptr) {
-            for (ggml_tensor * t : { layer.k, layer.v }) {
+            for (ggml_tensor * t : kvq_held({ layer.k, layer.v })) {
                 llama_clear_tensor_data(t, kvq_plain_part_offset(t, part, kvq_in_regions(), kvq_part_cells),
                                         (size_t) kvq_part_cells*t->nb[1]);
             }
             continue;
         }
-        for (ggml_tensor * t : { layer.k, layer.v, layer.k_fp16, layer.v_fp16 }) {
+        for (ggml_tensor * t : kvq_held({ layer.k, layer.v, layer.k_fp16, layer.v_fp16 })) {
             llama_clear_tensor_data(t, part*t->nb[2], t->nb[2]);
         }
     }
@@ -1137,10 +1187,10 @@ bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, ui
         const kv_layer & layer = layers[ikv];
         int32_t types[4] = { 0, 0, header.rotate, 0 };
         io.read(types, n_layer_fields*sizeof(int32_t));
-        if (types[0] != (int32_t) layer.k->type || types[1] != (int32_t) layer.v->type) {
+        if (types[0] != (int32_t) layer.k->type || types[1] != (int32_t) kvq_type_v(layer)) {
             return kvq_state_fail("layer " + std::to_string(layer.il) + " was saved as " +
                                   kvq_saved_type_name(types[0]) + "/" + kvq_saved_type_name(types[1]) + ", this cache holds " +
-                                  kvq_types_text(layer.k->type, layer.v->type));
+                                  kvq_types_text(layer.k->type, kvq_type_v(layer)));
         }
         if (types[2] != kvq_layer_rotation(layer.il)) {
             return kvq_state_fail("layer " + std::to_string(layer.il) + " was saved with rotation " +
@@ -1156,15 +1206,19 @@ bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, ui
         }
         dead[ikv] = (uint32_t) types[3];
         if (layer.k_fp16 == nullptr) {
-            for (ggml_tensor * t : { layer.k, layer.v }) {
+            for (ggml_tensor * t : kvq_held({ layer.k, layer.v })) {
                 io.read_tensor(t, kvq_plain_part_offset(t, part, kvq_in_regions(), kvq_part_cells), (size_t) n_cells*t->nb[1]);
             }
             continue;
         }
         io.read_tensor(layer.k,      part*layer.k->nb[2],      kvq_tile_bytes(layer.k, n_cells));
-        io.read_tensor(layer.v,      part*layer.v->nb[2],      (size_t) n_cells * layer.v->nb[1]);
+        if (layer.v != nullptr) {
+            io.read_tensor(layer.v,      part*layer.v->nb[2],      (size_t) n_cells * layer.v->nb[1]);
+        }
         io.read_tensor(layer.k_fp16, part*layer.k_fp16->nb[2], layer.k_fp16->nb[2]);
-        io.read_tensor(layer.v_fp16, part*layer.v_fp16->nb[2], layer.v_fp16->nb[2]);
+        if (layer.v_fp16 != nullptr) {
+            io.read_tensor(layer.v_fp16, part*layer.v_fp16->nb[2], layer.v_fp16->nb[2]);
+        }
     }
     const bool any_dead = std::any_of(dead.begin(), dead.end(), [](uint32_t n) { return n > 0; });
     kvq_dead[part] = any_dead ? std::move(dead) : std::vector<uint32_t>();
@@ -1423,8 +1477,12 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
         kq_mask = kvq_mask_dead(ctx, kq_mask, dead, ikv);
     }
 
+    // an MLA layer holds no V: its attention reads V, the first head_dim_v channels of K, from K's tiles and cells
+    const bool    latent = layer.v == nullptr;
+    const int64_t head_dim_v = hparams.n_embd_head_v(layer.il);
+    GGML_ASSERT(!(latent && selects));
     // V rows of every part, indexed by the global cells of k_idxs/v_idxs
-    ggml_tensor * v_rows = ggml_reshape_2d(ctx, layer.v, layer.v->ne[0], layer.v->ne[1]*layer.v->ne[2]);
+    ggml_tensor * v_rows = latent ? nullptr : ggml_reshape_2d(ctx, layer.v, layer.v->ne[0], layer.v->ne[1]*layer.v->ne[2]);
     const float clip_k = kvq_clips.k[layer.il];
     const float clip_v = kvq_clips.v[layer.il];
     // every store of the layer's V rows rounds its codes the layer's way; a sliding-window cache's draws repeat
@@ -1450,14 +1508,15 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     }
 
     // a decode step (one token per sequence) stores K and V in one op, ring included, before any reader attends
-    // (ggml_kvq_store says why that is safe); other steps store before, and change the ring after, the last reader
-    const bool decode = n_tokens == n_seq && !wide && !selects;
+    // (ggml_kvq_store says why that is safe); other steps, and a latent layer's, which has no V to store, store
+    // before, and change the ring after, the last reader
+    const bool decode = n_tokens == n_seq && !wide && !selects && !latent;
 
     kvq_step step;
     if (owns) {
-        GGML_ASSERT(ggml_row_size(v_cur->type, v_cur->ne[0]) == v_cur->nb[1]);
+        GGML_ASSERT(latent || ggml_row_size(v_cur->type, v_cur->ne[0]) == v_cur->nb[1]);
         step.k_cur = k_cur;
-        step.v_cur = v_cur;
+        step.v_cur = latent ? nullptr : v_cur;
     }
     if (owns && decode) {
         step.k_sealed = dithered(ggml_kvq_store(ctx, layer.k, v_rows, layer.k_fp16, layer.v_fp16, k_cur, v_cur, k_idxs,
@@ -1465,20 +1524,26 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
         step.v_stored = v_rows;
         ggml_build_forward_expand(gf, step.k_sealed);
     } else if (owns) {
-        step.v_stored = dithered(ggml_kvq_store_v(ctx, v_rows, ggml_view_2d(ctx, v_cur, v_rows->ne[0], v_cur->ne[2],
-                                                                           v_cur->nb[2], 0), v_idxs, clip_v));
+        if (!latent) {
+            step.v_stored = dithered(ggml_kvq_store_v(ctx, v_rows, ggml_view_2d(ctx, v_cur, v_rows->ne[0], v_cur->ne[2],
+                                                                               v_cur->nb[2], 0), v_idxs, clip_v));
+        }
         step.k_sealed = ggml_kvq_seal_k(ctx, layer.k, layer.k_fp16, k_cur, k_idxs, n_sink, n_seq, clip_k);
         ggml_build_forward_expand(gf, step.k_sealed);
-        ggml_build_forward_expand(gf, step.v_stored);
+        if (!latent) {
+            ggml_build_forward_expand(gf, step.v_stored);
+        }
         if (wide || selects) {
             step.k_wide = ggml_kvq_wide(ctx, step.k_sealed, layer.k_fp16, k_cur, k_idxs, window, n_sink, n_seq, kv_size, n_kv);
         }
         if (wide) {
-            step.v_wide = ggml_kvq_wide(ctx, step.v_stored, layer.v_fp16, v_cur, k_idxs, window, n_sink, n_seq, kv_size, n_kv);
+            // a latent layer's V cells are its K cells' first head_dim_v channels (kvq_wide_heads takes them)
+            step.v_wide = latent ? step.k_wide :
+                ggml_kvq_wide(ctx, step.v_stored, layer.v_fp16, v_cur, k_idxs, window, n_sink, n_seq, kv_size, n_kv);
         }
         // what the ring holds: the batch, or the kept tokens of a selecting one
         step.k_ring = k_cur;
-        step.v_ring = v_cur;
+        step.v_ring = latent ? nullptr : v_cur;
     } else {
         step = kvq_published_step(gf, layer.il);
     }
@@ -1487,11 +1552,13 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
     const float softcap = hparams.attn_soft_cap ? hparams.f_attn_logit_softcapping : 0.0f;
     ggml_tensor * out;
     if (wide) {
-        out = kvq_build_wide_attn(ctx, q_cur, step.k_wide, step.v_wide, wide_mask, step.v_cur->ne[0], n_seq, kq_scale,
+        out = kvq_build_wide_attn(ctx, q_cur, step.k_wide, step.v_wide, wide_mask, head_dim_v, n_seq, kq_scale,
                                   softcap, sinks);
     } else {
-        out = ggml_kvq_attn(ctx, q_cur, step.k_sealed, step.v_stored, layer.k_fp16, layer.v_fp16, step.k_cur, step.v_cur,
-                            kq_mask, k_idxs, window, n_sink, kq_scale, n_seq, regions);
+        out = latent ? ggml_kvq_attn_latent(ctx, q_cur, step.k_sealed, layer.k_fp16, step.k_cur, kq_mask, k_idxs,
+                                            head_dim_v, window, n_sink, kq_scale, n_seq, regions)
+                     : ggml_kvq_attn(ctx, q_cur, step.k_sealed, step.v_stored, layer.k_fp16, layer.v_fp16, step.k_cur,
+                                     step.v_cur, kq_mask, k_idxs, window, n_sink, kq_scale, n_seq, regions);
         ggml_kvq_attn_set_softcap(out, softcap);
         ggml_kvq_attn_set_sinks(out, sinks);
     }
@@ -1529,7 +1596,9 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
 
     // the ring changes only after the attention has read it
     ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.k_fp16, step.k_ring, ring_idxs, out, n_sink, n_seq, kv_size));
-    ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.v_fp16, step.v_ring, ring_idxs, out, n_sink, n_seq, kv_size));
+    if (!latent) {
+        ggml_build_forward_expand(gf, ggml_kvq_ring_put(ctx, layer.v_fp16, step.v_ring, ring_idxs, out, n_sink, n_seq, kv_size));
+    }
 
     return ggml_reshape_2d(ctx, out, out->ne[0]*out->ne[1], out->ne[2]);
 }

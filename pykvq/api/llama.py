@@ -140,6 +140,8 @@ class ContextConfig:
     kv_unified: bool = False
     # upstream's op offload (--no-op-offload turns it off): large CPU-resident matmuls run on the GPU
     op_offload: bool = True
+    # the KV cache on the layers' devices (-nkvo turns it off: host memory, attention on the CPU)
+    kv_offload: bool = True
     # a model with sliding-window layers (Gemma 2/3, gpt-oss): their cache holds the whole context (--swa-full)
     # rather than the window and a ubatch
     swa_full: bool = False
@@ -274,6 +276,7 @@ def context_params(lib: native.Libraries, config: ContextConfig):
                          f"{config.n_seq_max} sequences (-np): raise -b to at least {config.n_seq_max}")
     params.kv_unified = config.kv_unified
     params.op_offload = config.op_offload
+    params.offload_kqv = config.kv_offload
     params.swa_full = config.swa_full
     params.flash_attn_type = FLASH_ATTN[flash_attn]
     params.no_perf = False

@@ -46,7 +46,7 @@ def selection(text: str) -> kv_types.Selection:
 
 
 def add_device_arguments(p: argparse.ArgumentParser) -> None:
-    """-ngl, --rpc and --op-offload, as llama.cpp's tools take them."""
+    """-ngl, --rpc, --op-offload and -nkvo, as llama.cpp's tools take them."""
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=None,
                    help="layers to offload to the GPU (default: as many as fit with -fit on, all with -fit off, with a "
                         "GPU build or --rpc, else 0)")
@@ -54,6 +54,8 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
                    help="RPC servers as devices, HOST:PORT[,HOST:PORT...] (each running ggml-rpc-server)")
     p.add_argument("--op-offload", action=argparse.BooleanOptionalAction, default=True,
                    help="offload host tensor operations to the GPU (default: on)")
+    p.add_argument("-nkvo", "--no-kv-offload", dest="kv_offload", action="store_false",
+                   help="keep the KV cache in host memory, its attention on the CPU, with the layers on the GPU")
 
 
 def margins(text: str) -> list[int]:

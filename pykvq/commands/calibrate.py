@@ -35,6 +35,7 @@ from pykvq.api.capture import AttentionCapture, TensorObserver
 from pykvq.api.llama import ContextConfig, KvConfig, Model
 from pykvq.bindings import native
 from pykvq.commands import arguments
+from pykvq.commands import inspect as model_info
 
 log = logging.getLogger("pykvq.calibrate")
 
@@ -66,6 +67,7 @@ class Probe:
     recall: int = 0         # the last n_tokens: the text from RECALL_START again (0: the text alone)
     dither: str = "none"    # V's dithered rounding while measuring, the --kv-dither form
     op_offload: bool = True  # --op-offload: host tensor operations offloaded to the GPU
+    kv_offload: bool = True  # -nkvo turns it off: the KV cache in host memory
 
     def __post_init__(self) -> None:
         """ValueError unless the recall span reads tokens that the cache holds quantized (past the fp16 window and
@@ -113,7 +115,7 @@ def widest_context(probe: Probe, retrieval_ctx: int) -> ContextConfig:
     prompt of retrieval_ctx tokens): the model is placed where that one fits."""
     n = max(probe.n_tokens, retrieval_ctx)
     return ContextConfig(n_ctx=n, n_batch=n, n_ubatch=n, n_threads=probe.threads, flash_attn="on",
-                         kv=KvConfig(layers="none"), op_offload=probe.op_offload)
+                         kv=KvConfig(layers="none"), op_offload=probe.op_offload, kv_offload=probe.kv_offload)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -160,7 +162,7 @@ class Calibrator:
         n = len(tokens)
         config = ContextConfig(n_ctx=n, n_batch=n, n_ubatch=n if observer is not None else ContextConfig.n_ubatch,
                                n_threads=self.probe.threads, flash_attn="on", kv=kv, observer=observer,
-                               op_offload=self.probe.op_offload)
+                               op_offload=self.probe.op_offload, kv_offload=self.probe.kv_offload)
         with self.model.context(config) as ctx:
             return log_softmax(np.atleast_2d(ctx.eval(tokens, all_logits=not last_only)))
 
@@ -392,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
     window = native.kvq_default_params().window if args.kv_window in (None, "auto") else args.kv_window
     dither = "none" if args.kv_dither == "auto" else args.kv_dither
     probe = Probe(args.ctx_size, window, 0 if args.kv_sinks == "auto" else args.kv_sinks, args.threads, clip, rotate,
-                  recall, dither, args.op_offload)
+                  recall, dither, args.op_offload, args.kv_offload)
     if args.kv_window == "auto":
         probe.window_candidates()
     windows = None
@@ -400,6 +402,11 @@ def run(args: argparse.Namespace) -> int:
     retrieval_ctx = (args.retrieval_ctx or RETRIEVAL_CTX) if args.retrieval and args.refine else 0
     layers, _ = arguments.fit_to_memory(args, args.model, widest_context(probe, retrieval_ctx), n_gpu_layers)
     with Model(args.model, n_gpu_layers=layers) as model:
+        if model_info.read_shape(gguf_metadata.read_fields(args.model)).latent:
+            # its per-layer models quantize V per token; a latent layer's V is its K's first channels, from K's tiles
+            raise ValueError(f"{args.model}: pykvq calibrate does not weigh multi-head latent attention yet (its V is "
+                             "read from K's per-channel tiles); run the model with a uniform kivi type (--kv-type "
+                             "kivi4 or kivi2) or a --kv-layers mix")
         # refused before any measurement, naming the part
         if clip != "none":
             native.resolve_clip(clip, model.n_layer)

@@ -19,6 +19,8 @@ from pykvq.bindings import native
 from pykvq.commands import arguments
 
 FP16_BYTES = 2
+# the architectures whose multi-head latent attention kivi types take (V read from K's tiles); others refuse them
+KIVI_LATENT_ARCHITECTURES = frozenset({"deepseek2"})
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,12 @@ class KvShape:
     head_dim_v: list[int]
     n_layer_kv: int
     n_recurrent: int = 0  # a hybrid's layers without attention (a recurrent state, or an FFN alone): no KV heads
-    latent: bool = False  # multi-head latent attention (DeepSeek): kivi types are refused
+    latent: bool = False  # multi-head latent attention (DeepSeek): one row per token, V read from K's
+
+    @property
+    def refuses_kivi(self) -> bool:
+        """Latent attention outside the architectures whose graph kivi types attend."""
+        return self.latent and self.architecture not in KIVI_LATENT_ARCHITECTURES
 
     # cached: the cost tables read them per layer, and a list rebuilt per read made those quadratic (stop 46)
     @cached_property
@@ -160,8 +167,8 @@ def kv_cost(shape: KvShape, label: str, types_k: list[str], types_v: list[str], 
 
 
 def costs(shape: KvShape, kvq: dict[str, object], window: int, sinks: int) -> list[KvCost]:
-    """Every type's (not kivi's under latent attention, which refuses them), and the model's own per-layer mix."""
-    names = [t for t in kv_types.names() if not (shape.latent and t in kv_types.KIVI_BITS)]
+    """Every type's (not kivi's where the model refuses them), and the model's own per-layer mix."""
+    names = [t for t in kv_types.names() if not (shape.refuses_kivi and t in kv_types.KIVI_BITS)]
     out = [kv_cost(shape, t, [t] * shape.n_layer, [t] * shape.n_layer, window, sinks) for t in names]
     layers = kvq.get(gguf_metadata.KEY_LAYERS)
     if isinstance(layers, str):
@@ -248,7 +255,9 @@ def format_text(info: dict, n_ctx: int, select: dict | None = None) -> str:
         lines.append(f"  {s['n_recurrent']} of the {s['n_layer']} layers have no attention, hence no KV (a hybrid's "
                      "recurrent layers: their state is the same whatever the KV type)")
     if s["latent"]:
-        lines.append("  multi-head latent attention keeps one row per token; kivi types are refused on it")
+        lines.append("  multi-head latent attention keeps one row per token; "
+                     + ("kivi types are refused on it" if s["architecture"] not in KIVI_LATENT_ARCHITECTURES else
+                        "kivi types keep it once too, its V read from K's tiles"))
     if info.get("sliding_window"):
         lines += [f"  every layer counted at the full context; this model has sliding-window layers (window "
                   f"{info['sliding_window']}),",

@@ -48,6 +48,7 @@ class Settings:
     fit: bool = True  # llama-perplexity's -fit: the layers -ngl leaves unset fitted to free memory
     fit_target: tuple[int, ...] = (DEFAULT_MARGIN_MIB,)  # -fitt: MiB each device keeps free
     kl_divergence: bool = False  # every run's KL divergence from the f16 run's next-token distributions too
+    kv_offload: bool = True  # -nkvo turns it off: the KV cache in host memory
 
 
 @dataclass
@@ -79,6 +80,8 @@ def tool_args(settings: Settings, spec: KvSpec, kld_args: tuple[str, ...] = ()) 
     args = ["-m", str(settings.model), "-f", str(settings.text), "-c", str(settings.n_ctx), "-b", str(settings.n_ctx),
             "--chunks", str(settings.chunks), "-t", str(settings.threads), "-fa", "on",
             "-ctk", spec.name, "-ctv", spec.name, "--op-offload" if settings.op_offload else "--no-op-offload"]
+    if not settings.kv_offload:
+        args.append("-nkvo")
     args += ["-fit", "on" if settings.fit else "off", "-fitt", arguments.fit_target(settings.fit_target)]
     if settings.n_gpu_layers is not None:
         args += ["-ngl", str(settings.n_gpu_layers)]
@@ -314,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("kivi runs dither V with %s", dither)
     settings = Settings(args.model, args.file, args.ctx_size, args.chunks, args.threads, window, n_sink,
                         args.kv_type_swa, clip, rotate, dither, arguments.gpu_layers(args, unset=None), args.rpc,
-                        args.op_offload, args.fit, tuple(args.fit_target), args.kl_divergence)
+                        args.op_offload, args.fit, tuple(args.fit_target), args.kl_divergence, args.kv_offload)
     runs = compare(settings, specs)
     print(format_table(runs))
     out = Path(args.output)

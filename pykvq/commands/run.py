@@ -159,7 +159,7 @@ def run_command(args: argparse.Namespace) -> int:
         select = kv.select if kv.select is not None else model_selection(path)
         n_batch, n_ubatch = _batch_sizes(args, shape, kv, select)
     config = ContextConfig(args.ctx_size, n_batch, n_ubatch, args.threads, args.flash_attn, kv,
-                           op_offload=args.op_offload, swa_full=args.swa_full)
+                           op_offload=args.op_offload, kv_offload=args.kv_offload, swa_full=args.swa_full)
     layers, config = arguments.fit_to_memory(args, path, config, n_gpu_layers)
     with Model(path, n_gpu_layers=layers) as model, model.context(config) as ctx:
         _generate(model, ctx, args, kv, select)

@@ -139,6 +139,10 @@ SHAPES = {
     # DeepSeek-V2's attention at small size: a 128-wide latent and 32 RoPE channels (its cache rows hold 160 values)
     "deepseek2-mla-small": Shape(2, 256, 512, 4, 1, 2048, 8192, 10000.0, arch="deepseek2", head_dim=96,
                                  kv_lora_rank=128, rope_dim=32),
+    # DeepSeek-V2-Lite's attention (27 layers, 16 heads of 192, a 512-wide latent and 64 RoPE channels) with a small
+    # dense FFN and vocabulary, which the KV cache does not see: for memory and speed figures
+    "deepseek2-lite-attention": Shape(27, 2048, 512, 16, 1, 2048, 163840, 10000.0, arch="deepseek2", head_dim=192,
+                                      kv_lora_rank=512, rope_dim=64),
     "qwen2vl-small": Shape(2, 256, 512, 4, 2, 2048, 32768, 1000000.0, arch="qwen2vl"),  # M-RoPE: 4 positions a token
     # Qwen 3.5's hybrid at small size: delta nets in layers 0-2, gated attention (head size 64, a quarter rotated)
     "qwen35-small": Shape(4, 256, 512, 4, 2, 2048, 262144, 10000000.0, arch="qwen35", head_dim=64, rope_dim=16),

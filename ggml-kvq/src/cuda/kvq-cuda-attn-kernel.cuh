@@ -187,6 +187,30 @@ static __device__ void kvq_dequant_v(const char * blocks, const int bb, const kv
     }
 }
 
+// the same channels of cell u of a latent layer's quantized K tile (the head's channel blocks), its V being K's first
+// channels (ggml_kvq_attn_latent): code u of each channel's block
+template <int nvq>
+static __device__ void kvq_dequant_v_latent(const char * blocks, const int bits, const int u, const int n_quad,
+                                            float4 (&v)[nvq]) {
+    const int lane   = threadIdx.x % WARP_SIZE;
+    const int bb     = kvq_block_bytes(bits);
+    const int nbytes = QK_KIVI*bits/8;
+    const int shift  = u/nbytes*bits;
+    const int mask   = (1 << bits) - 1;
+#pragma unroll
+    for (int k = 0; k < nvq; ++k) {
+        const int r = lane + k*WARP_SIZE;
+        float x[4] = {};
+#pragma unroll
+        for (int i = 0; i < 4 && r < n_quad; ++i) {
+            const char * block = blocks + (4*r + i)*bb;
+            const float2 dm    = kvq_block_dm(block);
+            x[i] = dm.x*(float) ((((const uint8_t *) block)[2*sizeof(half) + u % nbytes] >> shift) & mask) + dm.y;
+        }
+        v[k] = make_float4(x[0], x[1], x[2], x[3]);
+    }
+}
+
 // the same channels of an fp16 V row
 template <int nvq, typename T>
 static __device__ void kvq_load_v(const T * row, const int n_quad, float4 (&v)[nvq]) {
@@ -301,7 +325,9 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
             }
             const int64_t cell = j0 + u;
             float4 v[nvq];
-            if (cell >= n_sink && cell < qr.lim_v) {
+            if (cell >= n_sink && cell < qr.lim_v && p.latent) {
+                kvq_dequant_v_latent(qr.k_tiles + tile*p.k_tiles_nb1, p.k_bits, u, n_quad, v);
+            } else if (cell >= n_sink && cell < qr.lim_v) {
                 kvq_dequant_v(qr.v_rows + cell*p.v_rows_nb1 + (size_t) hk*(Dv/QK_KIVI)*v_bb, v_bb, v_quad, n_quad, v);
             } else {
                 kvq_with_fp16_row(qr.v, qr.first, cell, hk, [&](const auto * row) { kvq_load_v(row, n_quad, v); });

@@ -42,6 +42,7 @@ struct kvq_attn_params {
     const float * sinks;    // [n_head] learned sink logits, or nullptr
     bool   mask_f16;
     bool   copy16;           // tensor cores: K tiles and V rows copy to shared memory in 16-byte pieces
+    bool   latent;           // V is the first v.head_dim channels of K, read as K is (ggml_kvq_attn_latent)
 };
 
 // the mask has one row per batch token, in planes of mask_ne1 rows (one plane per stream, or one for all)
@@ -147,8 +148,8 @@ static __device__ __forceinline__ kvq_query kvq_query_at(const kvq_attn_params &
     r.v_rows  = p.v_rows + strm*p.k.kv_size*p.v_rows_nb1;
     r.col0    = strm*p.mask_stream_cols;
     r.end     = min(min((int64_t) p.n_kv, p.mask_ne0 - r.col0), r.first + r.k.n_tokens);
-    r.lim_v   = ggml_kvq_lim_v(i, p.window);
     r.lim_k   = ggml_kvq_lim_k(i, p.window);
+    r.lim_v   = p.latent ? r.lim_k : ggml_kvq_lim_v(i, p.window);
     return r;
 }
 
@@ -184,31 +185,38 @@ static __device__ void kvq_attn_write_block(const kvq_attn_params & p, const flo
 // host side
 //
 
-static bool kvq_head_dim_ok(int64_t n) {
-    return n > 0 && n % QK_KIVI == 0 && n <= KVQ_MAX_HEAD;
+static bool kvq_head_dim_ok(int64_t n, int64_t max = KVQ_MAX_HEAD) {
+    return n > 0 && n % QK_KIVI == 0 && n <= max;
 }
 
 // the attention's parameters from its op (ggml_kvq_attn), all but its plan of blocks and splits
 static kvq_attn_params kvq_attn_make_params(const ggml_tensor * dst) {
     const ggml_tensor * q       = dst->src[0];
     const ggml_tensor * k_tiles = dst->src[1];
-    const ggml_tensor * v_rows  = dst->src[2];
     const ggml_tensor * k_cur   = dst->src[5];
     const ggml_tensor * mask    = dst->src[7];
+    // a latent layer's V is K's: its tiles, fp16 rows and batch
+    const bool          latent  = ggml_kvq_attn_is_latent(dst);
+    const ggml_tensor * v_rows  = latent ? k_tiles : dst->src[2];
 
     kvq_attn_params p = {};
+    p.latent = latent;
     p.k = kvq_make_source(dst, dst->src[3], k_cur);
-    p.v = kvq_make_source(dst, dst->src[4], dst->src[6]);
+    p.v = latent ? p.k : kvq_make_source(dst, dst->src[4], dst->src[6]);
+    p.v.head_dim = (int) dst->ne[0];
     p.cells = kvq_cells(dst->src[8], k_cur);
 
     const int n_head    = (int) q->ne[1];
     const int n_head_kv = (int) k_cur->ne[1];
     const int n_tokens  = p.k.n_tokens;
     GGML_ASSERT(q->type == GGML_TYPE_F32 && q->nb[0] == sizeof(float) && q->ne[2] == n_tokens);
-    GGML_ASSERT(n_head % n_head_kv == 0 && dst->src[6]->ne[1] == n_head_kv && p.v.n_tokens == n_tokens);
-    GGML_ASSERT(kvq_head_dim_ok(p.k.head_dim) && kvq_head_dim_ok(p.v.head_dim) && q->ne[0] == p.k.head_dim);
+    GGML_ASSERT(n_head % n_head_kv == 0 && p.v.n_tokens == n_tokens);
+    GGML_ASSERT(latent ? n_head_kv == 1 && p.v.head_dim <= p.k.head_dim : dst->src[6]->ne[1] == n_head_kv);
+    GGML_ASSERT(kvq_head_dim_ok(p.k.head_dim, latent ? KVQ_MAX_HEAD_LATENT : KVQ_MAX_HEAD) &&
+                kvq_head_dim_ok(p.v.head_dim) && q->ne[0] == p.k.head_dim);
     GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_kvq_is_kivi(v_rows->type));
-    GGML_ASSERT(k_tiles->ne[0] == (int64_t) p.k.head_dim*n_head_kv*QK_KIVI && v_rows->ne[0] == (int64_t) p.v.head_dim*n_head_kv);
+    GGML_ASSERT(k_tiles->ne[0] == (int64_t) p.k.head_dim*n_head_kv*QK_KIVI &&
+                (latent || v_rows->ne[0] == (int64_t) p.v.head_dim*n_head_kv));
     GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
     const bool mask_all_streams = ggml_get_op_params_i32(dst, 6) != 0;
     GGML_ASSERT(mask->ne[0] > 0 && mask->ne[1]*mask->ne[3] == n_tokens && k_tiles->ne[1]*QK_KIVI == p.k.kv_size);
@@ -222,13 +230,13 @@ static kvq_attn_params kvq_attn_make_params(const ggml_tensor * dst) {
 
     p.q           = (const char *) q->data;
     p.k_tiles     = (const char *) k_tiles->data;
-    p.v_rows      = (const char *) v_rows->data;
+    p.v_rows      = latent ? nullptr : (const char *) v_rows->data;
     p.mask        = (const char *) mask->data;
     p.dst         = (char *) dst->data;
     p.q_nb1       = q->nb[1];
     p.q_nb2       = q->nb[2];
     p.k_tiles_nb1 = k_tiles->nb[1];
-    p.v_rows_nb1  = v_rows->nb[1];
+    p.v_rows_nb1  = latent ? 0 : v_rows->nb[1];
     p.mask_nb1    = mask->nb[1];
     p.mask_nb3    = mask->nb[3];
     p.mask_ne0    = mask->ne[0];

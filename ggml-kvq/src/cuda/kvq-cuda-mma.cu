@@ -11,7 +11,8 @@ bool kvq_attn_mma_wanted(const int device, const kvq_attn_params & p) {
         return false;
     }
     const int D = p.k.head_dim;
-    return ampere_mma_available(ggml_cuda_info().devices[device].cc) && p.n_gqa <= KVQ_MMA_COLS &&
+    // a latent layer's V (K's first channels) has no tensor-core path: the CUDA-core kernel reads it from K's tiles
+    return !p.latent && ampere_mma_available(ggml_cuda_info().devices[device].cc) && p.n_gqa <= KVQ_MMA_COLS &&
            p.v.head_dim == D && (D == 64 || D == 128 || D == 256);
 }
 

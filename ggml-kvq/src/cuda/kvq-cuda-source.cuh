@@ -5,6 +5,7 @@
 #include "kvq-cuda.cuh"
 
 #define KVQ_MAX_HEAD      512
+#define KVQ_MAX_HEAD_LATENT 576   // an MLA layer's K (ggml_kvq_attn_latent): DeepSeek's 512-wide latent and 64 RoPE channels
 #define KVQ_MAX_GRID_YZ   65535   // tokens and KV heads go into grid dimensions y and z
 #define KVQ_FP16_MAX      65504.0f
 #define KVQ_BLOCK_SIZE    256     // threads per block of the elementwise kernels

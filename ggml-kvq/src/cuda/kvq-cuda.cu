@@ -161,12 +161,14 @@ void ggml_cuda_op_kvq(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 }
 
 static bool kvq_attn_supported(const ggml_tensor * op) {
-    const ggml_tensor * q     = op->src[0];
-    const ggml_tensor * k_cur = op->src[5];
-    const ggml_tensor * v_cur = op->src[6];
-    const ggml_tensor * mask  = op->src[7];
-    return q->type == GGML_TYPE_F32 && kvq_head_dim_ok(k_cur->ne[0]) && kvq_head_dim_ok(v_cur->ne[0]) &&
-           ggml_kvq_is_kivi(op->src[1]->type) && ggml_kvq_is_kivi(op->src[2]->type) &&
+    const ggml_tensor * q      = op->src[0];
+    const ggml_tensor * k_cur  = op->src[5];
+    const ggml_tensor * mask   = op->src[7];
+    const bool          latent = ggml_kvq_attn_is_latent(op);
+    // a latent layer reads V from its K tiles (ggml_kvq_attn_latent)
+    const ggml_tensor * v_rows = latent ? op->src[1] : op->src[2];
+    return q->type == GGML_TYPE_F32 && kvq_head_dim_ok(k_cur->ne[0], latent ? KVQ_MAX_HEAD_LATENT : KVQ_MAX_HEAD) &&
+           kvq_head_dim_ok(op->ne[0]) && ggml_kvq_is_kivi(op->src[1]->type) && ggml_kvq_is_kivi(v_rows->type) &&
            (mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32) &&
            q->ne[1] % k_cur->ne[1] == 0 && q->ne[2] <= KVQ_MAX_GRID_YZ;
 }
