@@ -60,9 +60,9 @@ def f16_logits(mla: Model, tokens: list[int]) -> np.ndarray:
 def test_a_window_covering_the_context_is_upstream_f16(mla: Model, tokens: list[int], f16_logits) -> None:
     """Everything in fp16: V read from K's fp16 cells is upstream's V, a view of its K cache."""
     kivi = logits(mla, KvConfig.preset("kivi2", window=N_CTX), tokens)
-    # as close as upstream's own two attention paths over the same f16 cache are (logits' std here: ~12)
+    # as close as upstream's own two attention paths over the same f16 cache are (1.4 here, where logits' std is 12)
     upstream_noise = np.abs(logits(mla, KvConfig(), tokens, flash_attn="off") - f16_logits).max()
-    assert np.abs(kivi - f16_logits).max() < 2 * upstream_noise < 3
+    assert np.abs(kivi - f16_logits).max() < 2 * upstream_noise < 0.5 * f16_logits.std()
 
 
 def test_kivi_is_close_to_f16_by_its_width(mla: Model, tokens: list[int], f16_logits) -> None:
