@@ -1,5 +1,6 @@
-"""Multi-head latent attention (DeepSeek V2/V3-style models, llama.cpp's deepseek2 architecture) on kivi caches, on a
-random-weight GGUF of its shape (pykvq/devtools/random_model.py): the cache keeps one row per token, the latent and
+"""Multi-head latent attention (DeepSeek V2/V3-style models, llama.cpp's deepseek2 architecture, and Mistral 4's,
+which runs deepseek2's graph with an attention temperature) on kivi caches, on random-weight GGUFs of their shapes
+(pykvq/devtools/random_model.py): the cache keeps one row per token, the latent and
 its RoPE part, as upstream's does; the kivi attention reads V, the latent, from K's tiles and fp16 cells
 (ggml_kvq_attn_latent: tests/test_kvq_latent.py holds the op, CPU and emulated CUDA kernels, against its oracle), so
 nothing is stored twice. Judged on the suite's device: every comparison runs the same kernels with the same batch
@@ -21,16 +22,27 @@ from pykvq.devtools import random_model
 
 import device
 
-MLA = random_model.SHAPES["deepseek2-mla-small"]  # a 128-wide latent and 32 RoPE channels, 4 query heads
+# deepseek2: a 128-wide latent and 32 RoPE channels; mistral4: 256 and 64, Q scaled with the position; 4 query heads
+SHAPES = ["deepseek2-mla-small", "mistral4-mla-small"]
 N_CTX = 512
-ROW = MLA.kv_lora_rank + MLA.rope_dim  # what the cache keeps of a token in each layer
+N_VOCAB = 2048
+
+
+@pytest.fixture(scope="module", params=SHAPES)
+def shape(request: pytest.FixtureRequest) -> random_model.Shape:
+    return random_model.SHAPES[request.param]
 
 
 @pytest.fixture(scope="module")
-def mla_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("latent") / "deepseek2-mla-small.gguf"
-    random_model.write(MLA, path)
+def mla_path(tmp_path_factory: pytest.TempPathFactory, shape: random_model.Shape) -> Path:
+    path = tmp_path_factory.mktemp("latent") / f"{shape.arch}-mla-small.gguf"
+    random_model.write(shape, path)
     return path
+
+
+def row(shape: random_model.Shape) -> int:
+    """What the cache keeps of a token in each layer: the latent and its RoPE part."""
+    return shape.kv_lora_rank + shape.rope_dim
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +53,7 @@ def mla(mla_path: Path):
 
 @pytest.fixture(scope="module")
 def tokens() -> list[int]:
-    return [int(t) for t in np.random.default_rng(3).integers(300, MLA.n_vocab, size=400)]
+    return [int(t) for t in np.random.default_rng(3).integers(300, N_VOCAB, size=400)]
 
 
 config = functools.partial(device.context_config, n_threads=2, flash_attn="on")
@@ -77,7 +89,7 @@ def test_batching_does_not_change_logits(mla: Model, tokens: list[int]) -> None:
     device.assert_same_logits(logits(mla, kv, tokens), logits(mla, kv, tokens, n_ubatch=37))
 
 
-def test_the_cache_holds_k_alone(mla: Model) -> None:
+def test_the_cache_holds_k_alone(mla: Model, shape: random_model.Shape) -> None:
     """kivi2 keeps the row once: 2-bit codes and a scale and minimum per 32 (3 bits), plus the fp16 window of 128 of
     2048 cells (1 bit): 4 bits per element, where q4_0 takes 4.5 and a second, per-token copy of the latent as V
     would take 3 more."""
@@ -85,7 +97,7 @@ def test_the_cache_holds_k_alone(mla: Model) -> None:
         with mla.context(config(n_ctx=2048, kv=kv)) as ctx:
             return ctx.memory()
     kivi2, q4_0 = memory(KvConfig.preset("kivi2")), memory(KvConfig.preset("q4_0"))
-    assert kivi2.n_elements == q4_0.n_elements == 2048 * MLA.n_layer * ROW
+    assert kivi2.n_elements == q4_0.n_elements == 2048 * shape.n_layer * row(shape)
     assert kivi2.bits_per_element == pytest.approx(4.0)
     assert kivi2.bytes < q4_0.bytes
 
@@ -157,13 +169,14 @@ def test_pykvq_run_reports_the_row_it_keeps(mla_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("kv_type", "bits"), [("f16", 16.0), ("q8_0", 8.5)])
-def test_upstream_types_count_one_row_per_token(mla: Model, kv_type: str, bits: float) -> None:
+def test_upstream_types_count_one_row_per_token(mla: Model, shape: random_model.Shape, kv_type: str,
+                                                bits: float) -> None:
     """The cache holds K's rows alone (the latent and its RoPE part): f16 against f16 is 1.00x (it said 0.56x,
     counting V rows that do not exist)."""
     with mla.context(config(n_ctx=256, kv=KvConfig.preset(kv_type))) as ctx:
-        assert ctx.eval(mla.tokenize("<t7> <t8> <t9>")).shape == (MLA.n_vocab,)
+        assert ctx.eval(mla.tokenize("<t7> <t8> <t9>")).shape == (N_VOCAB,)
         memory = ctx.memory()
-    assert memory.n_elements == 256 * MLA.n_layer * ROW
+    assert memory.n_elements == 256 * shape.n_layer * row(shape)
     assert memory.bits_per_element == pytest.approx(bits)
 
 

@@ -324,11 +324,11 @@ static void kvq_check_attention(const llama_model & model, const llama_hparams &
         missing = "non-causal attention";
     } else if (hparams.n_rel_attn_bkts > 0) {
         missing = "relative position biases (T5)";
-    } else if (hparams.is_mla() && model.arch != LLM_ARCH_DEEPSEEK2) {
-        // only deepseek2's graph is known to attend its latent through the K-only path GGML_OP_KVQ is hooked into;
-        // the sparse (DSA) families attend through their indexers' top-k masks
+    } else if (hparams.is_mla() && model.arch != LLM_ARCH_DEEPSEEK2 && model.arch != LLM_ARCH_MISTRAL4) {
+        // only deepseek2's graph (mistral4 runs it too) is known to attend its latent through the K-only path
+        // GGML_OP_KVQ is hooked into; the sparse (DSA) families attend through their indexers' top-k masks
         missing = std::string("multi-head latent attention in the ") + llm_arch_name(model.arch) +
-                  " architecture (kivi types read MLA's V from K's tiles in deepseek2's)";
+                  " architecture (kivi types read MLA's V from K's tiles in deepseek2's and mistral4's)";
     }
     if (!missing.empty()) {
         throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + types + ": the model uses " + missing +

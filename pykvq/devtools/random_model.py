@@ -54,8 +54,8 @@ class Shape:
     # before them; "gemma3n": every 5th layer global, AltUp, Laurel and per-layer inputs, layers from the 20th on
     # reading earlier caches as gemma4's do (llama.cpp's fixed count); "lfm2": a hybrid, short gated convolutions
     # (a recurrent state) in the layers of 0 KV heads (n_head_kv_layers), attention with Q/K norms in the others;
-    # "deepseek2": multi-head latent attention, one compressed KV row of kv_lora_rank + the RoPE part per token
-    # (head_dim: the query/key head size, of which rope_dim rotate; V heads of head_dim - rope_dim), dense FFNs;
+    # "deepseek2" and "mistral4": multi-head latent attention, one compressed KV row of kv_lora_rank + the RoPE part per
+    # token (head_dim: the query/key head size, of which rope_dim rotate; V heads of head_dim - rope_dim), dense FFNs;
     # "llama4": every 4th layer global without RoPE, the others chunked attention (8192-token chunks), Q/K L2 norms,
     # n_expert experts and a shared one in every moe_layer_step-th layer; "t5": an encoder and a decoder of n_layer
     # each, relative position biases in their attention; "mamba": no attention at all, Mamba's selective
@@ -77,6 +77,13 @@ class Shape:
     kv_lora_rank: int = 0  # deepseek2's compressed KV
     moe_layer_step: int = 1  # every moe_layer_step-th layer has the experts (llama4), the others a dense FFN
     rope_dim: int = 0  # deepseek2's and qwen35's rotated part of each head; 0: the whole head
+    attn_temp_scale: float = 0.0  # Mistral's attention temperature: Q grows with log(position / attn_temp_length)
+    attn_temp_length: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        """deepseek2's graph (its own models, and Mistral 4's, llama.cpp's mistral4)."""
+        return self.kv_lora_rank > 0
 
     def n_head_kv_of(self, il: int) -> int:
         return self.n_head_kv_layers[il] if self.n_head_kv_layers else self.n_head_kv
@@ -143,6 +150,10 @@ SHAPES = {
     # dense FFN and vocabulary, which the KV cache does not see: for memory and speed figures
     "deepseek2-lite-attention": Shape(27, 2048, 512, 16, 1, 2048, 163840, 10000.0, arch="deepseek2", head_dim=192,
                                       kv_lora_rank=512, rope_dim=64),
+    # Mistral 4's attention at small size: deepseek2's graph, a 256-wide latent and 64 RoPE channels, and Mistral's
+    # attention temperature (Q scaled by 1 + 0.1 log(1 + floor(position / 64)) here)
+    "mistral4-mla-small": Shape(2, 256, 512, 4, 1, 2048, 32768, 10000.0, arch="mistral4", head_dim=128,
+                                kv_lora_rank=256, rope_dim=64, attn_temp_scale=0.1, attn_temp_length=64),
     "qwen2vl-small": Shape(2, 256, 512, 4, 2, 2048, 32768, 1000000.0, arch="qwen2vl"),  # M-RoPE: 4 positions a token
     # Qwen 3.5's hybrid at small size: delta nets in layers 0-2, gated attention (head size 64, a quarter rotated)
     "qwen35-small": Shape(4, 256, 512, 4, 2, 2048, 262144, 10000000.0, arch="qwen35", head_dim=64, rope_dim=16),
@@ -200,7 +211,7 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         writer.add_array(gguf.Keys.Attention.HEAD_COUNT_KV.format(arch=shape.arch), list(shape.n_head_kv_layers))
     else:
         writer.add_head_count_kv(shape.n_head_kv)
-    if shape.arch == "deepseek2":
+    if shape.is_mla:
         # the cache's rows: the latent and the RoPE part (K), the latent (V); the heads' own sizes are the _mla keys
         writer.add_rope_dimension_count(shape.rope_dim)
         writer.add_key_length(shape.kv_lora_rank + shape.rope_dim)
@@ -239,6 +250,9 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         writer.add_ssm_state_size(DELTA_HEAD)
         writer.add_ssm_time_step_rank(DELTA_V_HEADS)
         writer.add_ssm_group_count(DELTA_K_HEADS)
+    if shape.attn_temp_scale:
+        writer.add_float32(gguf.Keys.Attention.TEMPERATURE_SCALE.format(arch=shape.arch), shape.attn_temp_scale)
+        writer.add_uint32(gguf.Keys.Attention.TEMPERATURE_LENGTH.format(arch=shape.arch), shape.attn_temp_length)
     if shape.arch == "gemma2":
         writer.add_attn_logit_softcapping(shape.attn_softcap)
     if shape.arch == "lfm2":
@@ -413,7 +427,7 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
                 continue
             if shape.is_recurrent(il):
                 delta_net(il) if shape.arch == "qwen35" else shortconv(il)
-            elif shape.arch == "deepseek2":
+            elif shape.is_mla:
                 latent_attention(il)
             else:
                 attention(il)
