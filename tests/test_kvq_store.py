@@ -2,8 +2,8 @@
 sequence): the cache's bytes after every step against what the separate ops (SEAL_K, STORE_V, both RING_PUTs) write,
 on the CPU, and the CUDA kernel's (emulated on the CPU, tests/kvq_emulation.py) against the CPU's. Streams at
 different depths, tiles completed mid-run, sinks, K and V of other widths, clip ratios, V's dithered rounding, heads
-narrower than a V block, and the values quantization must get right: ±0, NaN, ±65504, values beyond fp16, constant
-(zero-range) blocks."""
+narrower than a V block, a latent layer's K alone (no V: ggml_kvq_attn_latent reads it from K), and the values
+quantization must get right: ±0, NaN, ±65504, values beyond fp16, constant (zero-range) blocks."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ CASES = {
     "d16-h4-w32-2-streams": (Case(16, 4, 4, 32, 0), [31, 7]),
     "d64-h2-w16-2-streams-v1-dither": (Case(64, 2, 2, 16, 0, v_type=GGML_TYPE_KIVI1, v_spread=1.0), [29, 3]),
     "d32-h2-w32-s2-v2-half-dither": (Case(32, 2, 2, 32, 2, clip_v=0.9, v_spread=0.5), [40]),
+    "d576-latent-w32-s2-k4-clip-2-streams": (Case(576, 16, 1, 32, 2, GGML_TYPE_KIVI4, clip_k=0.9, head_dim_v=512,
+                                                  latent=True), [30, 5]),
 }
 DITHER_LAYER = 3
 N_STEPS = 40
@@ -62,9 +64,10 @@ class Cache:
         n_fp16 = case.n_sink + g.ring_size(case.window)
         self.ctx = g.Context(backend=backend)
         self.k_tiles = self.ctx.new(case.k_type, n_embd * 32, n_alloc // 32, n_stream)
-        self.v_rows = self.ctx.new(case.v_type, n_embd_v, n_alloc * n_stream)
         self.k_fp16 = self.ctx.new(g.GGML_TYPE_F16, n_embd, n_fp16, n_stream)
-        self.v_fp16 = self.ctx.new(g.GGML_TYPE_F16, n_embd_v, n_fp16, n_stream)
+        # a latent layer keeps K alone
+        self.v_rows = g.libs().ffi.NULL if case.latent else self.ctx.new(case.v_type, n_embd_v, n_alloc * n_stream)
+        self.v_fp16 = g.libs().ffi.NULL if case.latent else self.ctx.new(g.GGML_TYPE_F16, n_embd_v, n_fp16, n_stream)
         for t in self.storage():
             zeros = bytes(g.libs().base.ggml_nbytes(t))
             if backend is None:
@@ -73,7 +76,7 @@ class Cache:
                 self.ctx.pending_write(t, zeros)
 
     def storage(self) -> list:
-        return [self.k_tiles, self.v_rows, self.k_fp16, self.v_fp16]
+        return [self.k_tiles, self.k_fp16] + ([] if self.case.latent else [self.v_rows, self.v_fp16])
 
     def snapshot(self) -> list[bytes]:
         return [self.ctx.read(t, np.uint8, (-1,)).tobytes() for t in self.storage()]
@@ -86,6 +89,10 @@ class Cache:
         lib, c = g.libs().base, self.case
         k_cur, v_cur, idxs = self.batch(cells, k, v)
         sealed = lib.ggml_kvq_seal_k(self.ctx.ctx, self.k_tiles, self.k_fp16, k_cur, idxs, c.n_sink, n_seq, c.clip_k)
+        if c.latent:
+            self.ctx.compute(sealed, lib.ggml_kvq_ring_put(self.ctx.ctx, self.k_fp16, k_cur, idxs, sealed, c.n_sink,
+                                                           n_seq, self.n_alloc))
+            return
         stored = self.dithered(lib.ggml_kvq_store_v(self.ctx.ctx, self.v_rows, lib.ggml_reshape_2d(
             self.ctx.ctx, v_cur, c.n_head_kv * c.dv, len(cells)), idxs, c.clip_v))
         rings = [lib.ggml_kvq_ring_put(self.ctx.ctx, fp16, cur, idxs, stored, c.n_sink, n_seq, self.n_alloc)
@@ -95,8 +102,12 @@ class Cache:
     def store_node(self, cells: np.ndarray, k: np.ndarray, v: np.ndarray):
         lib, c = g.libs().base, self.case
         k_cur, v_cur, idxs = self.batch(cells, k, v)
+        if c.latent:
+            v_cur = v_idxs = g.libs().ffi.NULL
+        else:
+            v_idxs = idxs
         return self.dithered(lib.ggml_kvq_store(self.ctx.ctx, self.k_tiles, self.v_rows, self.k_fp16, self.v_fp16,
-                                                k_cur, v_cur, idxs, idxs, c.n_sink, len(cells), c.clip_k, c.clip_v))
+                                                k_cur, v_cur, idxs, v_idxs, c.n_sink, len(cells), c.clip_k, c.clip_v))
 
     def dithered(self, store):
         """A store node with the case's V dither, a stream being a sequence's part."""
@@ -138,9 +149,9 @@ def decode(case: Case, prefill: list[int], step: str, emulation: Path | None = N
 
 
 def assert_same_bytes(got: list[list[bytes]], want: list[list[bytes]]) -> None:
-    names = ("K tiles", "V rows", "K sinks and ring", "V sinks and ring")
+    names = ("K tiles", "K sinks and ring", "V rows", "V sinks and ring")
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        for name, x, y in zip(names, a, b, strict=True):
+        for name, x, y in zip(names[:len(a)], a, b, strict=True):
             if x != y:
                 diff = np.flatnonzero(np.frombuffer(x, np.uint8) != np.frombuffer(y, np.uint8))
                 pytest.fail(f"after decode step {i}: {name} differ in {len(diff)} bytes, first at {diff[0]}")
@@ -163,6 +174,6 @@ def test_the_steps_do_change_the_cache() -> None:
     """The comparisons above judge something: each step writes its ring slot, and the 32nd token seals a tile."""
     case, prefill = CASES["d64-h2-w16-3-streams"]
     snapshots = decode(case, prefill, "store")
-    assert all(a[2] != b[2] and a[3] != b[3] for a, b in zip(snapshots, snapshots[1:], strict=False))
+    assert all(a[1] != b[1] and a[3] != b[3] for a, b in zip(snapshots, snapshots[1:], strict=False))
     # stream 0 completes tile 0 at its 3rd step (cell 31)
     assert snapshots[1][0] != snapshots[2][0] and snapshots[0][0] == snapshots[1][0]

@@ -282,7 +282,8 @@ GGML_API struct ggml_tensor * ggml_kvq_store_v(
 // a decode step's K and V into the cache in one op, one token per segment (k_cur->ne[2] == n_seq): SEAL_K, STORE_V
 // (v_cur's rows into rows v_idxs of v_rows) and both RING_PUTs, byte for byte. Its ring writes need not wait for the
 // attention: the slot a token takes held the cell n_ring back, which the token's query reads quantized (n_ring
-// covers the window and a whole tile). Returns k_tiles (as a view, for ordering).
+// covers the window and a whole tile). v_rows, v_fp16, v_cur and v_idxs all NULL: K alone (SEAL_K and its RING_PUT),
+// for a latent layer (ggml_kvq_attn_latent). Returns k_tiles (as a view, for ordering).
 GGML_API struct ggml_tensor * ggml_kvq_store(
         struct ggml_context * ctx,
         struct ggml_tensor  * k_tiles,

@@ -125,16 +125,20 @@ static void kvq_ring_put(const struct ggml_compute_params * params, struct ggml_
 }
 
 //
-// STORE: a decode step's SEAL_K, STORE_V and RING_PUTs. One token per segment: the ring slot it takes is none that
-// the tile it may complete reads (n_ring >= QK_KIVI), so the parts need no barrier between them.
+// STORE: a decode step's SEAL_K, STORE_V and RING_PUTs (a latent layer's SEAL_K and K's RING_PUT). One token per
+// segment: the ring slot it takes is none that the tile it may complete reads (n_ring >= QK_KIVI), so the parts need
+// no barrier between them.
 //
 
 static void kvq_store(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * v_cur = dst->src[6];
     kvq_seal_tiles(params, dst, dst->src[0], dst->src[1], dst->src[2], dst->src[3]);
+    kvq_put_fp16(params, dst, dst->src[1], dst->src[2], dst->src[3]);
+    if (v_cur == NULL) {
+        return; // a latent layer's: K alone
+    }
     kvq_store_rows(params, dst, dst->src[4], v_cur->data, v_cur->nb[2], v_cur->ne[2], dst->src[7],
                    ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_V_PARAM));
-    kvq_put_fp16(params, dst, dst->src[1], dst->src[2], dst->src[3]);
     kvq_put_fp16(params, dst, dst->src[5], v_cur, dst->src[3]);
 }
 

@@ -108,12 +108,17 @@ struct ggml_tensor * ggml_kvq_store(
         float                 clip_k,
         float                 clip_v) {
     kvq_check_seal(k_tiles, k_fp16, k_cur, k_idxs, n_sink, n_seq, clip_k);
-    kvq_check_batch(v_fp16, v_cur, k_idxs, n_sink, n_seq);
-    // one token per segment; V's rows are its heads side by side
-    GGML_ASSERT(k_cur->ne[2] == n_seq && v_cur->ne[2] == n_seq);
-    GGML_ASSERT(v_cur->nb[1] == v_cur->ne[0]*sizeof(float));
-    kvq_check_v_rows(v_rows, kvq_n_embd(v_cur), v_idxs, n_seq, clip_v);
-    GGML_ASSERT(v_fp16->ne[1] == k_fp16->ne[1] && v_fp16->ne[2] == k_fp16->ne[2]);
+    // one token per segment
+    GGML_ASSERT(k_cur->ne[2] == n_seq);
+    const bool has_v = v_rows != NULL;
+    GGML_ASSERT((v_fp16 != NULL) == has_v && (v_cur != NULL) == has_v && (v_idxs != NULL) == has_v);
+    if (has_v) {
+        kvq_check_batch(v_fp16, v_cur, k_idxs, n_sink, n_seq);
+        // V's rows are its heads side by side
+        GGML_ASSERT(v_cur->ne[2] == n_seq && v_cur->nb[1] == v_cur->ne[0]*sizeof(float));
+        kvq_check_v_rows(v_rows, kvq_n_embd(v_cur), v_idxs, n_seq, clip_v);
+        GGML_ASSERT(v_fp16->ne[1] == k_fp16->ne[1] && v_fp16->ne[2] == k_fp16->ne[2]);
+    }
 
     struct ggml_tensor * result = ggml_view_tensor(ctx, k_tiles);
     kvq_set_params(result, GGML_KVQ_OP_STORE, 0, n_sink, 0.0f, n_seq, k_tiles->ne[1]*QK_KIVI, false);
@@ -134,7 +139,7 @@ void ggml_kvq_store_set_v_dither(struct ggml_tensor * store, float spread, int32
         int64_t period) {
     GGML_ASSERT(store->op == GGML_OP_KVQ);
     const int32_t op = ggml_get_op_params_i32(store, 0);
-    GGML_ASSERT(op == GGML_KVQ_OP_STORE_V || op == GGML_KVQ_OP_STORE);
+    GGML_ASSERT(op == GGML_KVQ_OP_STORE_V || (op == GGML_KVQ_OP_STORE && store->src[4] != NULL));
     GGML_ASSERT(spread >= 0.0f && spread <= 1.0f);
     // the key's fields (ggml_kvq_dither_key): 16 bits of layer, 28 of cell, 20 of channel
     GGML_ASSERT(layer >= 0 && layer < (1 << 16) && part_cells > 0 && part_cells <= (1 << 28));

@@ -1507,10 +1507,10 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
         });
     }
 
-    // a decode step (one token per sequence) stores K and V in one op, ring included, before any reader attends
-    // (ggml_kvq_store says why that is safe); other steps, and a latent layer's, which has no V to store, store
-    // before, and change the ring after, the last reader
-    const bool decode = n_tokens == n_seq && !wide && !selects && !latent;
+    // a decode step (one token per sequence) stores K and V (a latent layer's K alone) in one op, ring included,
+    // before any reader attends (ggml_kvq_store says why that is safe); other steps store before, and change the ring
+    // after, the last reader
+    const bool decode = n_tokens == n_seq && !wide && !selects;
 
     kvq_step step;
     if (owns) {
@@ -1519,8 +1519,8 @@ ggml_tensor * llama_kv_cache::kvq_build_attn(ggml_context * ctx, ggml_cgraph * g
         step.v_cur = latent ? nullptr : v_cur;
     }
     if (owns && decode) {
-        step.k_sealed = dithered(ggml_kvq_store(ctx, layer.k, v_rows, layer.k_fp16, layer.v_fp16, k_cur, v_cur, k_idxs,
-                                                v_idxs, n_sink, n_seq, clip_k, clip_v));
+        step.k_sealed = dithered(ggml_kvq_store(ctx, layer.k, v_rows, layer.k_fp16, layer.v_fp16, k_cur, step.v_cur,
+                                                k_idxs, latent ? nullptr : v_idxs, n_sink, n_seq, clip_k, clip_v));
         step.v_stored = v_rows;
         ggml_build_forward_expand(gf, step.k_sealed);
     } else if (owns) {

@@ -78,9 +78,9 @@ static __global__ void kvq_ring_put_kernel(kvq_source src, const int64_t * cells
 }
 
 //
-// STORE: a decode step's K and V, one token per segment. grid: (channels / blockDim.x, segments); a thread does
-// channel c of K and of V: its ring slot (and sink row), the K tile the token completes, and with c at the start
-// of a 32-channel group that group's V block. The ring slot a token writes is none that the tile reads (n_ring
+// STORE: a decode step's K and V (a latent layer's K alone), one token per segment. grid: (channels / blockDim.x,
+// segments); a thread does channel c of K and of V: its ring slot (and sink row), the K tile the token completes, and
+// with c at the start of a 32-channel group that group's V block. The ring slot a token writes is none that the tile reads (n_ring
 // >= QK_KIVI), so the parts need no order among them.
 //
 
@@ -123,47 +123,53 @@ static __global__ void kvq_store_kernel(const kvq_store_params p) {
         }
         kvq_ring_put_channel(k, first, 0, c);
     }
+    if (c >= p.n_embd_v) {
+        return; // past V's channels, or a latent layer's store (no V)
+    }
     kvq_source v = p.v;
     kvq_segment(v, p.k_cells, s, &strm);
-    if (c < p.n_embd_v) {
-        kvq_ring_put_channel(v, first, 0, c);
-        if (c % QK_KIVI == 0) {
-            float x[QK_KIVI];
+    kvq_ring_put_channel(v, first, 0, c);
+    if (c % QK_KIVI == 0) {
+        float x[QK_KIVI];
 #pragma unroll
-            for (int u = 0; u < QK_KIVI; ++u) {
-                x[u] = kvq_cur_row(v, 0, (c + u) / v.head_dim)[(c + u) % v.head_dim];
-            }
-            kvq_quantize_block_bits(x, (uint32_t *) (p.v_rows + p.v_cells[s]*p.v_rows_nb1 +
-                                                     (size_t) (c/QK_KIVI)*kvq_block_bytes(p.v_bits)), p.v_bits, p.clip_v,
-                                    p.v_dither.spread16, ggml_kvq_v_dither_key(p.v_dither, p.v_cells[s], c));
+        for (int u = 0; u < QK_KIVI; ++u) {
+            x[u] = kvq_cur_row(v, 0, (c + u) / v.head_dim)[(c + u) % v.head_dim];
         }
+        kvq_quantize_block_bits(x, (uint32_t *) (p.v_rows + p.v_cells[s]*p.v_rows_nb1 +
+                                                 (size_t) (c/QK_KIVI)*kvq_block_bytes(p.v_bits)), p.v_bits, p.clip_v,
+                                p.v_dither.spread16, ggml_kvq_v_dither_key(p.v_dither, p.v_cells[s], c));
     }
 }
 
 // the launch of a STORE node (ggml_kvq_store's sources and op params); grid (kvq_store_grid_x(p), p.k.n_tokens)
 static kvq_store_params kvq_store_make_params(const ggml_tensor * dst) {
     const ggml_tensor * k_tiles = dst->src[0];
-    const ggml_tensor * v_rows  = dst->src[4];
-    kvq_store_params p;
+    kvq_store_params p = {};
     p.k = kvq_make_source(dst, dst->src[1], dst->src[2]);
-    p.v = kvq_make_source(dst, dst->src[5], dst->src[6]);
-    GGML_ASSERT(p.k.n_tps == 1 && p.v.n_tokens == p.k.n_tokens);
+    GGML_ASSERT(p.k.n_tps == 1);
     GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_is_contiguous(k_tiles));
-    GGML_ASSERT(ggml_kvq_is_kivi(v_rows->type) && ggml_is_contiguous(v_rows));
     kvq_assert_words(k_tiles);
-    kvq_assert_words(v_rows);
     p.k_tiles     = (char *) k_tiles->data;
     p.k_tiles_nb1 = k_tiles->nb[1];
+    p.k_cells     = kvq_cells(dst->src[3], dst->src[2]);
+    p.n_embd_k    = p.k.head_dim*(int) dst->src[2]->ne[1];
+    GGML_ASSERT(k_tiles->ne[0] == (int64_t) p.n_embd_k*QK_KIVI);
+    p.k_bits      = ggml_kvq_bits(k_tiles->type);
+    p.clip_k      = ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM);
+    const ggml_tensor * v_rows = dst->src[4];
+    if (v_rows == nullptr) {
+        return p; // a latent layer's store: K alone, n_embd_v 0
+    }
+    p.v = kvq_make_source(dst, dst->src[5], dst->src[6]);
+    GGML_ASSERT(p.v.n_tokens == p.k.n_tokens);
+    GGML_ASSERT(ggml_kvq_is_kivi(v_rows->type) && ggml_is_contiguous(v_rows));
+    kvq_assert_words(v_rows);
     p.v_rows      = (char *) v_rows->data;
     p.v_rows_nb1  = v_rows->nb[1];
-    p.k_cells     = kvq_cells(dst->src[3], dst->src[2]);
     p.v_cells     = kvq_cells(dst->src[7], dst->src[6]);
-    p.n_embd_k    = p.k.head_dim*(int) dst->src[2]->ne[1];
     p.n_embd_v    = p.v.head_dim*(int) dst->src[6]->ne[1];
-    GGML_ASSERT(k_tiles->ne[0] == (int64_t) p.n_embd_k*QK_KIVI && v_rows->ne[0] == p.n_embd_v);
-    p.k_bits      = ggml_kvq_bits(k_tiles->type);
+    GGML_ASSERT(v_rows->ne[0] == p.n_embd_v);
     p.v_bits      = ggml_kvq_bits(v_rows->type);
-    p.clip_k      = ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_PARAM);
     p.clip_v      = ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_V_PARAM);
     p.v_dither    = ggml_kvq_store_v_dither(dst);
     return p;

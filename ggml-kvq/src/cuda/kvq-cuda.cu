@@ -200,7 +200,8 @@ bool ggml_cuda_kvq_supports_op(const ggml_tensor * op) {
                     return op->src[1]->ne[0] <= KVQ_MAX_HEAD && op->ne[1] <= KVQ_MAX_GRID_YZ &&
                            ggml_get_op_params_i32(op, 4) <= KVQ_MAX_GRID_YZ;
                 case GGML_KVQ_OP_STORE_V:  return kvq_set_rows_supported(op, op->src[1], op->src[2]);
-                case GGML_KVQ_OP_STORE:    return ggml_kvq_is_kivi(op->src[0]->type) && ggml_kvq_is_kivi(op->src[4]->type) &&
+                case GGML_KVQ_OP_STORE:    return ggml_kvq_is_kivi(op->src[0]->type) &&
+                                                  (op->src[4] == nullptr || ggml_kvq_is_kivi(op->src[4]->type)) &&
                                                   op->src[2]->ne[2] <= KVQ_MAX_GRID_YZ;
                 default:                   return false;
             }
