@@ -29,7 +29,8 @@ static __device__ __forceinline__ float4 kvq_load4(const T * row, int c) {
 //      (window, sinks, the query's own tile, the batch) by a per-lane dot product;
 //   2. online softmax per query head over the tile (fp32), the weights to shared memory;
 //   3. V: the warp walks the tile's cells, each lane decoding four channels at a time from the
-//      quantized row or the fp16 one.
+//      quantized row or the fp16 one; a latent layer's quantized V, K's tile, is weighed per channel over the
+//      whole tile instead (kvq_latent_v_tile).
 // The warps' states are merged in shared memory; with n_splits > 1 each split writes its (max, sum,
 // unnormalised output) and the block that finishes last for its (token, heads) merges them all.
 // A split is tiles_per_split tiles (a constant of the kernel) at fixed cells, whatever the batch, the context's
@@ -53,9 +54,9 @@ struct kvq_quad {
     uint32_t mask;
 };
 
+// byte 4k % nbytes under shift 4k/nbytes*bits, nbytes = 4*bits, without divisions (bits is a power of two)
 static __device__ __forceinline__ kvq_quad kvq_quad_at(int k, int bits) {
-    const int nbytes = QK_KIVI*bits/8;
-    return { 2*(int) sizeof(half) + 4*k % nbytes, 4*k/nbytes*bits, 0x01010101u*((1u << bits) - 1) };
+    return { 2*(int) sizeof(half) + 4*(k & (bits - 1)), k & ~(bits - 1), 0x01010101u*((1u << bits) - 1) };
 }
 
 // byte k of `codes` as a float: as the low mantissa bits of 2^23, minus 2^23 (exact, cheaper than I2F)
@@ -187,27 +188,51 @@ static __device__ void kvq_dequant_v(const char * blocks, const int bb, const kv
     }
 }
 
-// the same channels of cell u of a latent layer's quantized K tile (the head's channel blocks), its V being K's first
-// channels (ggml_kvq_attn_latent): code u of each channel's block
-template <int nvq>
-static __device__ void kvq_dequant_v_latent(const char * blocks, const int bits, const int u, const int n_quad,
-                                            float4 (&v)[nvq]) {
-    const int lane   = threadIdx.x % WARP_SIZE;
-    const int bb     = kvq_block_bytes(bits);
-    const int nbytes = QK_KIVI*bits/8;
-    const int shift  = u/nbytes*bits;
-    const int mask   = (1 << bits) - 1;
+static __device__ __forceinline__ void kvq_add_lane(float4 & a, const int i, const float x) {
+    switch (i) {
+        case 0:  a.x += x; break;
+        case 1:  a.y += x; break;
+        case 2:  a.z += x; break;
+        default: a.w += x; break;
+    }
+}
+
+// A latent layer's quantized V (ggml_kvq_attn_latent: the first channels of K's tile) over a whole tile, into this
+// lane's channels 4r .. 4r+3 (r = lane + 32k, as kvq_dequant_v's). Per channel, KIVI's factorisation the other way
+// round (kvq_group_v_tiles on the CPU): d_c sum_u w_u q_uc + m_c sum_u w_u, so that a channel's codes are read a quad
+// at a time and its scale and minimum once, not a byte and a block header per cell. w_s: the tile's weights
+// [cell][ncols], 0 where the cell is read in fp16; w_sum: their sums.
+template <int ncols, int nvq>
+static __device__ void kvq_latent_v_tile(const char * blocks, const int bits, const int n_quad, const float * w_s,
+                                         const float (&w_sum)[ncols], float4 (&acc)[ncols][nvq]) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int bb   = kvq_block_bytes(bits);
+    // loops kept rolled: this path's registers count for every layer's launch of the kernel
 #pragma unroll
     for (int k = 0; k < nvq; ++k) {
         const int r = lane + k*WARP_SIZE;
-        float x[4] = {};
-#pragma unroll
-        for (int i = 0; i < 4 && r < n_quad; ++i) {
-            const char * block = blocks + (4*r + i)*bb;
-            const float2 dm    = kvq_block_dm(block);
-            x[i] = dm.x*(float) ((((const uint8_t *) block)[2*sizeof(half) + u % nbytes] >> shift) & mask) + dm.y;
+        if (r >= n_quad) {
+            continue;
         }
-        v[k] = make_float4(x[0], x[1], x[2], x[3]);
+#pragma unroll 1
+        for (int i = 0; i < 4; ++i) {
+            const char * block = blocks + (4*r + i)*bb;
+            float cw[ncols] = {};
+#pragma unroll 1
+            for (int quad = 0; quad < QK_KIVI/4; ++quad) {
+                const float4 code = kvq_quad_codes(block, kvq_quad_at(quad, bits));
+                const float * w = w_s + 4*quad*ncols;
+#pragma unroll
+                for (int g = 0; g < ncols; ++g) {
+                    cw[g] += w[g]*code.x + w[ncols + g]*code.y + w[2*ncols + g]*code.z + w[3*ncols + g]*code.w;
+                }
+            }
+            const float2 dm = kvq_block_dm(block);
+#pragma unroll
+            for (int g = 0; g < ncols; ++g) {
+                kvq_add_lane(acc[g][k], i, dm.x*cw[g] + dm.y*w_sum[g]);
+            }
+        }
     }
 }
 
@@ -293,6 +318,8 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
 
         float score[ncols];
         const bool quant_k = attended && j >= n_sink && j < qr.lim_k;
+        // a latent layer's V of the cells read quantized comes from the tile as a whole (kvq_latent_v_tile)
+        const bool quant_v_tile = p.latent && attended && j >= n_sink && j < qr.lim_v;
         if (__any_sync(0xFFFFFFFF, quant_k)) {
             kvq_tile_scores(qr.k_tiles + tile*p.k_tiles_nb1 + (size_t) hk*D*k_bb, p.k_bits, D, k_quad, q_s, my_slice_s, score);
         }
@@ -300,6 +327,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
             kvq_with_fp16_row(qr.k, qr.first, j, hk, [&](const auto * row) { kvq_dot_fp16(row, q_s, D, score); });
         }
 
+        float w_tile[ncols];
 #pragma unroll
         for (int g = 0; g < ncols; ++g) {
             const float s       = attended ? ggml_kvq_capped(score[g]*p.scale, p.softcap) + mv : -INFINITY;
@@ -308,6 +336,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
             const float w       = expf(s - new_max);
             run_sum[g] = run_sum[g]*rescale + warp_reduce_sum(w);
             run_max[g] = new_max;
+            w_tile[g]  = p.latent ? warp_reduce_sum(quant_v_tile ? w : 0.0f) : 0.0f;
 #pragma unroll
             for (int k = 0; k < nvq; ++k) {
                 acc[g][k].x *= rescale;
@@ -319,15 +348,14 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
         }
         __syncwarp();
 
+        const uint32_t tile_v_cells = __ballot_sync(0xFFFFFFFF, quant_v_tile);
         for (int u = 0; u < WARP_SIZE; ++u) {
-            if (!(attended_cells & (1u << u))) {
+            if (!(attended_cells & ~tile_v_cells & (1u << u))) {
                 continue;
             }
             const int64_t cell = j0 + u;
             float4 v[nvq];
-            if (cell >= n_sink && cell < qr.lim_v && p.latent) {
-                kvq_dequant_v_latent(qr.k_tiles + tile*p.k_tiles_nb1, p.k_bits, u, n_quad, v);
-            } else if (cell >= n_sink && cell < qr.lim_v) {
+            if (cell >= n_sink && cell < qr.lim_v) {
                 kvq_dequant_v(qr.v_rows + cell*p.v_rows_nb1 + (size_t) hk*(Dv/QK_KIVI)*v_bb, v_bb, v_quad, n_quad, v);
             } else {
                 kvq_with_fp16_row(qr.v, qr.first, cell, hk, [&](const auto * row) { kvq_load_v(row, n_quad, v); });
@@ -344,6 +372,18 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
                     acc[g][k].w += w[g]*v[k].w;
                 }
             }
+        }
+        if (tile_v_cells != 0) {
+            // the fp16 cells' weights have been read: the tile's sums leave them out
+            __syncwarp();
+            if (!quant_v_tile) {
+#pragma unroll
+                for (int g = 0; g < ncols; ++g) {
+                    my_w_s[lane*ncols + g] = 0.0f;
+                }
+            }
+            __syncwarp();
+            kvq_latent_v_tile(qr.k_tiles + tile*p.k_tiles_nb1, p.k_bits, n_quad, my_w_s, w_tile, acc);
         }
         __syncwarp(); // my_w_s belongs to the next tile
     }
