@@ -130,10 +130,15 @@ def resolve_model(text: str, workdir: Path) -> tuple[Path, str]:
         return assets.gemma3_model(), assets.GEMMA3_270M.name
     if text.startswith("random:"):
         shape = text.split(":", 1)[1]
+        if shape not in random_model.SHAPES:
+            raise SystemExit(f"unknown random shape {shape!r}; one of: {', '.join(sorted(random_model.SHAPES))}")
         path = workdir / f"{shape}-random.gguf"
         if not path.exists():
+            workdir.mkdir(parents=True, exist_ok=True)
             random_model.write(random_model.SHAPES[shape], path)
         return path, f"random weights, {shape} shape"
+    if not Path(text).is_file():
+        raise SystemExit(f"no model file {text!r} (or smollm2, qwen2.5-coder-1.5b, gemma3-270m, random:SHAPE)")
     return Path(text), Path(text).name
 
 
@@ -192,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--tg", type=int, default=32)
     parser.add_argument("--npl", type=int, nargs="+", default=[1], help="sequences decoded at once")
-    parser.add_argument("--kv-types", default="f16,q8_0,q4_0,kivi4,kivi2,kivi1")
+    parser.add_argument("--kv-types", default="f16,q8_0,q4_0,kivi4,kivi2,kivi1",
+                        help="comma-separated KV cache types (f16 is always measured: the ratios are to it)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds over all rows; each row keeps its best rates")
     args = parser.parse_args(argv)
@@ -200,6 +206,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--repeat takes a number of rounds of 1 or more")
     model, model_label = resolve_model(args.model, args.workdir)
     specs = kv_types.parse_list(args.kv_types)
+    if not any(spec.label == "f16" for spec in specs):
+        # every rate is reported against f16's at the same depth and batch
+        print("decode_speed: f16 added: the table compares every type with it", flush=True)
+        specs = kv_types.parse_list("f16") + specs
     settings = [(npl, depth, spec) for npl in args.npl for depth in args.depth for spec in specs]
 
     def once(setting: tuple[int, int, KvSpec]) -> dict:

@@ -566,13 +566,46 @@ static void kvq_group_v_rows(const kvq_attn_args * a, kvq_query ** group, int n_
     }
 }
 
+#if defined(__AVX2__)
+// the 8 x 8 floats at src (rows src_stride apart) transposed to dst (rows dst_stride apart)
+static inline void kvq_transpose8(const float * src, int src_stride, float * dst, int dst_stride) {
+    __m256 r[8];
+    __m256 t[8];
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm256_loadu_ps(src + i*src_stride);
+    }
+    for (int i = 0; i < 8; i += 2) {
+        t[i]     = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i]     = _mm256_shuffle_ps(t[i],     t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm256_shuffle_ps(t[i],     t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(dst + i*dst_stride,       _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4)*dst_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+}
+#endif
+
 // the QK_KIVI x QK_KIVI codes of QK_KIVI channel blocks ([channel][cell]) as [cell][channel]
 static void kvq_transpose_block(const float * codes, float * cells) {
+#if defined(__AVX2__)
+    for (int c = 0; c < QK_KIVI; c += 8) {
+        for (int u = 0; u < QK_KIVI; u += 8) {
+            kvq_transpose8(codes + c*QK_KIVI + u, QK_KIVI, cells + u*QK_KIVI + c, QK_KIVI);
+        }
+    }
+#else
     for (int c = 0; c < QK_KIVI; ++c) {
         for (int u = 0; u < QK_KIVI; ++u) {
             cells[u*QK_KIVI + c] = codes[c*QK_KIVI + u];
         }
     }
+#endif
 }
 
 // A latent layer's quantized V (the first head_dim_v channels of its K tiles, ggml_kvq_attn_latent) into the group's
