@@ -9,6 +9,8 @@ shapes, or checks against upstream's f16 cache. Every cache operation on an RPC 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import itertools
 import json
 import re
 import subprocess
@@ -17,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import KvConfig, LlamaError, Model
+import pykvq
+from pykvq import KvConfig, LlamaError, Model, Sampler, SamplerSettings
 from pykvq.devtools import random_model
 
 import device
@@ -166,6 +169,22 @@ def test_pykvq_run_reports_the_row_it_keeps(mla_path: Path) -> None:
                            "kivi2", "-c", "2048", "-p", "<t7>", "-n", "4"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "4.00 bits per element" in proc.stderr
+
+
+def test_llama_cpp_python_generates_what_pykvq_does(mla: Model, mla_path: Path, tokens: list[int]) -> None:
+    """llama-cpp-python on pykvq's libllama (pykvq.llama_cpp): the same greedy tokens over a kivi2 latent cache."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (.ci/run installs it)")
+    from pykvq.llama_cpp import Llama
+    llm = Llama(model_path=str(mla_path), n_ctx=N_CTX, n_threads=2, verbose=False, type_k=pykvq.GGML_TYPE_KIVI2,
+                type_v=pykvq.GGML_TYPE_KIVI2, kv_window=32, **device.LLAMA_KWARGS)
+    try:
+        theirs = list(itertools.islice(llm.generate(tokens[:100], temp=0), 24))
+    finally:
+        llm.close()
+    kv = KvConfig.preset("kivi2", window=32)
+    with mla.context(config(n_ctx=N_CTX, kv=kv)) as ctx:
+        assert theirs == list(ctx.generate_tokens(tokens[:100], 24, Sampler(SamplerSettings(temp=0))))
 
 
 @pytest.mark.parametrize(("kv_type", "bits"), [("f16", 16.0), ("q8_0", 8.5)])
