@@ -133,3 +133,16 @@ def test_refinement_moves_a_collective_loss_to_another_depth() -> None:
     result = refine(start, sens, 1.75, measure, max_evaluations=12)
     assert lower_v_low(result.allocation) <= 2 and result.measured < result.start_measured - 4
     assert result.allocation.mean_bits <= 1.75
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_k_alone_is_allocated_where_the_cache_holds_no_v(seed: int) -> None:
+    """Multi-head latent attention: the cache keeps K's tiles alone (V is read from them), so the budget is K's
+    code bits, V keeps the reference type in the spec, and the refinement moves K only."""
+    sens = [s for s in random_sensitivities(4, random.Random(seed)) if s.part == "k"]
+    allocation = allocate(sens, 4, 2.5)
+    assert set(allocation.types) == {("k", il) for il in range(4)}
+    assert allocation.mean_bits <= 2.5 and allocation.predicted_cost == pytest.approx(brute_force(sens, 2.5))
+    assert allocation.spec().endswith(";v:0-3=kivi2")
+    result = refine(allocation, sens, 2.5, additive(sens), max_evaluations=12)
+    assert set(result.allocation.types) == set(allocation.types) and result.allocation.mean_bits <= 2.5

@@ -12,7 +12,7 @@ import pytest
 
 from pykvq import gguf_metadata, kv_types
 from pykvq.calibration import attention_sensitivity, window_choice
-from pykvq.calibration.allocation import BITS
+from pykvq.calibration.allocation import BITS, PARTS
 from pykvq.commands import calibrate as calibrate_command
 from pykvq.devtools import random_model
 
@@ -203,6 +203,7 @@ class ScriptedCalibrator(calibrate_command.Calibrator):
     def __init__(self, n_layer: int, kld, probe: calibrate_command.Probe | None = None) -> None:  # noqa: ANN001
         self.model = argparse.Namespace(n_layer=n_layer)
         self.layers = list(range(n_layer))
+        self.parts = PARTS
         self.probe = probe or calibrate_command.Probe(64, 16, 0, 1)
         self.weights = self.probe.weights()
         self.calls: list[tuple[str, str | None]] = []

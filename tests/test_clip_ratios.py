@@ -67,3 +67,20 @@ def test_a_long_text_is_judged_on_its_first_tokens() -> None:
     head = tuple(x[:cc.MAX_TOKENS] for x in long)
     assert cc.per_layer_ratios(lambda il: long, 1, window=16, sinks=0) == \
         cc.per_layer_ratios(lambda il: head, 1, window=16, sinks=0)
+
+
+def test_a_latent_layer_s_k_error_counts_its_v_read_from_the_same_cells() -> None:
+    """Multi-head latent attention: V is K's first channels, read from K's quantized tiles (ggml_kvq_attn_latent), so
+    the K error is the whole contract's, against the kernels' oracle, and V has none of its own."""
+    n, window, dv = 160, 32, 64
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((n, 4, 96)).astype(np.float32)
+    k = (rng.standard_normal((n, 1, 96)) * rng.uniform(0.3, 3, 96)).astype(np.float32)
+    attention = cc.LayerAttention(q, k, k[..., :dv].copy(), cc.Contract.of(n, window, sinks=0))
+    assert attention.latent and attention.v_error(2, 1.0) == 0.0
+    read = {w: oracle.latent_attention(q, k, np.arange(n), head_dim_v=dv, window=w, n_sink=0, k_bits=2,
+                                       scale=96 ** -0.5) for w in (window, n)}
+    assert attention.k_error(2, 1.0) == pytest.approx(float(((read[window] - read[n]) ** 2).sum()), rel=0.05)
+    # the same K with a V of its own: the error of the scores alone (0.59 of the whole here)
+    apart = cc.LayerAttention(q, k, k[..., :dv] + np.float32(1e-3), cc.Contract.of(n, window, sinks=0))
+    assert not apart.latent and apart.k_error(2, 1.0) < 0.8 * attention.k_error(2, 1.0)

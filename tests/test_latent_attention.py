@@ -21,7 +21,10 @@ import numpy as np
 import pytest
 
 import pykvq
-from pykvq import KvConfig, LlamaError, Model, Sampler, SamplerSettings
+from pykvq import KvConfig, LlamaError, Model, Sampler, SamplerSettings, gguf_metadata
+from pykvq.api.capture import AttentionCapture
+from pykvq.bindings import native
+from pykvq.calibration import attention_scale, clip_ratios
 from pykvq.devtools import random_model
 
 import device
@@ -220,11 +223,55 @@ def test_inspect_counts_one_row_per_token(mla: Model) -> None:
         assert kivi2["bytes_per_token"] * 2048 + kivi2["fixed_bytes"] == ctx.memory().bytes
 
 
-def test_calibrate_says_it_does_not_weigh_latent_attention(mla_path: Path, hamlet: Path, tmp_path: Path) -> None:
-    """Its models quantize V per token (it failed with "no layer of the model attends with K and V of its own")."""
+def test_the_capture_reads_the_latent_attention(mla: Model, shape: random_model.Shape, tokens: list[int]) -> None:
+    """What pykvq calibrate weighs (patch 0028 names it): Q, the row the cache keeps as K, V its first channels, and
+    the attention's output before the per-head V projection, whose fitted scale is the model's (its query/key head
+    size's, not the absorbed Q's)."""
+    capture = AttentionCapture(200)
+    with mla.context(config(n_ctx=256, n_batch=256, n_ubatch=256, kv=KvConfig(layers="none"), observer=capture)) as ctx:
+        ctx.eval(tokens[:200])
+    assert capture.kv_layers() == [il for il in range(shape.n_layer) if not shape.is_recurrent(il)]
+    for il in capture.kv_layers():
+        q, k, v = capture.layer(il)
+        assert k.shape == (200, 1, row(shape)) and clip_ratios.is_latent(k, v) and v.shape[-1] == shape.kv_lora_rank
+        assert capture.output(il).shape == (200, shape.n_head, shape.kv_lora_rank)
+        fitted = attention_scale.layer_scale(q, k, v, capture.output(il), mla.n_swa)
+        assert fitted == pytest.approx(shape.n_embd_head ** -0.5, rel=0.02)
+
+
+def calibrate(mla_path: Path, hamlet: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["pykvq", "calibrate", "-t", "2", *device.TOOL_ARGS, "-m", str(mla_path), "-f", str(hamlet),
+                           "-c", "256", "--refine", "3", "-o", str(out), *flags], capture_output=True, text=True)
+
+
+def test_calibrate_chooses_k_widths_and_clip_ratios(mla_path: Path, shape: random_model.Shape, hamlet: Path,
+                                                    tmp_path: Path) -> None:
+    """K alone: V is K's first channels, read from K's tiles, so the budget is K's code bits, V has no width or clip
+    ratio of its own, and nothing acts on V rows (no rotation, no dither); the copy runs with what it wrote."""
     out = tmp_path / "out.gguf"
-    proc = subprocess.run(["pykvq", "calibrate", "-t", "2", *device.TOOL_ARGS, "-m", str(mla_path), "-f", str(hamlet),
-                           "-o", str(out)], capture_output=True, text=True)
+    proc = calibrate(mla_path, hamlet, out, "--kv-budget", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no rotation" in proc.stdout and "V dither" not in proc.stdout
+    fields = gguf_metadata.read_fields(out)
+    layers = [il for il in range(shape.n_layer) if not shape.is_recurrent(il)]
+    allocation = re.search(r"^--kv-layers '(k:[^;]+);(v:[^']+)'$", proc.stdout, re.M)
+    assert allocation is not None and fields[gguf_metadata.KEY_LAYERS] == f"{allocation[1]};{allocation[2]}"
+    bits = {pykvq.GGML_TYPE_KIVI4: 4, pykvq.GGML_TYPE_KIVI2: 2, pykvq.GGML_TYPE_KIVI1: 1}
+    k_types, _ = native.resolve_layer_types(allocation[1], shape.n_layer, pykvq.GGML_TYPE_KIVI2,
+                                            pykvq.GGML_TYPE_KIVI2)
+    assert sum(bits[k_types[il]] for il in layers) <= 3 * len(layers)
+    assert allocation[2] == f"v:0-{shape.n_layer - 1}=kivi2"
+    assert "v:" not in str(fields.get(gguf_metadata.KEY_CLIP, "")) and gguf_metadata.KEY_ROTATE not in fields
+    run = subprocess.run(["pykvq", "run", *device.TOOL_ARGS, "-t", "2", "-m", str(out), "-c", "512", "-p", "<t7>",
+                          "-n", "4"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("flags", [["--kv-rotate", "on"], ["--kv-dither", "0.5"], ["--kv-clip", "v:*=0.9"],
+                                   ["--kv-select", "0.25,0.25"]])
+def test_calibrate_refuses_what_acts_on_v_rows(mla_path: Path, hamlet: Path, tmp_path: Path, flags: list[str]) -> None:
+    out = tmp_path / "out.gguf"
+    proc = calibrate(mla_path, hamlet, out, *flags)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "pykvq calibrate does not weigh multi-head latent attention yet" in proc.stderr
+    assert "would act on V rows, which a multi-head latent attention layer does not have" in proc.stderr
     assert not out.exists()

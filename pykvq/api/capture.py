@@ -26,7 +26,9 @@ class AttentionCapture:
     The families name the steps of their Q, K and V each their own way (LFM2 names none after its projection, Gemma 4
     its rotated ones "Qcur_pos"); pykvq's libllama names what the attention reads "attn_q-<layer>", "attn_k-<layer>"
     and "attn_v-<layer>" (patch 0027). A layer that attends no K and V of its own (a hybrid's recurrent layer, a
-    layer reading an earlier layer's cache) has no attn_k or attn_v."""
+    layer reading an earlier layer's cache) has no attn_k or attn_v. A multi-head latent attention layer's V is a view
+    of its K's first channels, and its attention output before the per-head V projection "kqv_latent-<layer>"
+    (patch 0028)."""
 
     n_tokens: int
     tensors: dict[tuple[str, int], np.ndarray] = field(default_factory=dict)
@@ -34,7 +36,7 @@ class AttentionCapture:
     _error: Exception | None = field(default=None, repr=False)
 
     # and what it computes from them: upstream names each layer's attention output kqv_out-<layer>
-    NAME = re.compile(rb"^(?:attn_([qkv])|kqv_(out))-(\d+)$")
+    NAME = re.compile(rb"^(?:attn_([qkv])|kqv_(out|latent))-(\d+)$")
 
     def c_callback(self) -> object:
         lib = native.libs()
@@ -73,11 +75,13 @@ class AttentionCapture:
                       and ("v", il) in self.tensors)
 
     def output(self, layer: int) -> np.ndarray:
-        """The layer's attention output [tokens, heads, V's head size] (before its output projection)."""
+        """The layer's attention output [tokens, heads, V's head size] (before its output projection; a latent
+        layer's before its V projection, over the V it attends)."""
         q = self.layer(layer)[0]
-        if ("out", layer) not in self.tensors:
+        what = "latent" if ("latent", layer) in self.tensors else "out"
+        if (what, layer) not in self.tensors:
             raise ValueError(f"llama.cpp's graph named no kqv_out tensor in layer {layer}")
-        return self.tensors["out", layer].reshape(self.n_tokens, q.shape[1], -1)
+        return self.tensors[what, layer].reshape(self.n_tokens, q.shape[1], -1)
 
     def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Q [tokens, heads, dim], K and V [tokens, KV heads, dim] of a layer; V split into K's heads where the graph

@@ -80,10 +80,12 @@ def _capacity(budget_bits: float, n_items: int) -> int:
 
 def allocate(sensitivities: list[Sensitivity], n_layer: int, budget_bits: float) -> Allocation:
     """The least-cost widths with mean code bits per element <= ``budget_bits`` (K and V weigh alike), for the
-    layers of an ``n_layer`` model that the sensitivities cover (those that keep K and V)."""
+    layers of an ``n_layer`` model that the sensitivities cover (those that keep K and V) and the parts they name
+    (K alone under multi-head latent attention, where the cache holds no V)."""
     items = sorted(sensitivities, key=lambda s: (s.part, s.layer))
     layers = sorted({s.layer for s in items})
-    if [(s.part, s.layer) for s in items] != [(p, il) for p in PARTS for il in layers] or layers[-1:] >= [n_layer]:
+    parts = sorted({s.part for s in items})
+    if [(s.part, s.layer) for s in items] != [(p, il) for p in parts for il in layers] or layers[-1:] >= [n_layer]:
         raise ValueError(f"need one sensitivity per part for each layer that keeps K and V, of {n_layer} layers")
     lowest = min(BITS.values())
     if budget_bits < lowest:
@@ -181,7 +183,7 @@ def _block_moves(types: dict[tuple[str, int], str], layers: list[int],
     code bits, spent at another depth."""
     moves: list[Move] = []
     blocks = _depth_blocks(layers)
-    for part in PARTS:
+    for part in sorted({part for part, _ in types}):
         for lower, higher in ((name, _neighbour(name, 1)) for name in BITS):
             if higher is None:
                 continue
@@ -240,7 +242,8 @@ def refine(start: Allocation, sensitivities: list[Sensitivity], budget_bits: flo
 
 
 def format_allocation(allocation: Allocation) -> str:
+    """A table of the layers' K and V types ("-" where the cache holds no V: multi-head latent attention)."""
     lines = [f"{'layer':>5}  K      V"]
     for il in allocation.layers:
-        lines.append(f"{il:>5}  {allocation.types['k', il]:<6} {allocation.types['v', il]}")
+        lines.append(f"{il:>5}  {allocation.types['k', il]:<6} {allocation.types.get(('v', il), '-')}")
     return "\n".join(lines)

@@ -43,8 +43,9 @@ class WidthErrors:
 def width_errors(layer_qkv: LayerQkv, n_layer: int, window: int, sinks: int, kivi2_clip: dict[str, list[float]],
                  ratios: Sequence[float] | None = RATIOS,
                  progress: Callable[[], None] | None = None) -> list[WidthErrors]:
-    """The K and V errors per width of every layer that keeps them; ``kivi2_clip`` gives each part's per-layer ratio
-    at kivi2, the other widths take their best among ``ratios`` (None: kivi2's too, for clip ratios the user gave)."""
+    """The K and V errors per width of every layer that keeps them (K alone in a latent layer, whose V is quantized
+    with it); ``kivi2_clip`` gives each part's per-layer ratio at kivi2, the other widths take their best among
+    ``ratios`` (None: kivi2's too, for clip ratios the user gave)."""
     contract = None
     out = []
     for il, captured in each_layer(layer_qkv, n_layer, progress):
@@ -57,7 +58,7 @@ def width_errors(layer_qkv: LayerQkv, n_layer: int, window: int, sinks: int, kiv
         # a layer whose output is all zeros moves by nothing: any width is free there
         energy = max(attention.energy, np.finfo(np.float32).tiny)
         errors = {"k": attention.k_error, "v": attention.v_error}
-        for part in PARTS:
+        for part in ("k",) if attention.latent else PARTS:
             error, clip = {}, {}
             for name, bits in BITS.items():
                 candidates = (kivi2_clip[part][il],) if name == REFERENCE or ratios is None else ratios

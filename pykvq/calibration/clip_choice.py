@@ -57,9 +57,10 @@ def _part_candidates(measure: Callable[[list[float]], float], n_layer: int, per_
 
 
 def choose_clip(measure: Callable[[Ratios], float], per_layer: Ratios, ratios: Sequence[float] = RATIOS,
-                progress: Callable[[], None] | None = None) -> ClipChoice:
+                progress: Callable[[], None] | None = None, parts: Sequence[str] = ORDER) -> ClipChoice:
     """The ratios per part of least measured divergence (see the module); ``measure`` takes both parts' ratios,
-    ``ratios`` start at 1 (unclipped) and fall."""
+    ``ratios`` start at 1 (unclipped) and fall; only ``parts`` are chosen, the others stay unclipped (V under
+    multi-head latent attention, which has no V rows of its own)."""
     n_layer = len(per_layer["k"])
     chosen: Ratios = {part: [1.0] * n_layer for part in per_layer}
     klds: dict[str, dict[str, float]] = {}
@@ -75,7 +76,7 @@ def choose_clip(measure: Callable[[Ratios], float], per_layer: Ratios, ratios: S
                 progress()
         return memo[key]
 
-    for part in ORDER:
+    for part in (p for p in ORDER if p in parts):
         candidates = _part_candidates(lambda values, p=part: measured(p, values), n_layer, per_layer[part], ratios)
         best = min(candidates, key=lambda label: candidates[label][1])
         chosen[part] = candidates[best][0]

@@ -84,13 +84,21 @@ def masked_softmax(scores: np.ndarray, causal: np.ndarray) -> np.ndarray:
     return p / p.sum(-1, keepdims=True)
 
 
+def is_latent(k: np.ndarray, v: np.ndarray) -> bool:
+    """Whether a layer's V is its K's first channels: multi-head latent attention, whose kivi cache reads V from K's
+    tiles (ggml_kvq_attn_latent), so that quantizing K quantizes V and V has no width or clip ratio of its own."""
+    return v.shape[1] == k.shape[1] and v.shape[-1] <= k.shape[-1] and np.array_equal(v, k[..., :v.shape[-1]])
+
+
 class LayerAttention:
     """One layer's attention over its captured tokens in fp16, and how far its output moves when K or V alone is
     quantized under the contract. q [tokens, heads, dim], k and v [tokens, KV heads, dim] (post-RoPE, as the cache
-    stores them)."""
+    stores them). A latent layer's (is_latent) K error counts its V's, read from the same quantized cells, and its V
+    has none of its own."""
 
     def __init__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, contract: Contract) -> None:
         self.group = q.shape[1] // k.shape[1]
+        self.latent = is_latent(k, v)
         self.contract = contract
         self.qh = _fp16(q.transpose(1, 0, 2))                                  # [heads, tokens, dim]
         self.kh = _fp16(k.transpose(1, 0, 2))                                  # [KV heads, tokens, dim]
@@ -109,13 +117,22 @@ class LayerAttention:
         return float((self.output ** 2).sum())
 
     def k_error(self, bits: int, clip: float) -> float:
-        """Squared error of the output with K quantized (per channel over tokens: groups run along the token axis)."""
+        """Squared error of the output with K quantized (per channel over tokens: groups run along the token axis);
+        a latent layer's V, K's first channels, read from the same cells."""
         kq = np.repeat(fake_quantize(self.kh.transpose(0, 2, 1), bits, clip).transpose(0, 2, 1), self.group, 0)
         scores = np.where(self.contract.near_k, self.scores, self.qh @ kq.transpose(0, 2, 1) * self.scale)
-        return float(((masked_softmax(scores, self.contract.causal) @ self.vh - self.output) ** 2).sum())
+        p = masked_softmax(scores, self.contract.causal)
+        output = p @ self.vh
+        if self.latent:
+            # V's window is K's (its query's own tile included)
+            output += (p * ~self.contract.near_k) @ (kq[..., :self.vh.shape[-1]] - self.vh)
+        return float(((output - self.output) ** 2).sum())
 
     def v_error(self, bits: int, clip: float) -> float:
-        """Squared error of the output with V quantized (per token, groups of 32 channels)."""
+        """Squared error of the output with V quantized (per token, groups of 32 channels); 0 in a latent layer,
+        whose V is quantized with its K."""
+        if self.latent:
+            return 0.0
         vq = np.repeat(fake_quantize(self.v, bits, clip), self.group, 0)
         return float(((self.far_v @ (vq - self.vh)) ** 2).sum())
 

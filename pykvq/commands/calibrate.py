@@ -8,7 +8,11 @@ Every choice is judged by the KL divergence against f16 KV of a probe: the text'
 span) a stretch of the text from its start repeated, so that those tokens are predicted by copying from further
 back than the fp16 window. Prose alone rarely needs the exact recall of a distant token, which a pass key does; the
 divergence is the mean of the text's and the recall span's, weighed alike. The mixes the refinement measures are
-judged on pass-key prompts too (--retrieval, pykvq.calibration.retrieval), which the probe cannot see."""
+judged on pass-key prompts too (--retrieval, pykvq.calibration.retrieval), which the probe cannot see.
+
+Under multi-head latent attention the cache holds K alone and reads V, K's first channels, from its tiles: K's widths
+and clip ratios are chosen (its error counting V's), the budget is K's, and nothing that acts on V rows (rotation,
+V's dither, V clip ratios, selection) is measured or taken."""
 
 from __future__ import annotations
 
@@ -151,6 +155,13 @@ class Calibrator:
         if not self.layers:
             raise ValueError("no layer of the model attends with K and V of its own: it keeps no KV cache to "
                              "calibrate")
+        # multi-head latent attention: V is K's first channels, which the cache reads from K's tiles; K alone has
+        # widths and clip ratios to choose
+        latent = [il for il in self.layers if clip_ratios.is_latent(*self.capture.layer(il)[1:])]
+        if latent and latent != self.layers:
+            raise ValueError(f"layers {latent} attend with multi-head latent attention and the others with K and V of "
+                             "their own: pykvq calibrate does not weigh such a mix")
+        self.parts = ("k",) if latent else PARTS
         self.scales = {il: attention_scale.layer_scale(*self.capture.layer(il), self.capture.output(il), model.n_swa)
                        for il in tqdm(self.layers, unit="layer", desc="attention scales")}
         self.retrieval = retrieval or []
@@ -244,7 +255,7 @@ class Calibrator:
                                                      self.probe.sinks, progress=progress.update)
         with tqdm(unit="run", desc="clip") as progress:
             return choose_clip(lambda ratios: self.kld("none", clip=clip_ratios.clip_spec_per_layer(ratios)),
-                               per_layer, progress=progress.update)
+                               per_layer, progress=progress.update, parts=self.parts)
 
     def width_errors(self, ratios: tuple[float, ...] | None = clip_ratios.RATIOS) -> list[WidthErrors]:
         """Each layer's K and V attention-output error and clip ratio per width (attention_sensitivity):
@@ -283,7 +294,7 @@ class Calibrator:
         other kivi4 everywhere."""
         other = {"k": "v", "v": "k"}
         scale = {}
-        for part in tqdm(PARTS, unit="part", desc="error scale"):
+        for part in tqdm(self.parts, unit="part", desc="error scale"):
             kld = self.mix_kld(uniform_types(self.layers, **{part: REFERENCE, other[part]: "kivi4"}), widths)
             scale[part] = attention_sensitivity.kld_scale(widths, part, kld)
         return attention_sensitivity.sensitivities(widths, scale)
@@ -293,8 +304,8 @@ class Calibrator:
         everywhere = uniform_types(self.layers)
         base = self.mix_kld(everywhere, widths)
         out = []
-        with tqdm(total=len(PARTS) * len(self.layers) * len(PROBED), unit="probe", desc="calibrate") as progress:
-            for part in PARTS:
+        with tqdm(total=len(self.parts) * len(self.layers) * len(PROBED), unit="probe", desc="calibrate") as progress:
+            for part in self.parts:
                 for layer in self.layers:
                     cost = {REFERENCE: 0.0}
                     for name in PROBED:
@@ -402,16 +413,14 @@ def run(args: argparse.Namespace) -> int:
     retrieval_ctx = (args.retrieval_ctx or RETRIEVAL_CTX) if args.retrieval and args.refine else 0
     layers, _ = arguments.fit_to_memory(args, args.model, widest_context(probe, retrieval_ctx), n_gpu_layers)
     with Model(args.model, n_gpu_layers=layers) as model:
-        if model_info.read_shape(gguf_metadata.read_fields(args.model)).latent:
-            # its per-layer models quantize V per token; a latent layer's V is its K's first channels, from K's tiles
-            raise ValueError(f"{args.model}: pykvq calibrate does not weigh multi-head latent attention yet (its V is "
-                             "read from K's per-channel tiles); run the model with a uniform kivi type (--kv-type "
-                             "kivi4 or kivi2) or a --kv-layers mix")
         # refused before any measurement, naming the part
         if clip != "none":
             native.resolve_clip(clip, model.n_layer)
         native.resolve_rotation(rotate, model.n_layer)
         native.resolve_dither(dither, model.n_layer)
+        latent = model_info.read_shape(gguf_metadata.read_fields(args.model)).latent
+        if latent:
+            refuse_what_latent_layers_lack(args, clip, rotate, dither, model.n_layer)
         tokens = model.tokenize(args.file.read_text(encoding="utf-8", errors="replace"))
         if len(tokens) < probe.n_tokens:
             raise ValueError(f"the calibration text has {len(tokens)} tokens; -c asks for {probe.n_tokens}")
@@ -429,7 +438,10 @@ def run(args: argparse.Namespace) -> int:
             probe = calibrator.probe = replace(probe, sinks=choose_sinks(klds))
             print("kivi2 everywhere, KL divergence against f16 KV by sinks: "
                   + ", ".join(f"{n}: {kld:.4f}" for n, kld in klds.items()) + f" -> {probe.sinks} sinks")
-        if args.kv_rotate == "auto":
+        if args.kv_rotate == "auto" and latent:
+            print("multi-head latent attention: no rotation (its V, K's first channels, is read from K's tiles) -> "
+                  "--kv-rotate off")
+        elif args.kv_rotate == "auto":
             klds = calibrator.rotation_klds()
             probe = calibrator.probe = replace(probe, rotate=min(klds, key=klds.__getitem__))
             print("kivi2 everywhere, KL divergence against f16 KV by rotation: "
@@ -450,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
             sensitivities = calibrator.measured_sensitivities(widths)
         additive = allocate(sensitivities, model.n_layer, args.kv_budget)
         result, costs = refined(calibrator, additive, sensitivities, args.kv_budget, args.refine, widths)
-        if args.kv_dither == "auto":
+        if args.kv_dither == "auto" and not latent:
             dithers = calibrator.dither_choice(result.allocation.types, widths)
             probe = replace(probe, dither=dithers.chosen)
             print(format_dither_choice(dithers) + f" -> --kv-dither '{probe.dither}'")
@@ -470,6 +482,24 @@ def run(args: argparse.Namespace) -> int:
     gguf_metadata.write_copy(args.model, args.output, recorded)
     print(f"wrote {args.output}")
     return 0
+
+
+def refuse_what_latent_layers_lack(args: argparse.Namespace, clip: str, rotate: str, dither: str,
+                                   n_layer: int) -> None:
+    """ValueError for what acts on V rows, which a multi-head latent attention layer does not have (its V is K's
+    first channels, read from K's tiles): the cache would refuse it at the first measurement."""
+    what = None
+    if rotate != "off":
+        what = f"--kv-rotate {args.kv_rotate}"
+    elif dither != "none":
+        what = f"--kv-dither {args.kv_dither}"
+    elif clip != "none" and any(r != 1.0 for r in native.resolve_clip(clip, n_layer)[1]):
+        what = f"the V clip ratios of --kv-clip {args.kv_clip}"
+    elif args.kv_select is not None:
+        what = "--kv-select"
+    if what is not None:
+        raise ValueError(f"{args.model}: {what} would act on V rows, which a multi-head latent attention layer does "
+                         "not have (its V is its K's first channels, read from K's tiles); leave it out")
 
 
 def format_cost(cost: MixCost) -> str:
