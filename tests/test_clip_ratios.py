@@ -84,3 +84,5 @@ def test_a_latent_layer_s_k_error_counts_its_v_read_from_the_same_cells() -> Non
     # the same K with a V of its own: the error of the scores alone (0.59 of the whole here)
     apart = cc.LayerAttention(q, k, k[..., :dv] + np.float32(1e-3), cc.Contract.of(n, window, sinks=0))
     assert not apart.latent and apart.k_error(2, 1.0) < 0.8 * attention.k_error(2, 1.0)
+    # a V equal to a K as wide is a V of its own
+    assert not cc.is_latent(k, k.copy())

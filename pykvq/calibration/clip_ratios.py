@@ -85,9 +85,11 @@ def masked_softmax(scores: np.ndarray, causal: np.ndarray) -> np.ndarray:
 
 
 def is_latent(k: np.ndarray, v: np.ndarray) -> bool:
-    """Whether a layer's V is its K's first channels: multi-head latent attention, whose kivi cache reads V from K's
-    tiles (ggml_kvq_attn_latent), so that quantizing K quantizes V and V has no width or clip ratio of its own."""
-    return v.shape[1] == k.shape[1] and v.shape[-1] <= k.shape[-1] and np.array_equal(v, k[..., :v.shape[-1]])
+    """Whether a layer's V is its K's first channels, K having more (the RoPE part): multi-head latent attention,
+    whose kivi cache reads V from K's tiles (ggml_kvq_attn_latent), so that quantizing K quantizes V and V has no
+    width or clip ratio of its own. (A V as wide as K, even equal to it, as Gemma 4's without a V projection could
+    be, is a V of its own.)"""
+    return v.shape[1] == k.shape[1] and v.shape[-1] < k.shape[-1] and np.array_equal(v, k[..., :v.shape[-1]])
 
 
 class LayerAttention:
