@@ -14,6 +14,7 @@ import kvq_emulation as emulation
 import kvq_graph as g
 import numpy as np
 import pytest
+import test_kvq_latent as latent
 from kvq_layer import Case, random_qkv, run_layer
 from kvq_random_cache import RandomCache, attention
 from test_kvq_attention import CASES, case_id
@@ -22,17 +23,25 @@ from pykvq.bindings.ggml_types import GGML_TYPE_KIVI1, GGML_TYPE_KIVI2, GGML_TYP
 
 NMSE_BAR = 5e-4
 EMULATED_NMSE_BAR = 1e-5
-MMA_COLS = 8  # query heads per KV head the kernel takes (KVQ_MMA_COLS)
+MMA_COLS = 8  # query heads per block (KVQ_MMA_COLS): a KV head with more takes several blocks
 
 
 def takes(case: Case) -> bool:
     """Whether kvq_attn_mma_wanted lets the tensor-core kernel run this case."""
-    return case.n_head // case.n_head_kv <= MMA_COLS and case.dv == case.head_dim and case.head_dim in (64, 128, 256)
+    if case.latent:
+        return (case.head_dim, case.dv) == (576, 512)  # DeepSeek's multi-head latent attention
+    return case.dv == case.head_dim and case.head_dim in (64, 128, 256)
 
 
-MMA_CASES = [c for c in CASES if takes(c)] + [
+MMA_CASES = [c for c in CASES + latent.CASES if takes(c)] + [
     Case(head_dim=256, n_head=8, n_head_kv=1, window=32, n_sink=4),                       # Gemma 3's head size, GQA 8
     Case(head_dim=128, n_head=6, n_head_kv=2, window=16, n_sink=0, k_type=GGML_TYPE_KIVI4, v_type=GGML_TYPE_KIVI4),
+    Case(head_dim=128, n_head=24, n_head_kv=2, window=24, n_sink=3),                      # GQA 12: blocks of 8 and 4
+    # latent layers: kivi4 with sinks over blocks of 8 and 4 heads; clipped 1-bit tiles, every tile sealed
+    Case(head_dim=576, head_dim_v=512, n_head=12, n_head_kv=1, window=40, n_sink=3, latent=True,
+         k_type=GGML_TYPE_KIVI4),
+    Case(head_dim=576, head_dim_v=512, n_head=16, n_head_kv=1, window=0, n_sink=2, latent=True,
+         k_type=GGML_TYPE_KIVI1, clip_k=0.8),
 ]
 UBATCHES = [37, 1, 64, 20, 28]
 
@@ -47,8 +56,11 @@ def emulated(cuda_emulation: Path):
 
 
 def test_the_cases_reach_the_kernel() -> None:
-    """Every CASES entry the kernel takes is here, and the extra cases are ones it takes."""
+    """Every CASES entry the kernel takes is here, and the extra cases are ones it takes: among them KV heads of more
+    than one block of query heads and latent layers."""
     assert len(MMA_CASES) >= 10 and all(takes(c) for c in MMA_CASES)
+    assert any(c.n_head // c.n_head_kv > MMA_COLS for c in MMA_CASES if not c.latent)
+    assert sum(c.latent for c in MMA_CASES) >= 3
 
 
 @pytest.mark.parametrize("case", MMA_CASES, ids=case_id)

@@ -234,7 +234,13 @@ step_mma() {
         --depth 4096 32768 131072 --npl 1 --kv-types f16,q4_0,kivi2 --tg 32 --workdir /tmp || rc=1
     GGML_KVQ_CUDA_MMA=0 python3 bench/decode_speed.py --model random:llama3-8b --ngl 99 \
         --depth 4096 32768 131072 --npl 1 --kv-types f16,kivi2 --tg 32 --workdir /tmp || rc=1
-    bundle "$WORK/mma-bench.json" bench/results/decode-speed-h*-4096-32768-131072.json
+    # DeepSeek-V2-Lite's multi-head latent attention: 16 query heads over one 576-wide latent K
+    for kernel in 1 0; do
+        GGML_KVQ_CUDA_MMA=$kernel python3 bench/decode_speed.py --model random:deepseek2-lite-attention --ngl 99 \
+            --depth 4096 32768 --npl 1 --kv-types f16,kivi2 --tg 32 --workdir /tmp || rc=1
+    done
+    bundle "$WORK/mma-bench.json" bench/results/decode-speed-h*-4096-32768-131072.json \
+        bench/results/decode-speed-h*-deepseek2-lite-attention-4096-32768.json
     return $rc
 }
 

@@ -239,27 +239,28 @@ extern "C" void kvq_emu_attn_cuda_cores(ggml_tensor * dst, const ggml_tensor * a
     }
 }
 
-// The tensor-core kernel for head size D at tpw tiles per warp: the product's for any D, the forced ones the split
-// tests use (tests/test_kvq_split_invariance.py) for D = 128 only
-template <int D>
+// The tensor-core kernel for head sizes D (K) and DV (V) at tpw tiles per warp: the product's for any size, the
+// forced ones the split tests use (tests/test_kvq_split_invariance.py) for D = 128 only
+template <int D, int DV>
 static auto emu_mma_kernel(const int tpw) {
     constexpr int own = KVQ_MMA_TILES_PER_SPLIT/KVQ_NWARPS;
     if (tpw == own) {
-        return kvq_attn_mma_kernel<D, own>;
+        return kvq_attn_mma_kernel<D, DV, own>;
     }
     if constexpr (D == 128) {
         switch (tpw) {
-            case 1:  return kvq_attn_mma_kernel<D, 1>;
-            case 2:  return kvq_attn_mma_kernel<D, 2>;
-            case 7:  return kvq_attn_mma_kernel<D, 7>;
-            case 14: return kvq_attn_mma_kernel<D, 14>;
+            case 1:  return kvq_attn_mma_kernel<D, DV, 1>;
+            case 2:  return kvq_attn_mma_kernel<D, DV, 2>;
+            case 7:  return kvq_attn_mma_kernel<D, DV, 7>;
+            case 14: return kvq_attn_mma_kernel<D, DV, 14>;
             default: break;
         }
     }
     GGML_ABORT("no emulated tensor-core kernel for head size %d at %d tiles per warp", D, tpw);
 }
 
-// ggml_custom1_op_t: the attention node's output through the tensor-core kernel
+// ggml_custom1_op_t: the attention node's output through the tensor-core kernel (the head sizes
+// kvq_attn_mma_launch takes; KVQ_MMA_COLS query heads per block)
 extern "C" void kvq_emu_attn_mma(ggml_tensor * dst, const ggml_tensor * attn, int ith, int nth, void * userdata) {
     GGML_UNUSED(nth);
     if (ith != 0) {
@@ -268,16 +269,21 @@ extern "C" void kvq_emu_attn_mma(ggml_tensor * dst, const ggml_tensor * attn, in
     const int tiles_per_split = emu_tiles_per_split(userdata, KVQ_MMA_TILES_PER_SPLIT);
     GGML_ASSERT(tiles_per_split % KVQ_NWARPS == 0);
     const emu_attn a(dst, attn, KVQ_MMA_COLS, tiles_per_split);
-    GGML_ASSERT(a.p.n_gqa <= KVQ_MMA_COLS && a.p.k.head_dim == a.p.v.head_dim);
-    const size_t smem = kvq_attn_mma_smem(a.p.k.head_dim, a.p.k_bits, a.p.v_bits);
+    const size_t smem = kvq_attn_mma_smem(a.p.k.head_dim, a.p.v.head_dim, a.p.k_bits, a.p.v_bits);
     const auto   run  = [&](auto kernel) {
         emu_launch(a.grid(), KVQ_NWARPS*WARP_SIZE, kvq_mma_smem, sizeof(kvq_mma_smem), smem, [&]() { kernel(a.p); });
     };
     const int tpw = tiles_per_split/KVQ_NWARPS;
+    if (a.p.latent) {
+        GGML_ASSERT(a.p.k.head_dim == 576 && a.p.v.head_dim == 512);
+        run(emu_mma_kernel<576, 512>(tpw));
+        return;
+    }
+    GGML_ASSERT(a.p.k.head_dim == a.p.v.head_dim);
     switch (a.p.k.head_dim) {
-        case 64:  run(emu_mma_kernel<64>(tpw));  break;
-        case 128: run(emu_mma_kernel<128>(tpw)); break;
-        case 256: run(emu_mma_kernel<256>(tpw)); break;
+        case 64:  run(emu_mma_kernel<64, 64>(tpw));   break;
+        case 128: run(emu_mma_kernel<128, 128>(tpw)); break;
+        case 256: run(emu_mma_kernel<256, 256>(tpw)); break;
         default:  GGML_ABORT("no tensor-core kernel for head size %d", a.p.k.head_dim);
     }
 }

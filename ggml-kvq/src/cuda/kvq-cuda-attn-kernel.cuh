@@ -258,9 +258,10 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
     const int warp   = threadIdx.x / WARP_SIZE;
     const int lane   = threadIdx.x % WARP_SIZE;
     const int split  = blockIdx.x;
-    const int hk     = blockIdx.y / p.n_groups;
-    const int h0     = hk*p.n_gqa + blockIdx.y % p.n_groups*ncols;  // the block's first query head
-    const int nh     = min(ncols, (hk + 1)*p.n_gqa - h0);           // its real heads; the rest pads to ncols
+    const kvq_block_heads bh = kvq_block_heads_at(p, ncols);
+    const int hk     = bh.hk;
+    const int h0     = bh.h0;
+    const int nh     = bh.nh;
     const int t      = p.t0 + blockIdx.z;
     const int D      = p.k.head_dim;
     const int Dv     = p.v.head_dim;

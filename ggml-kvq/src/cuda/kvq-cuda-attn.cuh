@@ -51,6 +51,21 @@ static __device__ __forceinline__ float kvq_mask_value(const kvq_attn_params & p
     return p.mask_f16 ? __half2float(((const half *) row)[col]) : ((const float *) row)[col];
 }
 
+// the query heads a block takes: n_groups blocks of ncols heads share a KV head, the last one's padded
+struct kvq_block_heads {
+    int hk;  // the KV head
+    int h0;  // the first query head
+    int nh;  // real query heads, at most ncols
+};
+
+static __device__ __forceinline__ kvq_block_heads kvq_block_heads_at(const kvq_attn_params & p, const int ncols) {
+    kvq_block_heads r;
+    r.hk = blockIdx.y / p.n_groups;
+    r.h0 = r.hk*p.n_gqa + blockIdx.y % p.n_groups*ncols;
+    r.nh = min(ncols, (r.hk + 1)*p.n_gqa - r.h0);
+    return r;
+}
+
 // online softmax state of a part of the context, for one output channel
 struct kvq_partial {
     float max;

@@ -13,8 +13,15 @@
 // flash attention does, so that q*d stays far from fp16's range. Tiles that hold fp16 cells (sinks, the window,
 // the query's own tile, the batch) run the same products on the values themselves.
 //
+// A latent layer (multi-head latent attention, ggml_kvq_attn_latent: V is the first DV channels of K, so V^T's rows
+// are K's per-channel blocks) weighs its V as K's factorisation reads it:
+//   O^T[c][g] += d_c sum_u codes[c][u] p_g,u + m_c sum_u p_g,u
+// the codes times P^T on tensor cores per 16 channels, then the channel's scale and minimum in fp32; its Q, too
+// wide for registers (576 channels), is read from shared memory.
+//
 // A warp owns whole 32-cell tiles; each streams the K blocks and V rows of its tiles into shared memory through
-// a KVQ_MMA_STAGES-deep cp.async ring, and never waits for another warp inside the loop.
+// a KVQ_MMA_STAGES-deep cp.async ring, and never waits for another warp inside the loop. A KV head with more than
+// KVQ_MMA_COLS query heads takes blocks of KVQ_MMA_COLS of them (n_groups), each reading its tiles.
 //
 // Fragments (PTX ISA, mma.m16n8k16): lane = 4*gid + tq; A holds rows gid and gid+8, columns 2tq, 2tq+1 and
 // the same + 8; B holds rows 2tq, 2tq+1 and + 8, column gid; C holds rows gid and gid+8, columns 2tq, 2tq+1.
@@ -82,6 +89,44 @@ static __device__ __forceinline__ uint32_t kvq_pack_codes(const uint32_t x, cons
 static __device__ __forceinline__ uint32_t kvq_pack_halves(const float x, const float y) {
     const half2 v = __floats2half2_rn(x, y);
     return *(const uint32_t *) &v;
+}
+
+// the elements 2tq + {0, 1} + 8r (r = 0..3) of a kivi block, which a lane reads as columns of A where a latent
+// layer's V^T has K's channels for rows and the tile's cells for columns. Since nb = 4*bits divides 16, elements
+// e and e+16 share a byte (e+16 sits 4 bits higher) and e+1 is the next byte of the word: two words, two shifts.
+struct kvq_lane_cells {
+    int      w_lo;     // word holding elements 2tq, 2tq+1, 2tq+16, 2tq+17
+    int      w_hi;     // ... 2tq+8, 2tq+9, 2tq+24, 2tq+25
+    int      s_lo;     // bit of element 2tq in w_lo
+    int      s_hi;     // ... 2tq+8 in w_hi
+    uint32_t mask;
+};
+
+static __device__ __forceinline__ kvq_lane_cells kvq_lane_cells_at(const int tq, const int bits) {
+    const int nb = QK_KIVI*bits/8;
+    const int lo = 2*tq, hi = 2*tq + 8;
+    kvq_lane_cells r;
+    r.w_lo = lo % nb/4;
+    r.w_hi = hi % nb/4;
+    r.s_lo = 8*(lo % nb % 4) + lo/nb*bits;
+    r.s_hi = 8*(hi % nb % 4) + hi/nb*bits;
+    r.mask = (1u << bits) - 1;
+    return r;
+}
+
+// A of V^T's k-step ks over two channels' blocks (rows gid and gid+8), fp16 codes, exactly
+static __device__ __forceinline__ void kvq_latent_codes(const char * row_lo, const char * row_hi, const kvq_lane_cells & lc,
+                                                        const int ks, uint32_t (&a)[4]) {
+    const uint32_t * lo_qs = (const uint32_t *) (row_lo + 2*sizeof(half));
+    const uint32_t * hi_qs = (const uint32_t *) (row_hi + 2*sizeof(half));
+    const int s_lo = lc.s_lo + 4*ks;  // cells 16ks + 2tq + {0, 1}
+    const int s_hi = lc.s_hi + 4*ks;  // ... + 8
+    const uint32_t a_lo = lo_qs[lc.w_lo], a_hi = lo_qs[lc.w_hi];
+    const uint32_t b_lo = hi_qs[lc.w_lo], b_hi = hi_qs[lc.w_hi];
+    a[0] = kvq_pack_codes(a_lo >> s_lo & lc.mask, a_lo >> (s_lo + 8) & lc.mask);
+    a[1] = kvq_pack_codes(b_lo >> s_lo & lc.mask, b_lo >> (s_lo + 8) & lc.mask);
+    a[2] = kvq_pack_codes(a_hi >> s_hi & lc.mask, a_hi >> (s_hi + 8) & lc.mask);
+    a[3] = kvq_pack_codes(b_hi >> s_hi & lc.mask, b_hi >> (s_hi + 8) & lc.mask);
 }
 
 // d += A*b, A's k-columns 2tq, 2tq+1, 2tq+8, 2tq+9 being the codes of four blocks (kvq_block_codes) and its rows
@@ -183,13 +228,31 @@ static __device__ __forceinline__ int kvq_v_col_cell(const int tq, const int ks,
     return 16*ks + 2*tq + e % 2 + 8*(e/2);
 }
 
+// Q^T's B fragment of k-step kk for a lane: Q of its head (zero past the block's real heads) at channels
+// 16*kk + 2*tq + {0, 1} and {8, 9}, scaled, in fp16 pairs
+static __device__ __forceinline__ void kvq_q_fragment(const float * q_row, const bool real, const float scale,
+                                                      const int kk, const int tq, uint32_t (&b)[2]) {
+    const auto q_at = [&](const int c) { return real ? kvq_round_fp16(q_row[c])*scale : 0.0f; };
+    const int  c    = 16*kk + 2*tq;
+    b[0] = kvq_pack_halves(q_at(c + 0), q_at(c + 1));
+    b[1] = kvq_pack_halves(q_at(c + 8), q_at(c + 9));
+}
+
+// shared memory a warp's loop uses: its stages (a tile's K blocks, and V rows unless latent) and its tile's weights
+static __host__ __device__ constexpr int kvq_mma_warp_bytes(const int D, const int DV, const int k_bits, const int v_bits) {
+    return KVQ_MMA_STAGES*(D*kvq_block_bytes(k_bits) + (DV < D ? 0 : QK_KIVI*(DV/QK_KIVI)*kvq_block_bytes(v_bits))) +
+           QK_KIVI*KVQ_MMA_COLS*(int) sizeof(float);
+}
+
 // TPW tiles per warp and split: the product's is KVQ_MMA_TILES_PER_SPLIT's share; the emulation's tests force others
-// to hold the merge to any number of splits
-template <int D, int TPW = KVQ_MMA_TILES_PER_SPLIT/KVQ_NWARPS>
+// to hold the merge to any number of splits. DV < D: a latent layer, whose V is K's first DV channels.
+template <int D, int DV, int TPW = KVQ_MMA_TILES_PER_SPLIT/KVQ_NWARPS>
 static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_kernel(const kvq_attn_params p) {
 #ifdef AMPERE_MMA_AVAILABLE
-    constexpr int NK  = D/16;        // k-steps of Q.K^T
-    constexpr int NB  = D/QK_KIVI;   // V blocks of a head
+    constexpr bool latent = DV < D;
+    constexpr int  NK     = D/16;        // k-steps of Q.K^T
+    constexpr int  NB     = DV/QK_KIVI;  // V blocks of a head
+    static_assert(latent || DV == D, "an ordinary layer's K and V heads are of one size");
     static_assert(KVQ_MMA_TILES_PER_SPLIT % KVQ_NWARPS == 0, "whole tiles per warp");
     extern __shared__ __align__(16) char kvq_mma_smem[];
     // launched with programmatic dependent launch: nothing is read before the store before it has finished
@@ -200,38 +263,59 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
     const int gid   = lane / 4;
     const int tq    = lane % 4;
     const int split = blockIdx.x;
-    const int hk    = blockIdx.y;
-    const int h0    = hk*p.n_gqa;
-    const int nh    = p.n_gqa;
+    const kvq_block_heads bh = kvq_block_heads_at(p, KVQ_MMA_COLS);
+    const int hk    = bh.hk;
+    const int h0    = bh.h0;
+    const int nh    = bh.nh;
     const int t     = p.t0 + blockIdx.z;
 
     const kvq_query qr = kvq_query_at(p, t);
     const int k_bb    = kvq_block_bytes(p.k_bits);
     const int v_bb    = kvq_block_bytes(p.v_bits);
     const int k_bytes = D*k_bb;    // a tile's K blocks of the head
-    const int v_bytes = NB*v_bb;   // a cell's V blocks of the head
-    const int stage_bytes = k_bytes + QK_KIVI*v_bytes;
-    char  * stages_s = kvq_mma_smem + warp*(KVQ_MMA_STAGES*stage_bytes + QK_KIVI*KVQ_MMA_COLS*(int) sizeof(float));
+    const int v_bytes = NB*v_bb;   // a cell's V blocks of the head (a latent layer's are in K's)
+    const int stage_bytes = k_bytes + (latent ? 0 : QK_KIVI*v_bytes);
+    const int warp_bytes  = kvq_mma_warp_bytes(D, DV, p.k_bits, p.v_bits);
+    char  * stages_s = kvq_mma_smem + warp*warp_bytes;
     float * p_s      = (float *) (stages_s + KVQ_MMA_STAGES*stage_bytes);  // the tile's weights [cell][head]
 
     const kvq_lane_codes k_codes = kvq_lane_codes_at(gid, p.k_bits);
     const kvq_lane_codes v_codes = kvq_lane_codes_at(gid, p.v_bits);
+    const kvq_lane_cells v_cells = kvq_lane_cells_at(tq, p.k_bits);  // a latent V's codes, from K's blocks
 
-    // B of Q^T: Q of head gid at this lane's channels 16*kk + 2*tq + {0, 1} and {8, 9}, in fp16 pairs
-    uint32_t q2[NK][2];
-    {
+    // B of Q^T per k-step (kvq_q_fragment): in registers, or a latent layer's in shared memory after the warps'
+    // loops, lane by lane [kk][lane]
+    uint32_t q2[latent ? 1 : NK][2];
+    uint2  * q_s = (uint2 *) (kvq_mma_smem + KVQ_NWARPS*warp_bytes);
+    if constexpr (latent) {
+        for (int idx = threadIdx.x; idx < NK*WARP_SIZE; idx += blockDim.x) {
+            const int     g   = idx % WARP_SIZE / 4;
+            const float * row = (const float *) (p.q + t*p.q_nb2 + (h0 + min(g, nh - 1))*p.q_nb1);
+            uint32_t b[2];
+            kvq_q_fragment(row, g < nh, p.scale, idx / WARP_SIZE, idx % 4, b);
+            q_s[idx] = make_uint2(b[0], b[1]);
+        }
+        __syncthreads();
+    } else {
         const float * q_row = (const float *) (p.q + t*p.q_nb2 + (h0 + min(gid, nh - 1))*p.q_nb1);
-        const auto    q_at  = [&](const int c) { return gid < nh ? kvq_round_fp16(q_row[c])*p.scale : 0.0f; };
 #pragma unroll
         for (int kk = 0; kk < NK; ++kk) {
-            const int c = 16*kk + 2*tq;
-            q2[kk][0] = kvq_pack_halves(q_at(c + 0), q_at(c + 1));
-            q2[kk][1] = kvq_pack_halves(q_at(c + 8), q_at(c + 9));
+            kvq_q_fragment(q_row, gid < nh, p.scale, kk, tq, q2[kk]);
         }
     }
+    const auto q_at = [&](const int kk, uint32_t (&b)[2]) {
+        if constexpr (latent) {
+            const uint2 v = q_s[kk*WARP_SIZE + lane];
+            b[0] = v.x;
+            b[1] = v.y;
+        } else {
+            b[0] = q2[kk][0];
+            b[1] = q2[kk][1];
+        }
+    };
 
     // online softmax of heads 2tq and 2tq+1 (sums: this lane's cells only), O^T [block][half][C fragment] and
-    // its V offsets [block][C fragment] (all rows alike)
+    // its V offsets [block][C fragment] (all rows alike; a latent layer adds its own per tile)
     float run_max[2] = { -INFINITY, -INFINITY };
     float run_sum[2] = { 0.0f, 0.0f };
     float acc[NB][2][4] = {};
@@ -252,11 +336,12 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
         if (ti.attended != 0) {
             char       * stage_s = stages_s + k % KVQ_MMA_STAGES*stage_bytes;
             const char * k_src   = qr.k_tiles + ti.tile*p.k_tiles_nb1 + (size_t) hk*k_bytes;
-            const char * v_src   = qr.v_rows + (int64_t) ti.tile*QK_KIVI*p.v_rows_nb1 + (size_t) hk*v_bytes;
+            const char * v_src   = latent ? nullptr : qr.v_rows + (int64_t) ti.tile*QK_KIVI*p.v_rows_nb1 + (size_t) hk*v_bytes;
+            const bool   v       = !latent && ti.quant_v;
             if (p.copy16) {
-                kvq_stage_tile<16>(stage_s, k_src, k_bytes, ti.quant_k, v_src, p.v_rows_nb1, v_bytes, ti.quant_v);
+                kvq_stage_tile<16>(stage_s, k_src, k_bytes, ti.quant_k, v_src, p.v_rows_nb1, v_bytes, v);
             } else {
-                kvq_stage_tile<4>(stage_s, k_src, k_bytes, ti.quant_k, v_src, p.v_rows_nb1, v_bytes, ti.quant_v);
+                kvq_stage_tile<4>(stage_s, k_src, k_bytes, ti.quant_k, v_src, p.v_rows_nb1, v_bytes, v);
             }
         }
         kvq_cp_async_commit();
@@ -293,6 +378,8 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
             float koff[4] = {};  // sum_c m_c q_c, all rows alike
 #pragma unroll
             for (int kk = 0; kk < NK; ++kk) {
+                uint32_t qb[2];
+                q_at(kk, qb);
                 uint32_t codes[4][4];
                 half2    dm[4];
 #pragma unroll
@@ -304,14 +391,14 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
                 // fp16 products of fp16 values: the fp32 product rounded once
                 const half2    d01  = __lows2half2(dm[0], dm[1]);
                 const half2    d23  = __lows2half2(dm[2], dm[3]);
-                const half2    qd01 = __hmul2(*(const half2 *) &q2[kk][0], d01);
-                const half2    qd23 = __hmul2(*(const half2 *) &q2[kk][1], d23);
+                const half2    qd01 = __hmul2(*(const half2 *) &qb[0], d01);
+                const half2    qd23 = __hmul2(*(const half2 *) &qb[1], d23);
                 const uint32_t b[2] = { *(const uint32_t *) &qd01, *(const uint32_t *) &qd23 };
                 const half2    m01  = __highs2half2(dm[0], dm[1]);
                 const half2    m23  = __highs2half2(dm[2], dm[3]);
                 const uint32_t am[4] = { *(const uint32_t *) &m01, *(const uint32_t *) &m01, *(const uint32_t *) &m23,
                                          *(const uint32_t *) &m23 };
-                kvq_mma(koff, am, q2[kk]);
+                kvq_mma(koff, am, qb);
                 kvq_mma_codes(s[0], codes, 0, b);
                 kvq_mma_codes(s[1], codes, 1, b);
             }
@@ -333,6 +420,8 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
             }
 #pragma unroll
             for (int kk = 0; kk < NK; ++kk) {
+                uint32_t qb[2];
+                q_at(kk, qb);
                 const int c = 16*kk + 2*tq;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
@@ -346,12 +435,12 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
                         kvq_pack_halves(kvq_k_value(lo, u_lo, c + 8, p.k_bits), kvq_k_value(lo, u_lo, c + 9, p.k_bits)),
                         kvq_pack_halves(kvq_k_value(hi, u_hi, c + 8, p.k_bits), kvq_k_value(hi, u_hi, c + 9, p.k_bits)),
                     };
-                    kvq_mma(s[h], a, q2[kk]);
+                    kvq_mma(s[h], a, qb);
                 }
             }
         }
 
-        // online softmax per head over the tile; the weights to p_s [cell][head]
+        // online softmax per head over the tile; the weights to p_s [cell][head], their sums per head
         float tile_max[2] = { -INFINITY, -INFINITY };
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -374,12 +463,14 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
             run_max[x] = new_max;
             run_sum[x] *= rescale[x];
         }
+        float tile_sum[2] = { 0.0f, 0.0f };  // this lane's cells
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const float w = expf(s[h][i] - run_max[i % 2]);
-                run_sum[i % 2] += w;
+                run_sum[i % 2]  += w;
+                tile_sum[i % 2] += w;
                 p_s[kvq_s_row_cell(gid, 2*h + i/2)*KVQ_MMA_COLS + 2*tq + i % 2] = w;
             }
         }
@@ -389,66 +480,125 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
             for (int i = 0; i < 4; ++i) {
                 acc[b][0][i] *= rescale[i % 2];
                 acc[b][1][i] *= rescale[i % 2];
-                voff[b][i]   *= rescale[i % 2];
+                if constexpr (!latent) {
+                    voff[b][i] *= rescale[i % 2];
+                }
             }
         }
         __syncwarp();
 
-        // O^T += V^T P^T: [block][half][C fragment], rows channels 32b + 16h + gid (+8), columns heads
-#pragma unroll
-        for (int ks = 0; ks < 2; ++ks) {
-            float w[4];
-            bool  att[4];
+        // B of P^T for k-step ks: the weights of cells 16ks + 2tq + {0, 1} and {8, 9}, head gid
+        const auto weights = [&](const int ks, float (&w)[4]) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int u = kvq_v_col_cell(tq, ks, e);
-                w[e]   = p_s[u*KVQ_MMA_COLS + gid];
-                att[e] = ti.attended >> u & 1;
+                w[e] = p_s[kvq_v_col_cell(tq, ks, e)*KVQ_MMA_COLS + gid];
             }
-            const uint32_t bw[2] = { kvq_pack_halves(w[0], w[1]), kvq_pack_halves(w[2], w[3]) };
-            if (ti.quant_v) {
+        };
+
+        if (latent && ti.quant_v) {
+            // V^T's rows are the stage's K blocks: per 16 channels the codes times P^T, then each channel's scale and
+            // minimum (the tile's weights of a head summed over the warp) in fp32. The weights of unattended cells
+            // are zeros, their codes some of the block's.
 #pragma unroll
-                for (int b = 0; b < NB; ++b) {
-                    uint32_t codes[4][4];
-                    float    wd[4];
-                    float    m[4];
+            for (int x = 0; x < 2; ++x) {
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const char * block = stage_s + k_bytes + kvq_v_col_cell(tq, ks, e)*v_bytes + b*v_bb;
-                        const float2 dm    = __half22float2(*(const half2 *) block);
-                        kvq_block_codes(block, v_codes, codes[e]);
-                        // an unattended cell's row may hold anything: it is dropped, never multiplied by zero
-                        wd[e] = att[e] ? w[e]*dm.x : 0.0f;
-                        m[e]  = att[e] ? dm.y : 0.0f;
-                    }
-                    const uint32_t m01   = kvq_pack_halves(m[0], m[1]);
-                    const uint32_t m23   = kvq_pack_halves(m[2], m[3]);
-                    const uint32_t am[4] = { m01, m01, m23, m23 };
-                    kvq_mma(voff[b], am, bw);
-                    const uint32_t bf[2] = { kvq_pack_halves(wd[0], wd[1]), kvq_pack_halves(wd[2], wd[3]) };
-                    kvq_mma_codes(acc[b][0], codes, 0, bf);
-                    kvq_mma_codes(acc[b][1], codes, 1, bf);
+                for (int o = 4; o < WARP_SIZE; o *= 2) {
+                    tile_sum[x] += __shfl_xor_sync(0xFFFFFFFF, tile_sum[x], o);
                 }
-            } else {
-                kvq_cell cells[4];
+            }
+            uint32_t bw[2][2];
+#pragma unroll
+            for (int ks = 0; ks < 2; ++ks) {
+                float w[4];
+                weights(ks, w);
+                bw[ks][0] = kvq_pack_halves(w[0], w[1]);
+                bw[ks][1] = kvq_pack_halves(w[2], w[3]);
+            }
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const char * row_lo = stage_s + (QK_KIVI*b + 16*h + gid)*k_bb;
+                    const char * row_hi = row_lo + 8*k_bb;
+                    float pv[4] = {};
+#pragma unroll
+                    for (int ks = 0; ks < 2; ++ks) {
+                        uint32_t a[4];
+                        kvq_latent_codes(row_lo, row_hi, v_cells, ks, a);
+                        kvq_mma(pv, a, bw[ks]);
+                    }
+                    const float2 dm_lo = __half22float2(*(const half2 *) row_lo);
+                    const float2 dm_hi = __half22float2(*(const half2 *) row_hi);
+                    acc[b][h][0] += dm_lo.x*pv[0] + dm_lo.y*tile_sum[0];
+                    acc[b][h][1] += dm_lo.x*pv[1] + dm_lo.y*tile_sum[1];
+                    acc[b][h][2] += dm_hi.x*pv[2] + dm_hi.y*tile_sum[0];
+                    acc[b][h][3] += dm_hi.x*pv[3] + dm_hi.y*tile_sum[1];
+                }
+            }
+        } else {
+            // O^T += V^T P^T: [block][half][C fragment], rows channels 32b + 16h + gid (+8), columns heads
+#pragma unroll
+            for (int ks = 0; ks < 2; ++ks) {
+                float w[4];
+                bool  att[4];
+                weights(ks, w);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int64_t j = j0 + kvq_v_col_cell(tq, ks, e);
-                    cells[e] = kvq_cell_at(qr.v, qr.first, j, hk, att[e], j >= qr.k.n_sink && j < qr.lim_v,
-                                           qr.v_rows + j*p.v_rows_nb1 + (size_t) hk*v_bytes);
+                    att[e] = ti.attended >> kvq_v_col_cell(tq, ks, e) & 1;
                 }
+                const uint32_t bw[2] = { kvq_pack_halves(w[0], w[1]), kvq_pack_halves(w[2], w[3]) };
+                if (!latent && ti.quant_v) {
 #pragma unroll
-                for (int b = 0; b < NB; ++b) {
+                    for (int b = 0; b < NB; ++b) {
+                        uint32_t codes[4][4];
+                        float    wd[4];
+                        float    m[4];
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int c = QK_KIVI*b + 16*h + gid;
-                        const uint32_t a[4] = {
-                            kvq_pack_halves(kvq_v_value(cells[0], c + 0, p.v_bits), kvq_v_value(cells[1], c + 0, p.v_bits)),
-                            kvq_pack_halves(kvq_v_value(cells[0], c + 8, p.v_bits), kvq_v_value(cells[1], c + 8, p.v_bits)),
-                            kvq_pack_halves(kvq_v_value(cells[2], c + 0, p.v_bits), kvq_v_value(cells[3], c + 0, p.v_bits)),
-                            kvq_pack_halves(kvq_v_value(cells[2], c + 8, p.v_bits), kvq_v_value(cells[3], c + 8, p.v_bits)),
-                        };
-                        kvq_mma(acc[b][h], a, bw);
+                        for (int e = 0; e < 4; ++e) {
+                            const char * block = stage_s + k_bytes + kvq_v_col_cell(tq, ks, e)*v_bytes + b*v_bb;
+                            const float2 dm    = __half22float2(*(const half2 *) block);
+                            kvq_block_codes(block, v_codes, codes[e]);
+                            // an unattended cell's row may hold anything: it is dropped, never multiplied by zero
+                            wd[e] = att[e] ? w[e]*dm.x : 0.0f;
+                            m[e]  = att[e] ? dm.y : 0.0f;
+                        }
+                        const uint32_t m01   = kvq_pack_halves(m[0], m[1]);
+                        const uint32_t m23   = kvq_pack_halves(m[2], m[3]);
+                        const uint32_t am[4] = { m01, m01, m23, m23 };
+                        kvq_mma(voff[b], am, bw);
+                        const uint32_t bf[2] = { kvq_pack_halves(wd[0], wd[1]), kvq_pack_halves(wd[2], wd[3]) };
+                        kvq_mma_codes(acc[b][0], codes, 0, bf);
+                        kvq_mma_codes(acc[b][1], codes, 1, bf);
+                    }
+                } else {
+                    // a latent layer's V cell is its K cell, channels below DV
+                    kvq_cell cells[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int64_t j = j0 + kvq_v_col_cell(tq, ks, e);
+                        cells[e] = latent
+                            ? kvq_cell_at(qr.k, qr.first, j, hk, att[e], j >= qr.k.n_sink && j < qr.lim_k,
+                                          qr.k_tiles + ti.tile*p.k_tiles_nb1 + (size_t) hk*k_bytes)
+                            : kvq_cell_at(qr.v, qr.first, j, hk, att[e], j >= qr.k.n_sink && j < qr.lim_v,
+                                          qr.v_rows + j*p.v_rows_nb1 + (size_t) hk*v_bytes);
+                    }
+                    const auto v_at = [&](const int e, const int c) {
+                        return latent ? kvq_k_value(cells[e], kvq_v_col_cell(tq, ks, e), c, p.k_bits)
+                                      : kvq_v_value(cells[e], c, p.v_bits);
+                    };
+#pragma unroll
+                    for (int b = 0; b < NB; ++b) {
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const int c = QK_KIVI*b + 16*h + gid;
+                            const uint32_t a[4] = {
+                                kvq_pack_halves(v_at(0, c + 0), v_at(1, c + 0)),
+                                kvq_pack_halves(v_at(0, c + 8), v_at(1, c + 8)),
+                                kvq_pack_halves(v_at(2, c + 0), v_at(3, c + 0)),
+                                kvq_pack_halves(v_at(2, c + 8), v_at(3, c + 8)),
+                            };
+                            kvq_mma(acc[b][h], a, bw);
+                        }
                     }
                 }
             }
@@ -464,18 +614,20 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
             run_sum[x] += __shfl_xor_sync(0xFFFFFFFF, run_sum[x], o);
         }
     }
+    if constexpr (!latent) {
 #pragma unroll
-    for (int b = 0; b < NB; ++b) {
+        for (int b = 0; b < NB; ++b) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            acc[b][0][i] += voff[b][i];
-            acc[b][1][i] += voff[b][i];
+            for (int i = 0; i < 4; ++i) {
+                acc[b][0][i] += voff[b][i];
+                acc[b][1][i] += voff[b][i];
+            }
         }
     }
 
     // the warps' states into shared memory (over the stages, once every warp is done with them), then the block's
     // result as the CUDA-core kernel writes it
-    constexpr int slice = KVQ_MMA_COLS*D;
+    constexpr int slice = KVQ_MMA_COLS*DV;
     float * slice_s = (float *) kvq_mma_smem;
     float * w_s     = slice_s + KVQ_NWARPS*slice;
     __syncthreads();
@@ -486,7 +638,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int c = QK_KIVI*b + 16*h + gid + 8*(i/2);
-                slice_s[warp*slice + (2*tq + i % 2)*D + c] = acc[b][h][i];
+                slice_s[warp*slice + (2*tq + i % 2)*DV + c] = acc[b][h][i];
             }
         }
     }
@@ -505,10 +657,11 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
 #endif // AMPERE_MMA_AVAILABLE
 }
 
-// shared memory of a block: per warp its stages and its tile's weights; at the end the warps' states
-static __host__ size_t kvq_attn_mma_smem(const int D, const int k_bits, const int v_bits) {
-    const size_t stage  = (size_t) D*kvq_block_bytes(k_bits) + (size_t) QK_KIVI*(D/QK_KIVI)*kvq_block_bytes(v_bits);
-    const size_t warps  = KVQ_NWARPS*(KVQ_MMA_STAGES*stage + QK_KIVI*KVQ_MMA_COLS*sizeof(float));
-    const size_t states = KVQ_NWARPS*(KVQ_MMA_COLS*D + 2*KVQ_MMA_COLS)*sizeof(float);
+// shared memory of a block: per warp its stages and its tile's weights (and a latent layer's Q); at the end the
+// warps' states
+static __host__ size_t kvq_attn_mma_smem(const int D, const int DV, const int k_bits, const int v_bits) {
+    const size_t q      = DV < D ? (size_t) D/16*WARP_SIZE*sizeof(uint2) : 0;
+    const size_t warps  = KVQ_NWARPS*(size_t) kvq_mma_warp_bytes(D, DV, k_bits, v_bits) + q;
+    const size_t states = KVQ_NWARPS*(KVQ_MMA_COLS*DV + 2*KVQ_MMA_COLS)*sizeof(float);
     return std::max(warps, states);
 }
