@@ -29,6 +29,11 @@ class RandomCache:
     n_tps: int = 1              # batch tokens per stream, at cells depth .. depth + n_tps - 1
     holes: float = 0.0          # share of the earlier cells the mask hides (another sequence's, in llama.cpp)
     hidden: tuple[int, int] = (0, 0)  # cells [a, b) hidden from every query
+    head_dim_v: int | None = None     # a latent layer (ggml_kvq_attn_latent): V is K's first head_dim_v channels
+
+    @property
+    def latent(self) -> bool:
+        return self.head_dim_v is not None
 
     @property
     def n_embd(self) -> int:
@@ -43,9 +48,10 @@ class RandomCache:
 
     def data_bytes(self) -> int:
         """Roughly what the node's tensors hold (for a CPU context's memory)."""
-        per_cell = self.n_embd * (KIVI_BITS[self.k_type] + KIVI_BITS[self.v_type] + 4) / 8
+        parts = 1 if self.latent else 2
+        per_cell = self.n_embd * (KIVI_BITS[self.k_type] + (0 if self.latent else KIVI_BITS[self.v_type]) + 4) / 8
         return int(self.kv_size * self.seqs * per_cell + (self.sinks + g.ring_size(self.window)) * self.seqs
-                   * self.n_embd * 4) + (1 << 20)
+                   * self.n_embd * 2 * parts) + (1 << 20)
 
 
 def random_blocks(rng: np.random.Generator, n_blocks: int, bits: int) -> np.ndarray:
@@ -83,18 +89,26 @@ def attention(ctx: g.Context, c: RandomCache, rng: np.random.Generator):
     lib = g.libs().base
     n_tokens = c.seqs * c.n_tps
     n_fp16 = c.sinks + g.ring_size(c.window)
+
+    def fp16_cells():
+        return ctx.tensor(rng.standard_normal((c.seqs, n_fp16, c.n_embd)).astype(np.float16))
+
+    def batch_rows():
+        return ctx.tensor(rng.standard_normal((n_tokens, c.n_head_kv, c.head_dim)).astype(np.float32))
+
     k_tiles = ctx.new(c.k_type, c.n_embd * 32, c.kv_size // 32, c.seqs)
-    v_rows = ctx.new(c.v_type, c.n_embd, c.kv_size * c.seqs)
     fill(ctx, k_tiles, random_blocks(rng, c.n_embd * c.kv_size // 32 * c.seqs, KIVI_BITS[c.k_type]))
-    fill(ctx, v_rows, random_blocks(rng, c.n_embd // 32 * c.kv_size * c.seqs, KIVI_BITS[c.v_type]))
-    k_fp16, v_fp16 = (ctx.tensor(rng.standard_normal((c.seqs, n_fp16, c.n_embd)).astype(np.float16))
-                      for _ in range(2))
-    k_cur, v_cur = (ctx.tensor(rng.standard_normal((n_tokens, c.n_head_kv, c.head_dim)).astype(np.float32))
-                    for _ in range(2))
+    k_fp16, k_cur = fp16_cells(), batch_rows()
     q = ctx.tensor(rng.standard_normal((n_tokens, c.n_head, c.head_dim)).astype(np.float32))
     m = lib.ggml_reshape_4d(ctx.ctx, ctx.tensor(mask(c, rng).reshape(c.seqs * c.n_tps, c.kv_size)), c.kv_size,
                             c.n_tps, 1, c.seqs)
-    cells = np.array([s * c.kv_size + c.depth_of(s) + t for s in range(c.seqs) for t in range(c.n_tps)])
-    return lib.ggml_kvq_attn(ctx.ctx, q, k_tiles, v_rows, k_fp16, v_fp16, k_cur, v_cur, m,
-                             ctx.tensor(cells.astype(np.int64)), c.window, c.sinks, 1 / math.sqrt(c.head_dim),
-                             c.seqs, False)
+    cells = ctx.tensor(np.array([s * c.kv_size + c.depth_of(s) + t for s in range(c.seqs) for t in range(c.n_tps)],
+                                dtype=np.int64))
+    scale = 1 / math.sqrt(c.head_dim)
+    if c.latent:
+        return lib.ggml_kvq_attn_latent(ctx.ctx, q, k_tiles, k_fp16, k_cur, m, cells, c.head_dim_v, c.window, c.sinks,
+                                        scale, c.seqs, False)
+    v_rows = ctx.new(c.v_type, c.n_embd, c.kv_size * c.seqs)
+    fill(ctx, v_rows, random_blocks(rng, c.n_embd // 32 * c.kv_size * c.seqs, KIVI_BITS[c.v_type]))
+    return lib.ggml_kvq_attn(ctx.ctx, q, k_tiles, v_rows, k_fp16, fp16_cells(), k_cur, batch_rows(), m, cells,
+                             c.window, c.sinks, scale, c.seqs, False)

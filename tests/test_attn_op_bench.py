@@ -27,3 +27,17 @@ def test_a_tiny_sweep_on_the_cpu(tmp_path: Path) -> None:
     assert kivi2["mb"] * 2**20 == pytest.approx(8 * (512 * 2 * 128 * 12 / 32 + 36 * 2 * 128 * 2))
     f16 = next(r for r in rows if r["kv_type"] == "f16" and r["seqs"] == 2)
     assert f16["mb"] * 2**20 == pytest.approx(2 * 512 * 2 * 1024 * 2)
+
+
+def test_a_latent_layer_reads_k_alone(tmp_path: Path) -> None:
+    """DeepSeek-V2-Lite's latent attention: the kivi cache holds K alone (V is its first 512 channels), and upstream's
+    flash attention takes V as a view of K: neither reads a V of its own."""
+    out = tmp_path / "attn-op"
+    assert attn_op.main(["--cpu", "--shape", "deepseek2-lite", "--depth", "256", "--seqs", "1", "--kv-types",
+                         "kivi2,f16", "--window", "32", "--sinks", "4", "--min-cache-mb", "1", "--repeat", "1",
+                         "--out", str(out)]) == 0
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert record["shape"] == {"n_head": 16, "n_head_kv": 1, "head_dim": 576, "head_dim_v": 512}
+    kivi2, f16 = record["rows"]
+    assert kivi2["mb"] * 2**20 == pytest.approx(256 * 576 * 12 / 32 + 36 * 576 * 2)
+    assert f16["mb"] * 2**20 == pytest.approx(256 * 576 * 2)

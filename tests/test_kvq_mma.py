@@ -121,6 +121,9 @@ RANDOM_CACHES = {
                    v_type=GGML_TYPE_KIVI4, window=20),
     "masked-split": kivi2(depth=1100, hidden=(0, 512), sinks=0, n_head=4, n_head_kv=4),
     "head-256": kivi2(depth=600, head_dim=256, n_head=8, n_head_kv=1, seqs=2, window=16),
+    # DeepSeek's latent layer: 3 sequences at different depths, 2-token chunks, blocks of 8 and 4 query heads
+    "latent-3-sequences": kivi2(depth=700, seqs=3, stagger=150, n_tps=2, head_dim=576, head_dim_v=512, n_head=12,
+                                n_head_kv=1, window=32, sinks=4),
 }
 
 
@@ -128,13 +131,14 @@ RANDOM_CACHES = {
 def test_emulated_tensor_cores_read_random_caches_as_the_cpu(name: str, emulated) -> None:
     """The op alone over random valid caches, the CPU op and the emulated kernel on the same bytes."""
     cache = RANDOM_CACHES[name]
-    assert takes(Case(cache.head_dim, cache.n_head, cache.n_head_kv, cache.window, cache.sinks))
+    assert takes(Case(cache.head_dim, cache.n_head, cache.n_head_kv, cache.window, cache.sinks,
+                      head_dim_v=cache.head_dim_v, latent=cache.latent))
     ctx = g.Context(mem_size=(64 << 20) + cache.data_bytes())
     try:
         node = attention(ctx, cache, np.random.default_rng(7))
         emu = g.libs().base.ggml_map_custom1(ctx.ctx, node, emulated, 1, g.libs().ffi.NULL)
         ctx.compute(emu)
-        shape = (cache.seqs * cache.n_tps, cache.n_head, cache.head_dim)
+        shape = (cache.seqs * cache.n_tps, cache.n_head, cache.head_dim_v or cache.head_dim)
         want, got = ctx.read(node, np.float32, shape), ctx.read(emu, np.float32, shape)
     finally:
         ctx.close()

@@ -8,9 +8,11 @@ Per setting (depth, sequences, KV type, window, sinks) the bytes one op must rea
 of the cells it attends, the fp16 window and sinks, for every sequence and KV head), its time, GB/s and, on a GPU
 with a known peak, the fraction of peak; beside it the fraction of a measured streaming read (ggml_sum over a
 buffer of the same size class). On a CUDA build both kivi kernels run: the CUDA-core one and the tensor-core one
-(GGML_KVQ_CUDA_MMA=1); upstream's f16 and q4_0 flash attention run over the same depths as the reference. Shape:
-Llama-3-8B's attention (32 query heads, 8 KV heads of 128). Writes bench/results/attn-op-<device>.json and .png,
-prints a table.
+(GGML_KVQ_CUDA_MMA=1); upstream's f16 and q4_0 flash attention run over the same depths as the reference. Shapes
+(--shape): Llama-3-8B's attention (32 query heads, 8 KV heads of 128; the default) and DeepSeek-V2-Lite's multi-head
+latent attention (16 query heads over one 576-wide K whose first 512 channels are V: a kivi cache holds K alone, and
+upstream's flash attention takes V as a view of K, as llama.cpp's graph does). Writes
+bench/results/attn-op-<device>[-<shape>].json and .png, prints a table.
 """
 
 from __future__ import annotations
@@ -46,10 +48,23 @@ class Shape:
     n_head: int = 32
     n_head_kv: int = 8
     head_dim: int = 128
+    head_dim_v: int | None = None  # a latent layer: V is K's first head_dim_v channels
 
     @property
     def n_embd(self) -> int:
         return self.n_head_kv * self.head_dim
+
+    @property
+    def latent(self) -> bool:
+        return self.head_dim_v is not None
+
+    @property
+    def parts(self) -> int:
+        """What a cell holds of its own: K and V, or a latent layer's K alone."""
+        return 1 if self.latent else 2
+
+
+SHAPES = {"llama3-8b": Shape(), "deepseek2-lite": Shape(n_head=16, n_head_kv=1, head_dim=576, head_dim_v=512)}
 
 
 @dataclass(frozen=True)
@@ -68,12 +83,12 @@ def kivi_bytes(shape: Shape, s: Setting) -> float:
     bits = KIVI_BITS[KV_TYPES[s.kv_type]]
     block = 4 + 4 * bits  # bytes per 32 values
     fp16_cells = min(s.depth, s.window + s.sinks)
-    per_head = s.depth * 2 * shape.head_dim * block / 32 + fp16_cells * 2 * shape.head_dim * 2
+    per_head = (s.depth * shape.head_dim * block / 32 + fp16_cells * shape.head_dim * 2) * shape.parts
     return per_head * shape.n_head_kv * s.seqs
 
 
 def upstream_bytes(shape: Shape, s: Setting) -> float:
-    return s.depth * 2 * shape.n_embd * UPSTREAM_TYPES[s.kv_type][1] * s.seqs
+    return s.depth * shape.parts * shape.n_embd * UPSTREAM_TYPES[s.kv_type][1] * s.seqs
 
 
 def op_bytes(shape: Shape, s: Setting) -> float:
@@ -120,7 +135,8 @@ class Bench:
     def kivi(self, s: Setting, min_cache_mb: float) -> float:
         sh = self.shape
         kv_type = KV_TYPES[s.kv_type]
-        cache = RandomCache(sh.n_head, sh.n_head_kv, sh.head_dim, kv_type, kv_type, s.window, s.sinks, s.depth, s.seqs)
+        cache = RandomCache(sh.n_head, sh.n_head_kv, sh.head_dim, kv_type, kv_type, s.window, s.sinks, s.depth, s.seqs,
+                            head_dim_v=sh.head_dim_v)
         layers = self._layers(kivi_bytes(sh, s), min_cache_mb)
         ctx = self._context(layers * cache.data_bytes())
         try:
@@ -140,10 +156,14 @@ class Bench:
             nodes = []
             for _ in range(layers):
                 kv = []
-                for _ in range(2):
+                for _ in range(sh.parts):
                     t = ctx.new(type_id, sh.head_dim, n_kv, sh.n_head_kv * s.seqs)
                     self._fill_upstream(ctx, t, type_id)
                     kv.append(self.lib.ggml_reshape_4d(ctx.ctx, t, sh.head_dim, n_kv, sh.n_head_kv, s.seqs))
+                if sh.latent:
+                    row = int(sh.head_dim * UPSTREAM_TYPES[s.kv_type][1])
+                    kv.append(self.lib.ggml_view_4d(ctx.ctx, kv[0], sh.head_dim_v, n_kv, sh.n_head_kv, s.seqs, row,
+                                                    row * n_kv, row * n_kv * sh.n_head_kv, 0))
                 q = self.lib.ggml_reshape_4d(ctx.ctx, self._query(ctx, s.seqs), sh.head_dim, sh.n_head, 1, s.seqs)
                 q = self.lib.ggml_permute(ctx.ctx, q, 0, 2, 1, 3)
                 nodes.append(self.lib.ggml_flash_attn_ext(ctx.ctx, q, kv[0], kv[1], mask,
@@ -190,6 +210,7 @@ def measure(bench: Bench, s: Setting, min_cache_mb: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=SHAPES, default="llama3-8b", help="the attention's heads")
     parser.add_argument("--depth", type=int, nargs="+", default=[4096, 16384, 32768, 131072])
     parser.add_argument("--seqs", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--kv-types", default="kivi2,kivi1,kivi4,f16,q4_0")
@@ -205,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["GGML_CUDA_DISABLE_GRAPHS"] = "1"
     backend = None if args.cpu else g.Backend.gpu()
     device = backend.name if backend else "CPU"
-    bench = Bench(backend, Shape(), args.repeat, np.random.default_rng(0))
+    bench = Bench(backend, SHAPES[args.shape], args.repeat, np.random.default_rng(0))
     stream = bench.stream_read(args.min_cache_mb * 4)
     peak = PEAK_GBS.get(device.replace("NVIDIA ", "")) if backend else None
     rows = []
@@ -225,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{seqs:>3} {depth:>7} {kv_type:<6} {s.kernel:<15} w{s.window:<4} s{s.sinks} "
                           f"{r['us']:>9.1f} us {r['gbs']:>8.1f} GB/s {r['of_stream']:>6.1%} of streaming", flush=True)
     tag = device.replace("NVIDIA ", "").replace(" ", "-").lower()
-    out = args.out or RESULTS / f"attn-op-{tag}"
+    out = args.out or RESULTS / f"attn-op-{tag}{'' if args.shape == 'llama3-8b' else '-' + args.shape}"
     record = {"device": device, "shape": asdict(bench.shape), "min_cache_mb": args.min_cache_mb,
               "stream_gbs": stream, "peak_gbs": peak, "repeat": args.repeat, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")

@@ -260,6 +260,11 @@ step_threshold() {
 step_op() {
     cd "$SRC"
     python3 bench/gpu/attn_op.py --kv-types kivi2,kivi1,f16,q4_0 --window 128 --sinks 0 --seqs 1 16 --out "$WORK/op"
+    local rc=$?
+    # DeepSeek-V2-Lite's latent attention: K alone, 16 query heads on it
+    python3 bench/gpu/attn_op.py --shape deepseek2-lite --kv-types kivi2,f16 --window 128 --sinks 0 --seqs 1 16 \
+        --out "$WORK/op-deepseek2-lite" || rc=1
+    return $rc
 }
 
 # Nsight Compute's DRAM bytes and warp instructions of the decode attention op at 32k (bench/gpu/attn_profile.py)
