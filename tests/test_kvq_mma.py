@@ -30,7 +30,7 @@ def takes(case: Case) -> bool:
     """Whether kvq_attn_mma_wanted lets the tensor-core kernel run this case."""
     if case.latent:
         return (case.head_dim, case.dv) == (576, 512)  # DeepSeek's multi-head latent attention
-    return case.dv == case.head_dim and case.head_dim in (64, 128, 256)
+    return case.dv == case.head_dim and case.head_dim in (64, 96, 128, 256)
 
 
 MMA_CASES = [c for c in CASES + latent.CASES if takes(c)] + [

@@ -282,6 +282,7 @@ extern "C" void kvq_emu_attn_mma(ggml_tensor * dst, const ggml_tensor * attn, in
     GGML_ASSERT(a.p.k.head_dim == a.p.v.head_dim);
     switch (a.p.k.head_dim) {
         case 64:  run(emu_mma_kernel<64, 64>(tpw));   break;
+        case 96:  run(emu_mma_kernel<96, 96>(tpw));   break;
         case 128: run(emu_mma_kernel<128, 128>(tpw)); break;
         case 256: run(emu_mma_kernel<256, 256>(tpw)); break;
         default:  GGML_ABORT("no tensor-core kernel for head size %d", a.p.k.head_dim);

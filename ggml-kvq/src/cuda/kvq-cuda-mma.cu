@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
-// the head sizes with a kernel: ordinary layers' K and V of one size, and DeepSeek's multi-head latent attention
+// the head sizes with a kernel: ordinary layers' K and V of one size (96: Phi-3's), and DeepSeek's multi-head latent attention
 // (576-wide K: a 512-wide latent, which is V, and 64 RoPE channels)
 static bool kvq_attn_mma_shape(const kvq_attn_params & p) {
     const int D  = p.k.head_dim;
@@ -13,7 +13,7 @@ static bool kvq_attn_mma_shape(const kvq_attn_params & p) {
     if (p.latent) {
         return D == 576 && DV == 512;
     }
-    return DV == D && (D == 64 || D == 128 || D == 256);
+    return DV == D && (D == 64 || D == 96 || D == 128 || D == 256);
 }
 
 bool kvq_attn_mma_wanted(const int device, const kvq_attn_params & p) {
@@ -45,6 +45,7 @@ void kvq_attn_mma_launch(const kvq_attn_params & p, const dim3 grid, cudaStream_
     }
     switch (p.k.head_dim) {
         case 64:  kvq_attn_mma_launch_d<64, 64>(p, grid, stream);   break;
+        case 96:  kvq_attn_mma_launch_d<96, 96>(p, grid, stream);   break;
         case 128: kvq_attn_mma_launch_d<128, 128>(p, grid, stream); break;
         default:  kvq_attn_mma_launch_d<256, 256>(p, grid, stream); break;
     }

@@ -9,7 +9,7 @@
 
 // Whether this attention runs on tensor cores: asked for with GGML_KVQ_CUDA_MMA=1 (until a GPU run has judged
 // it, the CUDA-core kernel stays the default), on an NVIDIA GPU of compute capability 8.0 or more, with K and V
-// heads of one size among 64, 128 and 256, or a latent layer's 576-wide K and 512-wide V, and the shared memory
+// heads of one size among 64, 96, 128 and 256, or a latent layer's 576-wide K and 512-wide V, and the shared memory
 // its widths need.
 bool kvq_attn_mma_wanted(int device, const kvq_attn_params & p);
 
