@@ -78,6 +78,7 @@ def test_a_profile_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert argv[argv.index("--kernel-name") + 1] == "regex:kvq_attn|flash_attn"
     assert argv[argv.index("--clock-control") + 1] == "none" and "--csv" in argv
     assert argv[argv.index("--depth") + 1] == "32768" and argv[argv.index("--kv-types") + 1] == "kivi2,f16"
+    assert argv[argv.index("--shape") + 1] == "llama3-8b"
     record = json.loads(out.with_suffix(".json").read_text())
     assert record["device"] == "NVIDIA H200"
     rows = {r["kernel"]: r for r in record["rows"]}

@@ -3,6 +3,7 @@ bench/gpu/attn_op.py reads and the warp instructions it executes, against the by
 
     python bench/gpu/attn_profile.py                       # kivi2 (both kernels) and f16 at 32k cells, 1 sequence
     python bench/gpu/attn_profile.py --depth 131072 --kv-types kivi1,q4_0 --sinks 5
+    python bench/gpu/attn_profile.py --shape deepseek2-lite   # DeepSeek-V2-Lite's latent attention
 
 ncu profiles attn_op.py's run of the same setting, every launch of a kivi or flash-attention kernel, with caches
 flushed between replays (ncu's default), so that a launch reads its layer's cache from DRAM as a decode step does.
@@ -144,7 +145,8 @@ def profile(ncu: Path, args: argparse.Namespace, workdir: Path) -> str:
     log = workdir / "ncu.csv"
     command = [str(ncu), "--csv", "--print-units", "base", "--clock-control", "none", "--metrics", ",".join(METRICS),
                "--kernel-name", f"regex:{KERNEL_REGEX}", "--log-file", str(log),
-               sys.executable, str(Path(attn_op.__file__)), "--depth", str(args.depth), "--seqs", str(args.seqs),
+               sys.executable, str(Path(attn_op.__file__)), "--shape", args.shape, "--depth", str(args.depth),
+               "--seqs", str(args.seqs),
                "--kv-types", args.kv_types, "--window", str(args.window), "--sinks", str(args.sinks),
                "--repeat", str(args.repeat), "--min-cache-mb", str(args.min_cache_mb), "--out", str(workdir / "op")]
     proc = subprocess.run(command, capture_output=True, text=True)
@@ -166,6 +168,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=attn_op.SHAPES, default="llama3-8b", help="attn_op.py's --shape")
     parser.add_argument("--depth", type=int, default=32768)
     parser.add_argument("--seqs", type=int, default=1)
     parser.add_argument("--kv-types", default="kivi2,f16")
@@ -184,13 +187,14 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             launches = parse(profile(ncu, args, Path(tmp)))
             device = json.loads((Path(tmp) / "op.json").read_text())["device"]
-        rows = summarize(launches, settings, attn_op.Shape())
+        shape = attn_op.SHAPES[args.shape]
+        rows = summarize(launches, settings, shape)
     except ProfileError as exc:
         print(f"attn_profile: {exc}", file=sys.stderr)
         return 1
     tag = device.replace("NVIDIA ", "").replace(" ", "-").lower()
-    out = args.out or attn_op.RESULTS / f"attn-profile-{tag}"
-    record = {"device": device, "shape": asdict(attn_op.Shape()), "metrics": list(METRICS),
+    out = args.out or attn_op.RESULTS / f"attn-profile-{tag}{'' if args.shape == 'llama3-8b' else '-' + args.shape}"
+    record = {"device": device, "shape": asdict(shape), "metrics": list(METRICS),
               "bytes_tolerance": BYTES_TOLERANCE, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"{device}\n{table(rows)}")
