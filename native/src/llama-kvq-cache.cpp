@@ -325,11 +325,12 @@ static void kvq_check_attention(const llama_model & model, const llama_hparams &
     } else if (hparams.n_rel_attn_bkts > 0) {
         missing = "relative position biases (T5)";
     } else if (hparams.is_mla() && model.arch != LLM_ARCH_DEEPSEEK2 && model.arch != LLM_ARCH_MISTRAL4 &&
-               model.arch != LLM_ARCH_KIMI_LINEAR) {
+               model.arch != LLM_ARCH_KIMI_LINEAR && model.arch != LLM_ARCH_BAILINGMOE3) {
         // only these graphs (mistral4 runs deepseek2's) are known to attend their latent through the K-only path
         // GGML_OP_KVQ is hooked into; the sparse (DSA) families attend through their indexers' top-k masks
         missing = std::string("multi-head latent attention in the ") + llm_arch_name(model.arch) +
-                  " architecture (kivi types read MLA's V from K's tiles in deepseek2's, mistral4's and kimi-linear's)";
+                  " architecture (kivi types read MLA's V from K's tiles in deepseek2's, mistral4's, kimi-linear's"
+                  " and bailingmoe3's)";
     }
     if (!missing.empty()) {
         throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + types + ": the model uses " + missing +

@@ -20,7 +20,7 @@ from pykvq.commands import arguments
 
 FP16_BYTES = 2
 # the architectures whose multi-head latent attention kivi types take (V read from K's tiles); others refuse them
-KIVI_LATENT_ARCHITECTURES = frozenset({"deepseek2", "mistral4", "kimi-linear"})
+KIVI_LATENT_ARCHITECTURES = frozenset({"deepseek2", "mistral4", "kimi-linear", "bailingmoe3"})
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ MAMBA_STATE, MAMBA_CONV = 16, 4
 # Qwen 3.5's gated delta nets at small size: heads of 32 channels, 2 key heads, 4 value heads, convolution 4
 DELTA_HEAD, DELTA_K_HEADS, DELTA_V_HEADS, DELTA_CONV = 32, 2, 4, 4
 KDA_HEAD, KDA_CONV = 32, 4  # Kimi Linear's delta attention: head size per query head, convolution taps
+BAILING_GATE_LOWER_BOUND = -5.0  # Ling 3's decay gate: sigmoid(...) scaled into (-5, 0)
 QWEN35_ATTENTION_INTERVAL = 4  # llama.cpp's default: every 4th layer attends, the others are delta nets
 
 
@@ -59,6 +60,8 @@ class Shape:
     # token (head_dim: the query/key head size, of which rope_dim rotate; V heads of head_dim - rope_dim), dense FFNs;
     # "kimi-linear": a hybrid, Kimi delta attention (a recurrent state) in the layers of 0 KV heads
     # (n_head_kv_layers), deepseek2's multi-head latent attention (without RoPE) in the others, dense FFNs;
+    # "bailingmoe3": Ling 3's hybrid, kimi-linear's layout with its own delta attention (full-width decay and output
+    # gate projections) and a sigmoid gate per head on the latent attention's output, dense FFNs;
     # "llama4": every 4th layer global without RoPE, the others chunked attention (8192-token chunks), Q/K L2 norms,
     # n_expert experts and a shared one in every moe_layer_step-th layer; "t5": an encoder and a decoder of n_layer
     # each, relative position biases in their attention; "mamba": no attention at all, Mamba's selective
@@ -85,7 +88,8 @@ class Shape:
 
     @property
     def is_mla(self) -> bool:
-        """Multi-head latent attention: deepseek2's graph (its own models and mistral4's), kimi-linear's."""
+        """Multi-head latent attention: deepseek2's graph (its own models and mistral4's), kimi-linear's,
+        bailingmoe3's."""
         return self.kv_lora_rank > 0
 
     def n_head_kv_of(self, il: int) -> int:
@@ -117,7 +121,7 @@ class Shape:
     def is_recurrent(self, il: int) -> bool:
         if self.arch == "qwen35":
             return (il + 1) % QWEN35_ATTENTION_INTERVAL != 0
-        return self.arch in ("lfm2", "kimi-linear") and self.n_head_kv_of(il) == 0
+        return self.arch in ("lfm2", "kimi-linear", "bailingmoe3") and self.n_head_kv_of(il) == 0
 
 
 SHAPES = {
@@ -160,6 +164,9 @@ SHAPES = {
     # Kimi Linear's hybrid at small size: delta attention in layers 0-2, latent attention (a 128-wide latent and 32
     # unrotated channels) in layer 3, as Kimi-Linear-48B-A3B's 3 to 1
     "kimi-linear-small": Shape(4, 256, 512, 4, 1, 2048, 32768, 10000.0, arch="kimi-linear", head_dim=96,
+                               kv_lora_rank=128, rope_dim=32, n_head_kv_layers=(0, 0, 0, 1)),
+    # Ling 3's hybrid (bailingmoe3) at small size: delta attention in layers 0-2, gated latent attention in layer 3
+    "bailingmoe3-small": Shape(4, 256, 512, 4, 1, 2048, 32768, 10000.0, arch="bailingmoe3", head_dim=96,
                                kv_lora_rank=128, rope_dim=32, n_head_kv_layers=(0, 0, 0, 1)),
     "qwen2vl-small": Shape(2, 256, 512, 4, 2, 2048, 32768, 1000000.0, arch="qwen2vl"),  # M-RoPE: 4 positions a token
     # Qwen 3.5's hybrid at small size: delta nets in layers 0-2, gated attention (head size 64, a quarter rotated)
@@ -257,10 +264,12 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         writer.add_ssm_state_size(DELTA_HEAD)
         writer.add_ssm_time_step_rank(DELTA_V_HEADS)
         writer.add_ssm_group_count(DELTA_K_HEADS)
-    if shape.arch == "kimi-linear":
+    if shape.arch in ("kimi-linear", "bailingmoe3"):
         writer.add_ssm_conv_kernel(KDA_CONV)
         writer.add_uint32(gguf.Keys.KDA.HEAD_DIM.format(arch=shape.arch), KDA_HEAD)
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if shape.arch == "bailingmoe3":
+        writer.add_float32(f"{shape.arch}.kda.gate_lower_bound", BAILING_GATE_LOWER_BOUND)
     if shape.attn_temp_scale:
         writer.add_float32(gguf.Keys.Attention.TEMPERATURE_SCALE.format(arch=shape.arch), shape.attn_temp_scale)
         writer.add_uint32(gguf.Keys.Attention.TEMPERATURE_LENGTH.format(arch=shape.arch), shape.attn_temp_length)
@@ -410,6 +419,21 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         norm(f"blk.{il}.ssm_norm.weight", KDA_HEAD)
         matrix(f"blk.{il}.attn_output.weight", shape.n_embd, d_inner)
 
+    def bailing_delta_attention(il: int) -> None:
+        """Ling 3's delta attention: kimi-linear's convolved Q, K, V, beta, A, step bias and output norm, with
+        full-width decay and output gate projections."""
+        d_inner = KDA_HEAD * shape.n_head
+        for part in "qkv":
+            small(f"blk.{il}.ssm_conv1d_{part}.weight", d_inner, 1, KDA_CONV)
+            matrix(f"blk.{il}.attn_{part}.weight", d_inner, shape.n_embd)
+        matrix(f"blk.{il}.ssm_f_a.weight", d_inner, shape.n_embd)
+        matrix(f"blk.{il}.ssm_beta.weight", shape.n_head, shape.n_embd)
+        writer.add_tensor(f"blk.{il}.ssm_a", -np.ones((shape.n_head, 1), np.float32))
+        small(f"blk.{il}.ssm_dt.bias", d_inner)
+        matrix(f"blk.{il}.ssm_g_a.weight", d_inner, shape.n_embd)
+        norm(f"blk.{il}.ssm_norm.weight", KDA_HEAD)
+        matrix(f"blk.{il}.attn_output.weight", shape.n_embd, d_inner)
+
     def latent_attention(il: int) -> None:
         """DeepSeek-V2's MLA without a query LoRA: the latent's down-projection and norm, and per head its K and V
         up-projections (3-D, f32)."""
@@ -420,6 +444,8 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         small(f"blk.{il}.attn_k_b.weight", shape.n_head, shape.kv_lora_rank, v_dim)
         small(f"blk.{il}.attn_v_b.weight", shape.n_head, v_dim, shape.kv_lora_rank)
         matrix(f"blk.{il}.attn_output.weight", shape.n_embd, shape.n_head * v_dim)
+        if shape.arch == "bailingmoe3":
+            matrix(f"blk.{il}.attn_gate.weight", shape.n_head, shape.n_embd)
 
     def t5_tensors() -> None:
         """T5's encoder and decoder blocks: self-attention with relative position biases, the decoder's cross
@@ -454,7 +480,9 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
                 mamba_block(il)
                 continue
             if shape.is_recurrent(il):
-                {"qwen35": delta_net, "kimi-linear": kimi_delta_attention}.get(shape.arch, shortconv)(il)
+                recurrent = {"qwen35": delta_net, "kimi-linear": kimi_delta_attention,
+                             "bailingmoe3": bailing_delta_attention}
+                recurrent.get(shape.arch, shortconv)(il)
             elif shape.is_mla:
                 latent_attention(il)
             else:
