@@ -93,9 +93,10 @@ def test_emulated_sliding_window_masks_quantized_tiles(emulated) -> None:
     assert nmse(got, want) <= EMULATED_NMSE_BAR
 
 
-def test_emulated_batching_does_not_change_results(emulated) -> None:
-    """Splits sit at fixed cells: a query's result is the same bits however its tokens were batched."""
-    case = CASES[2]
+@pytest.mark.parametrize("case", [CASES[2], latent.CASES[0]], ids=case_id)
+def test_emulated_batching_does_not_change_results(case: Case, emulated) -> None:
+    """Splits sit at fixed cells: a query's result is the same bits however its tokens were batched (a latent layer's
+    16 heads in two blocks too)."""
     q, k, v = random_qkv(case, 100, seed=11)
     whole = run_layer(case, q, k, v, [100], attention_op=emulated)
     mixed = run_layer(case, q, k, v, [31, 33, 2, 34], attention_op=emulated)
