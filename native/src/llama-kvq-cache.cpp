@@ -304,6 +304,21 @@ static std::string kvq_select_name(bool from_model) {
     return from_model ? "prompt selection (the model's kvq.select)" : "prompt selection (--kv-select)";
 }
 
+// The graphs known to attend their latent through the K-only path GGML_OP_KVQ is hooked into (mistral4 runs
+// deepseek2's; kimi-linear's and bailingmoe3's hybrids attend it in their attention layers); the sparse (DSA)
+// families attend through their indexers' top-k masks
+static bool kvq_latent_graph(llm_arch arch) {
+    switch (arch) {
+        case LLM_ARCH_DEEPSEEK2:
+        case LLM_ARCH_MISTRAL4:
+        case LLM_ARCH_KIMI_LINEAR:
+        case LLM_ARCH_BAILINGMOE3:
+            return true;
+        default:
+            return false;
+    }
+}
+
 // What the fused kernels do not compute is refused here, at context creation, rather than answered wrongly: they
 // take Q, K, V, the mask, the KQ scale, the logit soft-cap and learned sinks, and nothing else of llama.cpp's
 // attention.
@@ -324,10 +339,7 @@ static void kvq_check_attention(const llama_model & model, const llama_hparams &
         missing = "non-causal attention";
     } else if (hparams.n_rel_attn_bkts > 0) {
         missing = "relative position biases (T5)";
-    } else if (hparams.is_mla() && model.arch != LLM_ARCH_DEEPSEEK2 && model.arch != LLM_ARCH_MISTRAL4 &&
-               model.arch != LLM_ARCH_KIMI_LINEAR && model.arch != LLM_ARCH_BAILINGMOE3) {
-        // only these graphs (mistral4 runs deepseek2's) are known to attend their latent through the K-only path
-        // GGML_OP_KVQ is hooked into; the sparse (DSA) families attend through their indexers' top-k masks
+    } else if (hparams.is_mla() && !kvq_latent_graph(model.arch)) {
         missing = std::string("multi-head latent attention in the ") + llm_arch_name(model.arch) +
                   " architecture (kivi types read MLA's V from K's tiles in deepseek2's, mistral4's, kimi-linear's"
                   " and bailingmoe3's)";

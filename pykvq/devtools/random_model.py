@@ -403,34 +403,26 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
         matrix(f"blk.{il}.ssm_out.weight", shape.n_embd, value_dim)
 
     def kimi_delta_attention(il: int) -> None:
-        """Kimi Linear's delta attention: Q, K, V projections each through a causal convolution, the decay's and the
-        output gate's low-rank projections, beta, A (negative: a decaying state), the step bias, the output norm."""
+        """Kimi Linear's delta attention (and Ling 3's): Q, K, V projections each through a causal convolution, the
+        decay's and the output gate's projections (low-rank in Kimi's, full-width in Ling 3's), beta, A (negative: a
+        decaying state), the step bias, the output norm."""
         d_inner = KDA_HEAD * shape.n_head
         for part in "qkv":
             small(f"blk.{il}.ssm_conv1d_{part}.weight", d_inner, 1, KDA_CONV)
             matrix(f"blk.{il}.attn_{part}.weight", d_inner, shape.n_embd)
-        matrix(f"blk.{il}.ssm_f_a.weight", KDA_HEAD, shape.n_embd)
-        matrix(f"blk.{il}.ssm_f_b.weight", d_inner, KDA_HEAD)
-        matrix(f"blk.{il}.ssm_beta.weight", shape.n_head, shape.n_embd)
-        writer.add_tensor(f"blk.{il}.ssm_a", -np.ones((shape.n_head, 1), np.float32))
-        small(f"blk.{il}.ssm_dt.bias", d_inner)
-        matrix(f"blk.{il}.ssm_g_a.weight", KDA_HEAD, shape.n_embd)
-        matrix(f"blk.{il}.ssm_g_b.weight", d_inner, KDA_HEAD)
-        norm(f"blk.{il}.ssm_norm.weight", KDA_HEAD)
-        matrix(f"blk.{il}.attn_output.weight", shape.n_embd, d_inner)
 
-    def bailing_delta_attention(il: int) -> None:
-        """Ling 3's delta attention: kimi-linear's convolved Q, K, V, beta, A, step bias and output norm, with
-        full-width decay and output gate projections."""
-        d_inner = KDA_HEAD * shape.n_head
-        for part in "qkv":
-            small(f"blk.{il}.ssm_conv1d_{part}.weight", d_inner, 1, KDA_CONV)
-            matrix(f"blk.{il}.attn_{part}.weight", d_inner, shape.n_embd)
-        matrix(f"blk.{il}.ssm_f_a.weight", d_inner, shape.n_embd)
+        def projection(gate: str) -> None:
+            if shape.arch == "bailingmoe3":
+                matrix(f"blk.{il}.ssm_{gate}_a.weight", d_inner, shape.n_embd)
+            else:
+                matrix(f"blk.{il}.ssm_{gate}_a.weight", KDA_HEAD, shape.n_embd)
+                matrix(f"blk.{il}.ssm_{gate}_b.weight", d_inner, KDA_HEAD)
+
+        projection("f")
         matrix(f"blk.{il}.ssm_beta.weight", shape.n_head, shape.n_embd)
         writer.add_tensor(f"blk.{il}.ssm_a", -np.ones((shape.n_head, 1), np.float32))
         small(f"blk.{il}.ssm_dt.bias", d_inner)
-        matrix(f"blk.{il}.ssm_g_a.weight", d_inner, shape.n_embd)
+        projection("g")
         norm(f"blk.{il}.ssm_norm.weight", KDA_HEAD)
         matrix(f"blk.{il}.attn_output.weight", shape.n_embd, d_inner)
 
@@ -481,7 +473,7 @@ def write(shape: Shape, path: Path, seed: int = 0, byte_tokens: bool = True, q4_
                 continue
             if shape.is_recurrent(il):
                 recurrent = {"qwen35": delta_net, "kimi-linear": kimi_delta_attention,
-                             "bailingmoe3": bailing_delta_attention}
+                             "bailingmoe3": kimi_delta_attention}
                 recurrent.get(shape.arch, shortconv)(il)
             elif shape.is_mla:
                 latent_attention(il)
