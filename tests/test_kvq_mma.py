@@ -103,6 +103,32 @@ def test_emulated_batching_does_not_change_results(case: Case, emulated) -> None
     np.testing.assert_array_equal(whole, mixed)
 
 
+# Tokens of a sequence share a block beside their heads (kvq_attn_mma_tokens: 8 over the heads of a KV head, head
+# sizes up to 128): 8 a block without GQA, 4 at GQA 2, 2 at GQA 3 (with 2 padding columns). Windows that do not end
+# on a tile's edge give neighbouring tokens other views of one tile; a sliding window hides tiles from some tokens of
+# a block and not from others.
+PACKED_CASES = [
+    (Case(head_dim=64, n_head=4, n_head_kv=4, window=40, n_sink=3), 0),
+    (Case(head_dim=128, n_head=4, n_head_kv=2, window=16, n_sink=0, k_type=GGML_TYPE_KIVI4, v_type=GGML_TYPE_KIVI1),
+     0),
+    (Case(head_dim=96, n_head=6, n_head_kv=2, window=33, n_sink=2), 0),
+    (Case(head_dim=64, n_head=2, n_head_kv=2, window=20, n_sink=0), 45),
+]
+
+
+@pytest.mark.parametrize(("case", "n_swa"), PACKED_CASES, ids=lambda x: case_id(x) if isinstance(x, Case) else f"swa{x}")
+def test_emulated_packed_tokens_read_as_they_would_alone(case: Case, n_swa: int, emulated) -> None:
+    """A prefill's tokens packed into blocks give each token the bits it gets decoded alone, one token a step."""
+    n = 90
+    q, k, v = random_qkv(case, n, seed=5)
+    alone = run_layer(case, q, k, v, [1] * n, n_swa=n_swa, attention_op=emulated)
+    for ubatches in ([n], [37, 3, 50]):
+        packed = run_layer(case, q, k, v, ubatches, n_swa=n_swa, attention_op=emulated)
+        np.testing.assert_array_equal(packed, alone)
+    want = run_layer(case, q, k, v, [n], n_swa=n_swa)
+    assert nmse(alone, want) <= EMULATED_NMSE_BAR
+
+
 def kivi2(**fields) -> RandomCache:
     base = {"n_head": 32, "n_head_kv": 8, "head_dim": 128, "k_type": GGML_TYPE_KIVI2, "v_type": GGML_TYPE_KIVI2,
             "window": 128, "sinks": 5, "depth": 1000}

@@ -167,27 +167,26 @@ void kvq_emu_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) 
     }
 }
 
-// A GGML_OP_KVQ attention node's parameters, planned with ncols query heads per block and splits of tiles_per_split
-// tiles, all tokens in one launch; the split partials in host memory
+// A GGML_OP_KVQ attention node's parameters, planned with ncols query heads and n_tok tokens per block and splits of
+// tiles_per_split tiles, the whole batch in one launch; the split partials in host memory
 struct emu_attn {
-    emu_attn(ggml_tensor * dst, const ggml_tensor * attn, const int ncols, const int tiles_per_split) {
+    emu_attn(ggml_tensor * dst, const ggml_tensor * attn, const int ncols, const int tiles_per_split, const bool mma) {
         p = kvq_attn_make_params(attn);
         GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_are_same_shape(dst, attn) && ggml_is_contiguous(dst));
         p.dst     = (char *) dst->data;
         p.dst_nb1 = dst->nb[1];
         p.dst_nb2 = dst->nb[2];
-        kvq_attn_plan(p, ncols, tiles_per_split);
-        const int n_tokens = p.k.n_tokens;
-        part.resize((size_t) n_tokens*p.n_head*p.n_splits*(p.v.head_dim + 2));
-        arrived.resize((size_t) n_tokens*grid().y);
+        kvq_attn_plan(p, ncols, tiles_per_split, mma ? kvq_attn_mma_tokens(p) : 1);
+        const size_t rows = (size_t) kvq_attn_n_blocks(p)*p.n_tok*p.n_head*p.n_splits;
+        part.resize(rows*(p.v.head_dim + 2));
+        arrived.resize((size_t) kvq_attn_n_blocks(p)*grid().y);
         p.part    = part.data();
-        p.part_ms = p.part + (size_t) n_tokens*p.n_head*p.n_splits*p.v.head_dim;
+        p.part_ms = p.part + rows*p.v.head_dim;
         p.arrived = arrived.data();
-        p.t0      = 0;
     }
 
     dim3 grid() const {
-        return dim3(p.n_splits, p.n_head/p.n_gqa*p.n_groups, p.k.n_tokens);
+        return dim3(p.n_splits, p.n_head/p.n_gqa*p.n_groups, kvq_attn_n_blocks(p));
     }
 
     kvq_attn_params    p;
@@ -231,7 +230,7 @@ extern "C" void kvq_emu_attn_cuda_cores(ggml_tensor * dst, const ggml_tensor * a
     }
     const kvq_attn_params p0 = kvq_attn_make_params(attn);
     const int ncols = kvq_attn_ncols(p0.n_gqa, p0.k.head_dim, p0.v.head_dim);
-    const emu_attn a(dst, attn, ncols, emu_tiles_per_split(userdata, KVQ_TILES_PER_SPLIT));
+    const emu_attn a(dst, attn, ncols, emu_tiles_per_split(userdata, KVQ_TILES_PER_SPLIT), false);
     switch (a.p.v.head_dim <= 128 ? 1 : (a.p.v.head_dim <= 256 ? 2 : 4)) {
         case 1:  emu_cuda_cores_cols<1>(a, ncols); break;
         case 2:  emu_cuda_cores_cols<2>(a, ncols); break;
@@ -239,24 +238,37 @@ extern "C" void kvq_emu_attn_cuda_cores(ggml_tensor * dst, const ggml_tensor * a
     }
 }
 
-// The tensor-core kernel for head sizes D (K) and DV (V) at tpw tiles per warp: the product's for any size, the
-// forced ones the split tests use (tests/test_kvq_split_invariance.py) for D = 128 only
-template <int D, int DV>
+// The tensor-core kernel for head sizes D (K) and DV (V) at tpw tiles per warp, packed (several tokens a block) or
+// not: the product's for any size, the forced ones the split tests use (tests/test_kvq_split_invariance.py) for
+// D = 128 only
+template <int D, int DV, bool packed>
 static auto emu_mma_kernel(const int tpw) {
     constexpr int own = KVQ_MMA_TILES_PER_SPLIT/KVQ_NWARPS;
     if (tpw == own) {
-        return kvq_attn_mma_kernel<D, DV, own>;
+        return kvq_attn_mma_kernel<D, DV, packed, own>;
     }
     if constexpr (D == 128) {
         switch (tpw) {
-            case 1:  return kvq_attn_mma_kernel<D, DV, 1>;
-            case 2:  return kvq_attn_mma_kernel<D, DV, 2>;
-            case 7:  return kvq_attn_mma_kernel<D, DV, 7>;
-            case 14: return kvq_attn_mma_kernel<D, DV, 14>;
+            case 1:  return kvq_attn_mma_kernel<D, DV, packed, 1>;
+            case 2:  return kvq_attn_mma_kernel<D, DV, packed, 2>;
+            case 7:  return kvq_attn_mma_kernel<D, DV, packed, 7>;
+            case 14: return kvq_attn_mma_kernel<D, DV, packed, 14>;
             default: break;
         }
     }
     GGML_ABORT("no emulated tensor-core kernel for head size %d at %d tiles per warp", D, tpw);
+}
+
+// the kernel the launch picks (kvq_attn_mma_launch_d)
+template <int D, int DV>
+static auto emu_mma_kernel_for(const kvq_attn_params & p, const int tpw) {
+    if constexpr (kvq_attn_mma_packs(D, DV)) {
+        if (kvq_attn_mma_packed(p)) {
+            return emu_mma_kernel<D, DV, true>(tpw);
+        }
+    }
+    GGML_ASSERT(p.n_tok == 1);
+    return emu_mma_kernel<D, DV, false>(tpw);
 }
 
 // ggml_custom1_op_t: the attention node's output through the tensor-core kernel (the head sizes
@@ -268,7 +280,7 @@ extern "C" void kvq_emu_attn_mma(ggml_tensor * dst, const ggml_tensor * attn, in
     }
     const int tiles_per_split = emu_tiles_per_split(userdata, KVQ_MMA_TILES_PER_SPLIT);
     GGML_ASSERT(tiles_per_split % KVQ_NWARPS == 0);
-    const emu_attn a(dst, attn, KVQ_MMA_COLS, tiles_per_split);
+    const emu_attn a(dst, attn, KVQ_MMA_COLS, tiles_per_split, true);
     const size_t smem = kvq_attn_mma_smem(a.p.k.head_dim, a.p.v.head_dim, a.p.k_bits, a.p.v_bits);
     const auto   run  = [&](auto kernel) {
         emu_launch(a.grid(), KVQ_NWARPS*WARP_SIZE, kvq_mma_smem, sizeof(kvq_mma_smem), smem, [&]() { kernel(a.p); });
@@ -276,15 +288,15 @@ extern "C" void kvq_emu_attn_mma(ggml_tensor * dst, const ggml_tensor * attn, in
     const int tpw = tiles_per_split/KVQ_NWARPS;
     if (a.p.latent) {
         GGML_ASSERT(a.p.k.head_dim == 576 && a.p.v.head_dim == 512);
-        run(emu_mma_kernel<576, 512>(tpw));
+        run(emu_mma_kernel_for<576, 512>(a.p, tpw));
         return;
     }
     GGML_ASSERT(a.p.k.head_dim == a.p.v.head_dim);
     switch (a.p.k.head_dim) {
-        case 64:  run(emu_mma_kernel<64, 64>(tpw));   break;
-        case 96:  run(emu_mma_kernel<96, 96>(tpw));   break;
-        case 128: run(emu_mma_kernel<128, 128>(tpw)); break;
-        case 256: run(emu_mma_kernel<256, 256>(tpw)); break;
+        case 64:  run(emu_mma_kernel_for<64, 64>(a.p, tpw));   break;
+        case 96:  run(emu_mma_kernel_for<96, 96>(a.p, tpw));   break;
+        case 128: run(emu_mma_kernel_for<128, 128>(a.p, tpw)); break;
+        case 256: run(emu_mma_kernel_for<256, 256>(a.p, tpw)); break;
         default:  GGML_ABORT("no tensor-core kernel for head size %d", a.p.k.head_dim);
     }
 }

@@ -262,7 +262,9 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
     const int hk     = bh.hk;
     const int h0     = bh.h0;
     const int nh     = bh.nh;
-    const int t      = p.t0 + blockIdx.z;
+    // one token a block (planned with n_tok 1: kvq_block_tokens_at's first is then the block's z)
+    const kvq_block_tokens bt = { p.z0 + (int) blockIdx.z, 1 };
+    const int t      = bt.first;
     const int D      = p.k.head_dim;
     const int Dv     = p.v.head_dim;
     const int n_quad = Dv/4;
@@ -406,7 +408,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
     }
     __syncthreads();
 
-    kvq_attn_write_block(p, w_s, WARP_SIZE*ncols, slice_s, slice, nh, h0, t, split);
+    kvq_attn_write_block(p, w_s, WARP_SIZE*ncols, slice_s, slice, nh, h0, bt, split);
 }
 
 // query heads per block: all of a KV head's when they fit (each K/V tile is then read once for them),

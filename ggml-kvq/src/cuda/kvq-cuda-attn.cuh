@@ -11,9 +11,9 @@ struct kvq_attn_params {
     const char    * mask;       // [n_kv, n_tps, 1, n_seq] per stream, or [n_kv, n_tokens, 1, 1] over all cells
     const int64_t * cells;
     char          * dst;
-    float         * part;     // split-K: [token*n_head + head][split][head_dim_v] unnormalised outputs
-    float         * part_ms;  // split-K: [token*n_head + head][split] (max, sum)
-    int           * arrived;  // split-K: [token][n_head_kv*n_groups] splits done, zero at the launch
+    float         * part;     // split-K: [(z*n_tok + token of the block)*n_head + head][split][head_dim_v] unnormalised outputs
+    float         * part_ms;  // split-K: [... as part][split] (max, sum)
+    int           * arrived;  // split-K: [z][n_head_kv*n_groups] splits done, zero at the launch
     kvq_source      k;
     kvq_source      v;
     size_t q_nb1;
@@ -36,7 +36,9 @@ struct kvq_attn_params {
     int    window;
     int    n_splits;
     int    tiles_per_split;  // context tiles per split, at fixed cells (see ATTN in kvq-cuda-attn-kernel.cuh)
-    int    t0;               // the launch's first token (launches take the batch in chunks)
+    int    n_tok;            // consecutive tokens of a segment per block (the tensor cores pack them beside their heads)
+    int    bps;              // blocks per segment: n_tps/n_tok rounded up
+    int    z0;               // the launch's first block along z (launches take the batch in chunks)
     float  scale;
     float  softcap;
     const float * sinks;    // [n_head] learned sink logits, or nullptr
@@ -64,6 +66,18 @@ static __device__ __forceinline__ kvq_block_heads kvq_block_heads_at(const kvq_a
     r.h0 = r.hk*p.n_gqa + blockIdx.y % p.n_groups*ncols;
     r.nh = min(ncols, (r.hk + 1)*p.n_gqa - r.h0);
     return r;
+}
+
+// the batch tokens a block takes: n consecutive ones of one segment from `first` on
+struct kvq_block_tokens {
+    int first;
+    int n;
+};
+
+static __device__ __forceinline__ kvq_block_tokens kvq_block_tokens_at(const kvq_attn_params & p) {
+    const int z   = p.z0 + blockIdx.z;
+    const int sub = z % p.bps*p.n_tok;
+    return { z / p.bps*p.k.n_tps + sub, min(p.n_tok, p.k.n_tps - sub) };
 }
 
 // online softmax state of a part of the context, for one output channel
@@ -115,10 +129,10 @@ static __device__ __forceinline__ float kvq_head_output(kvq_partial r, const flo
     return kvq_normalize(r);
 }
 
-// Split-K: the block that finishes last among the splits of its (token, query heads) merges their partials, in
+// Split-K: the block that finishes last among the splits of its (tokens, query heads) merges their partials, in
 // split order, into the output: no second launch. Every thread's partials are made visible before the block counts
 // itself in (the threadFenceReduction pattern); the whole block must call it.
-static __device__ void kvq_merge_if_last(const kvq_attn_params & p, const int t, const int h0, const int nh) {
+static __device__ void kvq_merge_if_last(const kvq_attn_params & p, const kvq_block_tokens & bt, const int h0, const int nh) {
     __threadfence();
     __syncthreads();
     const bool last = __syncthreads_or(threadIdx.x == 0 &&
@@ -128,13 +142,15 @@ static __device__ void kvq_merge_if_last(const kvq_attn_params & p, const int t,
     }
     __threadfence();
     const int Dv = p.v.head_dim;
-    for (int idx = threadIdx.x; idx < nh*Dv; idx += blockDim.x) {
-        const int     g   = idx / Dv;
+    for (int idx = threadIdx.x; idx < bt.n*nh*Dv; idx += blockDim.x) {
+        const int     col = idx / Dv;
+        const int     tt  = col / nh;
+        const int     g   = col % nh;
         const int     c   = idx % Dv;
-        const int64_t row = (int64_t) blockIdx.z*p.n_head + h0 + g;
+        const int64_t row = ((int64_t) blockIdx.z*p.n_tok + tt)*p.n_head + h0 + g;
         const kvq_partial r = kvq_fold(p.part_ms + 2*row*p.n_splits, 2, p.part + row*p.n_splits*Dv + c, Dv, p.n_splits,
                                        kvq_load_global());
-        ((float *) (p.dst + t*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, h0 + g);
+        ((float *) (p.dst + (bt.first + tt)*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, h0 + g);
     }
 }
 
@@ -168,22 +184,24 @@ static __device__ __forceinline__ kvq_query kvq_query_at(const kvq_attn_params &
     return r;
 }
 
-// The block's result for its nh query heads from h0 on, token t, split `split`: the warps' states (max and sum
-// of head g at w_s[warp*w_stride + 2*g], its unnormalised output at slice_s[warp*slice + g*Dv]) folded per
-// channel into the output, or into the split's partial and merged by the last split. The whole block calls it,
-// after a barrier that makes the states visible.
+// The block's result for its nh query heads from h0 on, its tokens bt, split `split`: column col = tt*nh + g is
+// token tt's head g, the warps' states (max and sum at w_s[warp*w_stride + 2*col], the unnormalised output at
+// slice_s[warp*slice + col*Dv]) folded per channel into the output, or into the split's partial and merged by the
+// last split. The whole block calls it, after a barrier that makes the states visible.
 static __device__ void kvq_attn_write_block(const kvq_attn_params & p, const float * w_s, const int w_stride,
                                             const float * slice_s, const int slice, const int nh, const int h0,
-                                            const int t, const int split) {
+                                            const kvq_block_tokens & bt, const int split) {
     const int Dv = p.v.head_dim;
-    for (int idx = threadIdx.x; idx < nh*Dv; idx += blockDim.x) {
-        const int g = idx / Dv;
-        const int c = idx % Dv;
-        const kvq_partial r = kvq_fold(w_s + 2*g, w_stride, slice_s + g*Dv + c, slice, KVQ_NWARPS, kvq_load_shared());
+    for (int idx = threadIdx.x; idx < bt.n*nh*Dv; idx += blockDim.x) {
+        const int col = idx / Dv;
+        const int tt  = col / nh;
+        const int g   = col % nh;
+        const int c   = idx % Dv;
+        const kvq_partial r = kvq_fold(w_s + 2*col, w_stride, slice_s + col*Dv + c, slice, KVQ_NWARPS, kvq_load_shared());
         if (p.n_splits == 1) {
-            ((float *) (p.dst + t*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, h0 + g);
+            ((float *) (p.dst + (bt.first + tt)*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, h0 + g);
         } else {
-            const int64_t ps = ((int64_t) blockIdx.z*p.n_head + h0 + g)*p.n_splits + split;
+            const int64_t ps = (((int64_t) blockIdx.z*p.n_tok + tt)*p.n_head + h0 + g)*p.n_splits + split;
             p.part[ps*Dv + c] = r.acc;
             if (c == 0) {
                 p.part_ms[2*ps + 0] = r.max;
@@ -192,7 +210,7 @@ static __device__ void kvq_attn_write_block(const kvq_attn_params & p, const flo
         }
     }
     if (p.n_splits > 1) {
-        kvq_merge_if_last(p, t, h0, nh);
+        kvq_merge_if_last(p, bt, h0, nh);
     }
 }
 
@@ -274,10 +292,20 @@ static kvq_attn_params kvq_attn_make_params(const ggml_tensor * dst) {
     return p;
 }
 
-// ncols query heads per block, splits of tiles_per_split tiles at fixed cells (see ATTN in kvq-cuda-attn-kernel.cuh)
-static void kvq_attn_plan(kvq_attn_params & p, const int ncols, const int tiles_per_split) {
+// ncols query heads per block, n_tok tokens of a segment per block, splits of tiles_per_split tiles at fixed cells
+// (see ATTN in kvq-cuda-attn-kernel.cuh)
+static void kvq_attn_plan(kvq_attn_params & p, const int ncols, const int tiles_per_split, const int n_tok) {
     p.n_groups = (p.n_gqa + ncols - 1)/ncols;
     GGML_ASSERT((int64_t) p.n_head/p.n_gqa*p.n_groups <= KVQ_MAX_GRID_YZ);
+    GGML_ASSERT(n_tok >= 1 && (n_tok == 1 || (p.n_groups == 1 && n_tok*p.n_gqa <= ncols)));
     p.tiles_per_split = tiles_per_split;
     p.n_splits = ((p.n_kv + QK_KIVI - 1)/QK_KIVI + tiles_per_split - 1)/tiles_per_split;
+    p.n_tok    = std::min(n_tok, p.k.n_tps);
+    p.bps      = (p.k.n_tps + p.n_tok - 1)/p.n_tok;
+    p.z0       = 0;
+}
+
+// the blocks along z that take the whole batch
+static int kvq_attn_n_blocks(const kvq_attn_params & p) {
+    return p.k.n_tokens/p.k.n_tps*p.bps;
 }

@@ -1,6 +1,6 @@
 // ATTN on tensor cores, the kernel (kvq-cuda-mma.cu launches it): the decode attention of kvq-cuda-attn-kernel.cuh
-// (same grid, splits and merge, same contract: kvq-cpu-attn.c) with its two products on mma.m16n8k16
-// (fp16 operands, fp32 accumulators), the shape of BitDecoding (arXiv 2503.18773).
+// (same splits and merge, same contract: kvq-cpu-attn.c) with its two products on mma.m16n8k16 (fp16 operands,
+// fp32 accumulators), the shape of BitDecoding (arXiv 2503.18773).
 //
 // KIVI's factorisation keeps the codes raw. A quantized K tile is codes[c][u]*d_c + m_c per channel c, so
 //   S^T[u][g] = sum_c codes^T[u][c] * (q_g,c d_c) + sum_c m_c q_g,c
@@ -18,6 +18,14 @@
 //   O^T[c][g] += d_c sum_u codes[c][u] p_g,u + m_c sum_u p_g,u
 // the codes times P^T on tensor cores per 16 channels, then the channel's scale and minimum in fp32; its Q, too
 // wide for registers (576 channels), is read from shared memory.
+//
+// The N columns hold a KV head's query heads, and beside them as many consecutive tokens of one sequence as fit
+// (column = token*heads + head: kvq_attn_mma_tokens), so that a prefill chunk or a speculative draft reads each tile
+// once for its tokens. Every token reads a tile as it would alone, for the same bits whatever the batch: those whose
+// attended cells are all quantized in one pass on the staged codes, the others in a pass per view of the tile (the
+// cells of it they read quantized), each pass leaving the other tokens' columns out: their Q^T and P^T columns
+// zero, so that it adds exact zeros to them (the cells it reads are finite; a cell no token of the pass attends is
+// dropped). A token that attends nothing of a tile keeps its state.
 //
 // A warp owns whole 32-cell tiles; each streams the K blocks and V rows of its tiles into shared memory through
 // a KVQ_MMA_STAGES-deep cp.async ring, and never waits for another warp inside the loop. A KV head with more than
@@ -211,11 +219,13 @@ static __device__ __forceinline__ float kvq_v_value(const kvq_cell & cell, const
 
 // what a warp knows of one of its tiles before reading it
 struct kvq_mma_tile {
-    int      tile;
-    float    mv;         // mask value of the lane's cell
-    uint32_t attended;   // cells the query attends
-    bool     quant_k;    // every attended cell reads K quantized
-    bool     quant_v;    // ... V quantized
+    uint32_t bits;  // bytes: the block's tokens that attend the lane's cell, that attend some cell of the tile, whose
+                    // every attended cell reads K quantized, ... V quantized
+
+    __device__ uint32_t mine()    const { return bits & 0xFF; }
+    __device__ uint32_t tokens()  const { return bits >> 8 & 0xFF; }
+    __device__ uint32_t quant_k() const { return bits >> 16 & 0xFF; }
+    __device__ uint32_t quant_v() const { return bits >> 24; }
 };
 
 // rows of the S^T fragments a lane holds: r = 0..3 -> cell 16*(r/2) + gid + 8*(r%2) of the tile
@@ -238,15 +248,18 @@ static __device__ __forceinline__ void kvq_q_fragment(const float * q_row, const
     b[1] = kvq_pack_halves(q_at(c + 8), q_at(c + 9));
 }
 
-// shared memory a warp's loop uses: its stages (a tile's K blocks, and V rows unless latent) and its tile's weights
+// shared memory a warp's loop uses: its stages (a tile's K blocks, and V rows unless latent), its tile's weights and
+// per stage the tokens' mask rows over the tile
 static __host__ __device__ constexpr int kvq_mma_warp_bytes(const int D, const int DV, const int k_bits, const int v_bits) {
     return KVQ_MMA_STAGES*(D*kvq_block_bytes(k_bits) + (DV < D ? 0 : QK_KIVI*(DV/QK_KIVI)*kvq_block_bytes(v_bits))) +
-           QK_KIVI*KVQ_MMA_COLS*(int) sizeof(float);
+           (1 + KVQ_MMA_STAGES)*QK_KIVI*KVQ_MMA_COLS*(int) sizeof(float);
 }
 
 // TPW tiles per warp and split: the product's is KVQ_MMA_TILES_PER_SPLIT's share; the emulation's tests force others
-// to hold the merge to any number of splits. DV < D: a latent layer, whose V is K's first DV channels.
-template <int D, int DV, int TPW = KVQ_MMA_TILES_PER_SPLIT/KVQ_NWARPS>
+// to hold the merge to any number of splits. DV < D: a latent layer, whose V is K's first DV channels. packed: blocks
+// of p.n_tok tokens (kvq_attn_mma_packed); a layer whose heads leave no room for a second token compiles without the
+// passes per token, in the registers it needs alone.
+template <int D, int DV, bool packed, int TPW = KVQ_MMA_TILES_PER_SPLIT/KVQ_NWARPS>
 static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_kernel(const kvq_attn_params p) {
 #ifdef AMPERE_MMA_AVAILABLE
     constexpr bool latent = DV < D;
@@ -267,9 +280,25 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
     const int hk    = bh.hk;
     const int h0    = bh.h0;
     const int nh    = bh.nh;
-    const int t     = p.t0 + blockIdx.z;
+    const kvq_block_tokens bt = packed ? kvq_block_tokens_at(p) : kvq_block_tokens{ kvq_block_tokens_at(p).first, 1 };
+    const int n_col = bt.n*nh;  // real columns: token col/nh, head h0 + col%nh
 
-    const kvq_query qr = kvq_query_at(p, t);
+    const kvq_query qr = kvq_query_at(p, bt.first);  // the segment's, the first token's limits
+    const int       i0 = (int) (qr.first + bt.first % p.k.n_tps);
+    // token tt's view of the tile from cell j0 on: the tile's cells below it that it reads quantized (sinks aside)
+    const auto view_k = [&](const int tt, const int j0) {
+        return min(max((int) ggml_kvq_lim_k(i0 + tt, p.window) - j0, 0), QK_KIVI);
+    };
+    const auto view_v = [&](const int tt, const int j0) {
+        return latent ? view_k(tt, j0) : min(max((int) ggml_kvq_lim_v(i0 + tt, p.window) - j0, 0), QK_KIVI);
+    };
+    // the token of a column (a padding column's: the last token's, its Q zeros), and a column's Q row
+    const auto token_of = [&](const int col) { return min(col / nh, bt.n - 1); };
+    const auto q_row_at  = [&](const int col) {
+        const int c = min(col, n_col - 1);
+        return (const float *) (p.q + (bt.first + c / nh)*p.q_nb2 + (h0 + c % nh)*p.q_nb1);
+    };
+
     const int k_bb    = kvq_block_bytes(p.k_bits);
     const int v_bb    = kvq_block_bytes(p.v_bits);
     const int k_bytes = D*k_bb;    // a tile's K blocks of the head
@@ -277,7 +306,8 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
     const int stage_bytes = k_bytes + (latent ? 0 : QK_KIVI*v_bytes);
     const int warp_bytes  = kvq_mma_warp_bytes(D, DV, p.k_bits, p.v_bits);
     char  * stages_s = kvq_mma_smem + warp*warp_bytes;
-    float * p_s      = (float *) (stages_s + KVQ_MMA_STAGES*stage_bytes);  // the tile's weights [cell][head]
+    float * p_s      = (float *) (stages_s + KVQ_MMA_STAGES*stage_bytes);  // the tile's weights [cell][column]
+    float * mask_s   = p_s + QK_KIVI*KVQ_MMA_COLS;                          // per stage [token][cell]
 
     const kvq_lane_codes k_codes = kvq_lane_codes_at(gid, p.k_bits);
     const kvq_lane_codes v_codes = kvq_lane_codes_at(gid, p.v_bits);
@@ -289,21 +319,23 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
     uint2  * q_s = (uint2 *) (kvq_mma_smem + KVQ_NWARPS*warp_bytes);
     if constexpr (latent) {
         for (int idx = threadIdx.x; idx < NK*WARP_SIZE; idx += blockDim.x) {
-            const int     g   = idx % WARP_SIZE / 4;
-            const float * row = (const float *) (p.q + t*p.q_nb2 + (h0 + min(g, nh - 1))*p.q_nb1);
+            const int g = idx % WARP_SIZE / 4;
             uint32_t b[2];
-            kvq_q_fragment(row, g < nh, p.scale, idx / WARP_SIZE, idx % 4, b);
+            kvq_q_fragment(q_row_at(g), g < n_col, p.scale, idx / WARP_SIZE, idx % 4, b);
             q_s[idx] = make_uint2(b[0], b[1]);
         }
         __syncthreads();
     } else {
-        const float * q_row = (const float *) (p.q + t*p.q_nb2 + (h0 + min(gid, nh - 1))*p.q_nb1);
+        const float * q_row = q_row_at(gid);
 #pragma unroll
         for (int kk = 0; kk < NK; ++kk) {
-            kvq_q_fragment(q_row, gid < nh, p.scale, kk, tq, q2[kk]);
+            kvq_q_fragment(q_row, gid < n_col, p.scale, kk, tq, q2[kk]);
         }
     }
-    const auto q_at = [&](const int kk, uint32_t (&b)[2]) {
+    const int      c_tok[2] = { token_of(2*tq + 0), token_of(2*tq + 1) };  // C's columns' tokens
+    const uint32_t b_token  = 1u << token_of(gid);                         // B's column's, as a bit
+    // Q^T's k-step kk for the tokens of a group, zero in the other columns
+    const auto q_at = [&](const int kk, const uint32_t group, uint32_t (&b)[2]) {
         if constexpr (latent) {
             const uint2 v = q_s[kk*WARP_SIZE + lane];
             b[0] = v.x;
@@ -312,9 +344,12 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
             b[0] = q2[kk][0];
             b[1] = q2[kk][1];
         }
+        if (!(b_token & group)) {
+            b[0] = b[1] = 0;
+        }
     };
 
-    // online softmax of heads 2tq and 2tq+1 (sums: this lane's cells only), O^T [block][half][C fragment] and
+    // online softmax of columns 2tq and 2tq+1 (sums: this lane's cells only), O^T [block][half][C fragment] and
     // its V offsets [block][C fragment] (all rows alike; a latent layer adds its own per tile)
     float run_max[2] = { -INFINITY, -INFINITY };
     float run_sum[2] = { 0.0f, 0.0f };
@@ -323,29 +358,58 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
 
     const int n_tiles = (p.n_kv + QK_KIVI - 1)/QK_KIVI;
 
-    // the warp's k-th tile of the split: what it knows of it, its copies to stage k % KVQ_MMA_STAGES issued
+    // the warp's k-th tile of the split
+    const auto warp_tile = [&](const int k) { return split*(TPW*KVQ_NWARPS) + warp + k*KVQ_NWARPS; };
+    // what the warp knows of its k-th tile, its mask rows and copies to stage k % KVQ_MMA_STAGES
     const auto prefetch = [&](const int k) {
-        kvq_mma_tile ti;
-        ti.tile = split*(TPW*KVQ_NWARPS) + warp + k*KVQ_NWARPS;
-        const int64_t j = (int64_t) ti.tile*QK_KIVI + lane;
-        ti.mv       = ti.tile < n_tiles && j < qr.end ? kvq_mask_value(p, t, qr.col0 + j) : -INFINITY;
-        const bool attended = ti.mv != -INFINITY;
-        ti.attended = __ballot_sync(0xFFFFFFFF, attended);
-        ti.quant_k  = __all_sync(0xFFFFFFFF, !attended || (j >= qr.k.n_sink && j < qr.lim_k));
-        ti.quant_v  = __all_sync(0xFFFFFFFF, !attended || (j >= qr.k.n_sink && j < qr.lim_v));
-        if (ti.attended != 0) {
+        const int     tile = warp_tile(k);
+        const int     j0   = tile*QK_KIVI;
+        const int64_t j    = j0 + lane;
+        const bool    in   = tile < n_tiles && j < qr.end;
+        float * m_s = mask_s + k % KVQ_MMA_STAGES*(KVQ_MMA_COLS*QK_KIVI);
+        uint32_t mine = 0, tokens = 0, quant_k = 0, quant_v = 0;
+        for (int tt = 0; tt < bt.n; ++tt) {
+            const float mv  = in ? kvq_mask_value(p, bt.first + tt, qr.col0 + j) : -INFINITY;
+            const bool  att = mv != -INFINITY;
+            m_s[tt*QK_KIVI + lane] = mv;
+            mine    |= (uint32_t) att << tt;
+            tokens  |= (uint32_t) (__ballot_sync(0xFFFFFFFF, att) != 0) << tt;
+            quant_k |= (uint32_t) __all_sync(0xFFFFFFFF, !att || (j >= qr.k.n_sink && lane < view_k(tt, j0))) << tt;
+            quant_v |= (uint32_t) __all_sync(0xFFFFFFFF, !att || (j >= qr.k.n_sink && lane < view_v(tt, j0))) << tt;
+        }
+        quant_k &= tokens;
+        quant_v &= tokens;
+        const kvq_mma_tile ti = { mine | tokens << 8 | quant_k << 16 | quant_v << 24 };
+        if (tokens != 0) {
             char       * stage_s = stages_s + k % KVQ_MMA_STAGES*stage_bytes;
-            const char * k_src   = qr.k_tiles + ti.tile*p.k_tiles_nb1 + (size_t) hk*k_bytes;
-            const char * v_src   = latent ? nullptr : qr.v_rows + (int64_t) ti.tile*QK_KIVI*p.v_rows_nb1 + (size_t) hk*v_bytes;
-            const bool   v       = !latent && ti.quant_v;
+            const char * k_src   = qr.k_tiles + tile*p.k_tiles_nb1 + (size_t) hk*k_bytes;
+            const char * v_src   = latent ? nullptr : qr.v_rows + j0*p.v_rows_nb1 + (size_t) hk*v_bytes;
+            const bool   v       = !latent && quant_v != 0;
             if (p.copy16) {
-                kvq_stage_tile<16>(stage_s, k_src, k_bytes, ti.quant_k, v_src, p.v_rows_nb1, v_bytes, v);
+                kvq_stage_tile<16>(stage_s, k_src, k_bytes, quant_k != 0, v_src, p.v_rows_nb1, v_bytes, v);
             } else {
-                kvq_stage_tile<4>(stage_s, k_src, k_bytes, ti.quant_k, v_src, p.v_rows_nb1, v_bytes, v);
+                kvq_stage_tile<4>(stage_s, k_src, k_bytes, quant_k != 0, v_src, p.v_rows_nb1, v_bytes, v);
             }
         }
         kvq_cp_async_commit();
         return ti;
+    };
+
+    // the tokens' passes over a tile that holds fp16 cells for them: one a view, the tokens that share it (the
+    // kernel's comment above)
+    const auto for_each_view = [&](uint32_t tokens, const int j0, const bool v, auto pass) {
+        for (int tt = 0; tt < bt.n; ++tt) {
+            if (!(tokens >> tt & 1)) {
+                continue;
+            }
+            const int lim   = v ? view_v(tt, j0) : view_k(tt, j0);
+            uint32_t  group = 0;
+            for (int u = tt; u < bt.n; ++u) {
+                group |= (uint32_t) ((tokens >> u & 1) && (v ? view_v(u, j0) : view_k(u, j0)) == lim) << u;
+            }
+            tokens &= ~group;
+            pass(group, lim);
+        }
     };
 
     kvq_mma_tile next = prefetch(0);
@@ -359,27 +423,27 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
             kvq_cp_async_wait<0>();
         }
         __syncwarp();
-        if (ti.attended == 0) {
+        if (ti.tokens() == 0) {
             continue;
         }
         const char *  stage_s = stages_s + k % KVQ_MMA_STAGES*stage_bytes;
-        const int64_t j0      = (int64_t) ti.tile*QK_KIVI;
+        const float * m_s     = mask_s + k % KVQ_MMA_STAGES*(KVQ_MMA_COLS*QK_KIVI);
+        const int     tile    = warp_tile(k);
+        const int     j0      = tile*QK_KIVI;
+        // the tokens of the group that attend a cell of the tile
+        const auto attended_by = [&](const uint32_t group, const int u) {
+            return (__shfl_sync(0xFFFFFFFF, ti.mine(), u) & group) != 0;
+        };
 
-        // mask values of the rows of S^T this lane holds
-        float mrow[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            mrow[r] = __shfl_sync(0xFFFFFFFF, ti.mv, kvq_s_row_cell(gid, r));
-        }
-
-        // S^T = K Q^T over the tile: [half][C fragment], rows cells, columns heads 2tq and 2tq+1
+        // S^T = K Q^T over the tile: [half][C fragment], rows cells, columns 2tq and 2tq+1; each pass adds zeros to
+        // the columns it leaves out
         float s[2][4] = {};
-        if (ti.quant_k) {
+        if (ti.quant_k() != 0) {
             float koff[4] = {};  // sum_c m_c q_c, all rows alike
 #pragma unroll
             for (int kk = 0; kk < NK; ++kk) {
                 uint32_t qb[2];
-                q_at(kk, qb);
+                q_at(kk, ti.quant_k(), qb);
                 uint32_t codes[4][4];
                 half2    dm[4];
 #pragma unroll
@@ -409,19 +473,20 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
                     s[h][i] += koff[i];
                 }
             }
-        } else {
+        }
+        for_each_view(ti.tokens() & ~ti.quant_k(), j0, false, [&](const uint32_t group, const int lim) {
             kvq_cell cells[4];
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int     u = kvq_s_row_cell(gid, r);
                 const int64_t j = j0 + u;
-                cells[r] = kvq_cell_at(qr.k, qr.first, j, hk, mrow[r] != -INFINITY, j >= qr.k.n_sink && j < qr.lim_k,
-                                       qr.k_tiles + ti.tile*p.k_tiles_nb1 + (size_t) hk*k_bytes);
+                cells[r] = kvq_cell_at(qr.k, qr.first, j, hk, attended_by(group, u), j >= qr.k.n_sink && u < lim,
+                                       qr.k_tiles + tile*p.k_tiles_nb1 + (size_t) hk*k_bytes);
             }
 #pragma unroll
             for (int kk = 0; kk < NK; ++kk) {
                 uint32_t qb[2];
-                q_at(kk, qb);
+                q_at(kk, group, qb);
                 const int c = 16*kk + 2*tq;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
@@ -438,15 +503,16 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
                     kvq_mma(s[h], a, qb);
                 }
             }
-        }
+        });
 
-        // online softmax per head over the tile; the weights to p_s [cell][head], their sums per head
+        // online softmax per column over the tile; the weights to p_s [cell][column], their sums per column. A
+        // column whose token attends nothing here so far keeps its state (a token alone skips such a tile).
         float tile_max[2] = { -INFINITY, -INFINITY };
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const float m = mrow[2*h + i/2];
+                const float m = m_s[c_tok[i % 2]*QK_KIVI + kvq_s_row_cell(gid, 2*h + i/2)];
                 s[h][i] = m != -INFINITY ? ggml_kvq_capped(s[h][i], p.softcap) + m : -INFINITY;
                 tile_max[i % 2] = fmaxf(tile_max[i % 2], s[h][i]);
             }
@@ -459,7 +525,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
                 tile_max[x] = fmaxf(tile_max[x], __shfl_xor_sync(0xFFFFFFFF, tile_max[x], o));
             }
             const float new_max = fmaxf(run_max[x], tile_max[x]);
-            rescale[x] = expf(run_max[x] - new_max);
+            rescale[x] = new_max == -INFINITY ? 1.0f : expf(run_max[x] - new_max);
             run_max[x] = new_max;
             run_sum[x] *= rescale[x];
         }
@@ -468,7 +534,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
         for (int h = 0; h < 2; ++h) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const float w = expf(s[h][i] - run_max[i % 2]);
+                const float w = s[h][i] == -INFINITY ? 0.0f : expf(s[h][i] - run_max[i % 2]);
                 run_sum[i % 2]  += w;
                 tile_sum[i % 2] += w;
                 p_s[kvq_s_row_cell(gid, 2*h + i/2)*KVQ_MMA_COLS + 2*tq + i % 2] = w;
@@ -487,67 +553,71 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
         }
         __syncwarp();
 
-        // B of P^T for k-step ks: the weights of cells 16ks + 2tq + {0, 1} and {8, 9}, head gid
-        const auto weights = [&](const int ks, float (&w)[4]) {
+        // B of P^T for k-step ks: the weights of cells 16ks + 2tq + {0, 1} and {8, 9}, column gid, zero unless its
+        // token is in the group
+        const auto weights = [&](const int ks, const uint32_t group, float (&w)[4]) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                w[e] = p_s[kvq_v_col_cell(tq, ks, e)*KVQ_MMA_COLS + gid];
+                w[e] = b_token & group ? p_s[kvq_v_col_cell(tq, ks, e)*KVQ_MMA_COLS + gid] : 0.0f;
             }
         };
 
-        if (latent && ti.quant_v) {
-            // V^T's rows are the stage's K blocks: per 16 channels the codes times P^T, then each channel's scale and
-            // minimum (the tile's weights of a head summed over the warp) in fp32. The weights of unattended cells
-            // are zeros, their codes some of the block's.
+        if (ti.quant_v() != 0) {
+            if constexpr (latent) {
+                // V^T's rows are the stage's K blocks: per 16 channels the codes times P^T, then each channel's scale
+                // and minimum (the tile's weights of a column summed over the warp) in fp32. The weights of
+                // unattended cells are zeros, their codes some of the block's.
 #pragma unroll
-            for (int x = 0; x < 2; ++x) {
+                for (int x = 0; x < 2; ++x) {
 #pragma unroll
-                for (int o = 4; o < WARP_SIZE; o *= 2) {
-                    tile_sum[x] += __shfl_xor_sync(0xFFFFFFFF, tile_sum[x], o);
-                }
-            }
-            uint32_t bw[2][2];
-#pragma unroll
-            for (int ks = 0; ks < 2; ++ks) {
-                float w[4];
-                weights(ks, w);
-                bw[ks][0] = kvq_pack_halves(w[0], w[1]);
-                bw[ks][1] = kvq_pack_halves(w[2], w[3]);
-            }
-#pragma unroll
-            for (int b = 0; b < NB; ++b) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const char * row_lo = stage_s + (QK_KIVI*b + 16*h + gid)*k_bb;
-                    const char * row_hi = row_lo + 8*k_bb;
-                    float pv[4] = {};
-#pragma unroll
-                    for (int ks = 0; ks < 2; ++ks) {
-                        uint32_t a[4];
-                        kvq_latent_codes(row_lo, row_hi, v_cells, ks, a);
-                        kvq_mma(pv, a, bw[ks]);
+                    for (int o = 4; o < WARP_SIZE; o *= 2) {
+                        tile_sum[x] += __shfl_xor_sync(0xFFFFFFFF, tile_sum[x], o);
                     }
-                    const float2 dm_lo = __half22float2(*(const half2 *) row_lo);
-                    const float2 dm_hi = __half22float2(*(const half2 *) row_hi);
-                    acc[b][h][0] += dm_lo.x*pv[0] + dm_lo.y*tile_sum[0];
-                    acc[b][h][1] += dm_lo.x*pv[1] + dm_lo.y*tile_sum[1];
-                    acc[b][h][2] += dm_hi.x*pv[2] + dm_hi.y*tile_sum[0];
-                    acc[b][h][3] += dm_hi.x*pv[3] + dm_hi.y*tile_sum[1];
+                    tile_sum[x] = ti.quant_v() >> c_tok[x] & 1 ? tile_sum[x] : 0.0f;
                 }
-            }
-        } else {
-            // O^T += V^T P^T: [block][half][C fragment], rows channels 32b + 16h + gid (+8), columns heads
+                uint32_t bw[2][2];
 #pragma unroll
-            for (int ks = 0; ks < 2; ++ks) {
-                float w[4];
-                bool  att[4];
-                weights(ks, w);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    att[e] = ti.attended >> kvq_v_col_cell(tq, ks, e) & 1;
+                for (int ks = 0; ks < 2; ++ks) {
+                    float w[4];
+                    weights(ks, ti.quant_v(), w);
+                    bw[ks][0] = kvq_pack_halves(w[0], w[1]);
+                    bw[ks][1] = kvq_pack_halves(w[2], w[3]);
                 }
-                const uint32_t bw[2] = { kvq_pack_halves(w[0], w[1]), kvq_pack_halves(w[2], w[3]) };
-                if (!latent && ti.quant_v) {
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const char * row_lo = stage_s + (QK_KIVI*b + 16*h + gid)*k_bb;
+                        const char * row_hi = row_lo + 8*k_bb;
+                        float pv[4] = {};
+#pragma unroll
+                        for (int ks = 0; ks < 2; ++ks) {
+                            uint32_t a[4];
+                            kvq_latent_codes(row_lo, row_hi, v_cells, ks, a);
+                            kvq_mma(pv, a, bw[ks]);
+                        }
+                        const float2 dm_lo = __half22float2(*(const half2 *) row_lo);
+                        const float2 dm_hi = __half22float2(*(const half2 *) row_hi);
+                        acc[b][h][0] += dm_lo.x*pv[0] + dm_lo.y*tile_sum[0];
+                        acc[b][h][1] += dm_lo.x*pv[1] + dm_lo.y*tile_sum[1];
+                        acc[b][h][2] += dm_hi.x*pv[2] + dm_hi.y*tile_sum[0];
+                        acc[b][h][3] += dm_hi.x*pv[3] + dm_hi.y*tile_sum[1];
+                    }
+                }
+            } else {
+                // O^T += V^T P^T: [block][half][C fragment], rows channels 32b + 16h + gid (+8), columns heads; the
+                // cells the tokens of the pass attend
+                const uint32_t cells_v = __ballot_sync(0xFFFFFFFF, (ti.mine() & ti.quant_v()) != 0);
+#pragma unroll
+                for (int ks = 0; ks < 2; ++ks) {
+                    float w[4];
+                    bool  att[4];
+                    weights(ks, ti.quant_v(), w);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        att[e] = cells_v >> kvq_v_col_cell(tq, ks, e) & 1;
+                    }
+                    const uint32_t bw[2] = { kvq_pack_halves(w[0], w[1]), kvq_pack_halves(w[2], w[3]) };
 #pragma unroll
                     for (int b = 0; b < NB; ++b) {
                         uint32_t codes[4][4];
@@ -558,7 +628,8 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
                             const char * block = stage_s + k_bytes + kvq_v_col_cell(tq, ks, e)*v_bytes + b*v_bb;
                             const float2 dm    = __half22float2(*(const half2 *) block);
                             kvq_block_codes(block, v_codes, codes[e]);
-                            // an unattended cell's row may hold anything: it is dropped, never multiplied by zero
+                            // a row no token of the pass attends may hold anything: it is dropped, never multiplied
+                            // by zero
                             wd[e] = att[e] ? w[e]*dm.x : 0.0f;
                             m[e]  = att[e] ? dm.y : 0.0f;
                         }
@@ -570,40 +641,49 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
                         kvq_mma_codes(acc[b][0], codes, 0, bf);
                         kvq_mma_codes(acc[b][1], codes, 1, bf);
                     }
-                } else {
-                    // a latent layer's V cell is its K cell, channels below DV
-                    kvq_cell cells[4];
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int64_t j = j0 + kvq_v_col_cell(tq, ks, e);
-                        cells[e] = latent
-                            ? kvq_cell_at(qr.k, qr.first, j, hk, att[e], j >= qr.k.n_sink && j < qr.lim_k,
-                                          qr.k_tiles + ti.tile*p.k_tiles_nb1 + (size_t) hk*k_bytes)
-                            : kvq_cell_at(qr.v, qr.first, j, hk, att[e], j >= qr.k.n_sink && j < qr.lim_v,
-                                          qr.v_rows + j*p.v_rows_nb1 + (size_t) hk*v_bytes);
-                    }
-                    const auto v_at = [&](const int e, const int c) {
-                        return latent ? kvq_k_value(cells[e], kvq_v_col_cell(tq, ks, e), c, p.k_bits)
-                                      : kvq_v_value(cells[e], c, p.v_bits);
-                    };
-#pragma unroll
-                    for (int b = 0; b < NB; ++b) {
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int c = QK_KIVI*b + 16*h + gid;
-                            const uint32_t a[4] = {
-                                kvq_pack_halves(v_at(0, c + 0), v_at(1, c + 0)),
-                                kvq_pack_halves(v_at(0, c + 8), v_at(1, c + 8)),
-                                kvq_pack_halves(v_at(2, c + 0), v_at(3, c + 0)),
-                                kvq_pack_halves(v_at(2, c + 8), v_at(3, c + 8)),
-                            };
-                            kvq_mma(acc[b][h], a, bw);
-                        }
-                    }
                 }
             }
         }
-        __syncwarp(); // p_s and the stage belong to the next tiles
+        // V of the tiles that hold fp16 cells, per view: a latent layer's V cell is its K cell, channels below DV
+        for_each_view(ti.tokens() & ~ti.quant_v(), j0, true, [&](const uint32_t group, const int lim) {
+#pragma unroll
+            for (int ks = 0; ks < 2; ++ks) {
+                float w[4];
+                weights(ks, group, w);
+                const uint32_t bw[2] = { kvq_pack_halves(w[0], w[1]), kvq_pack_halves(w[2], w[3]) };
+                kvq_cell cells[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int     u   = kvq_v_col_cell(tq, ks, e);
+                    const int64_t j   = j0 + u;
+                    const bool    att = attended_by(group, u);
+                    cells[e] = latent
+                        ? kvq_cell_at(qr.k, qr.first, j, hk, att, j >= qr.k.n_sink && u < lim,
+                                      qr.k_tiles + tile*p.k_tiles_nb1 + (size_t) hk*k_bytes)
+                        : kvq_cell_at(qr.v, qr.first, j, hk, att, j >= qr.k.n_sink && u < lim,
+                                      qr.v_rows + j*p.v_rows_nb1 + (size_t) hk*v_bytes);
+                }
+                const auto v_at = [&](const int e, const int c) {
+                    return latent ? kvq_k_value(cells[e], kvq_v_col_cell(tq, ks, e), c, p.k_bits)
+                                  : kvq_v_value(cells[e], c, p.v_bits);
+                };
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int c = QK_KIVI*b + 16*h + gid;
+                        const uint32_t a[4] = {
+                            kvq_pack_halves(v_at(0, c + 0), v_at(1, c + 0)),
+                            kvq_pack_halves(v_at(0, c + 8), v_at(1, c + 8)),
+                            kvq_pack_halves(v_at(2, c + 0), v_at(3, c + 0)),
+                            kvq_pack_halves(v_at(2, c + 8), v_at(3, c + 8)),
+                        };
+                        kvq_mma(acc[b][h], a, bw);
+                    }
+                }
+            }
+        });
+        __syncwarp(); // p_s, the masks and the stage belong to the next tiles
     }
 
     // the warp's state per head: sums over its lanes, the V offsets added to the outputs
@@ -650,7 +730,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
         }
     }
     __syncthreads();
-    kvq_attn_write_block(p, w_s, 2*KVQ_MMA_COLS, slice_s, slice, nh, h0, t, split);
+    kvq_attn_write_block(p, w_s, 2*KVQ_MMA_COLS, slice_s, slice, nh, h0, bt, split);
 #else
     GGML_UNUSED(p);
     NO_DEVICE_CODE;

@@ -27,14 +27,26 @@ bool kvq_attn_mma_wanted(const int device, const kvq_attn_params & p) {
            kvq_attn_mma_smem(p.k.head_dim, p.v.head_dim, p.k_bits, p.v_bits) <= info.smpbo;
 }
 
-template <int D, int DV>
-static void kvq_attn_mma_launch_d(const kvq_attn_params & p, const dim3 grid, cudaStream_t stream) {
+template <int D, int DV, bool packed>
+static void kvq_attn_mma_launch_k(const kvq_attn_params & p, const dim3 grid, cudaStream_t stream) {
     // the most any kivi widths need, raised once per device as far as the device allows (kvq_attn_mma_wanted
     // keeps the launches within it)
     const size_t smpbo = ggml_cuda_info().devices[ggml_cuda_get_device()].smpbo;
-    CUDA_SET_SHARED_MEMORY_LIMIT((kvq_attn_mma_kernel<D, DV>), std::min(kvq_attn_mma_smem(D, DV, 4, 4), smpbo));
-    ggml_cuda_kernel_launch(kvq_attn_mma_kernel<D, DV>, ggml_cuda_kernel_launch_params(grid, KVQ_NWARPS*WARP_SIZE,
+    CUDA_SET_SHARED_MEMORY_LIMIT((kvq_attn_mma_kernel<D, DV, packed>), std::min(kvq_attn_mma_smem(D, DV, 4, 4), smpbo));
+    ggml_cuda_kernel_launch(kvq_attn_mma_kernel<D, DV, packed>, ggml_cuda_kernel_launch_params(grid, KVQ_NWARPS*WARP_SIZE,
                             kvq_attn_mma_smem(D, DV, p.k_bits, p.v_bits), stream), p);
+}
+
+template <int D, int DV>
+static void kvq_attn_mma_launch_d(const kvq_attn_params & p, const dim3 grid, cudaStream_t stream) {
+    if constexpr (kvq_attn_mma_packs(D, DV)) {
+        if (kvq_attn_mma_packed(p)) {
+            kvq_attn_mma_launch_k<D, DV, true>(p, grid, stream);
+            return;
+        }
+    }
+    GGML_ASSERT(p.n_tok == 1);
+    kvq_attn_mma_launch_k<D, DV, false>(p, grid, stream);
 }
 
 void kvq_attn_mma_launch(const kvq_attn_params & p, const dim3 grid, cudaStream_t stream) {

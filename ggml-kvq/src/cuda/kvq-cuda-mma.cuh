@@ -13,5 +13,27 @@
 // its widths need.
 bool kvq_attn_mma_wanted(int device, const kvq_attn_params & p);
 
-// one launch over `grid` = (n_splits, n_head_kv*n_groups, tokens) with p.tiles_per_split == KVQ_MMA_TILES_PER_SPLIT
+// Whether the kernel of head sizes D and DV can take several tokens a block: not for latent layers (the multi-head
+// latent attention models have 16 query heads or more) nor past head size 128, where the packed kernel spills
+// registers (bench/cuda_kernels.py)
+static constexpr bool kvq_attn_mma_packs(const int D, const int DV) {
+    return DV == D && D <= 128;
+}
+
+// Whether a layer's attention runs the packed kernel: its shape packs and two tokens or more fit beside a KV head's
+// query heads in the N of the mma. The layer decides, never the batch: a decode step runs the packed kernel with one
+// token a block, so that a token's bits never depend on how it was batched (two compilations of one expression need
+// not round alike).
+static inline bool kvq_attn_mma_packed(const kvq_attn_params & p) {
+    return kvq_attn_mma_packs(p.k.head_dim, p.v.head_dim) && 2*p.n_gqa <= KVQ_MMA_COLS;
+}
+
+// Consecutive tokens of a sequence per block (at most: a segment's): as many as fit beside a KV head's query heads
+// (2 for Llama-3's 4 query heads per KV head, 8 without GQA), so that a prefill chunk or a draft reads each tile once
+// for them
+static inline int kvq_attn_mma_tokens(const kvq_attn_params & p) {
+    return kvq_attn_mma_packed(p) ? KVQ_MMA_COLS/p.n_gqa : 1;
+}
+
+// one launch over `grid` = (n_splits, n_head_kv*n_groups, blocks of n_tok tokens) with p.tiles_per_split == KVQ_MMA_TILES_PER_SPLIT
 void kvq_attn_mma_launch(const kvq_attn_params & p, dim3 grid, cudaStream_t stream);

@@ -78,32 +78,32 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     kvq_attn_params p = kvq_attn_make_params(dst);
     const int n_head    = p.n_head;
     const int n_head_kv = p.n_head/p.n_gqa;
-    const int n_tokens  = p.k.n_tokens;
 
     const bool mma   = kvq_attn_mma_wanted(ctx.device, p);
     const int  ncols = mma ? KVQ_MMA_COLS : kvq_attn_ncols(p.n_gqa, p.k.head_dim, p.v.head_dim);
     const int  nvq   = p.v.head_dim <= 128 ? 1 : (p.v.head_dim <= 256 ? 2 : 4);
-    kvq_attn_plan(p, ncols, mma ? KVQ_MMA_TILES_PER_SPLIT : KVQ_TILES_PER_SPLIT);
+    kvq_attn_plan(p, ncols, mma ? KVQ_MMA_TILES_PER_SPLIT : KVQ_TILES_PER_SPLIT, mma ? kvq_attn_mma_tokens(p) : 1);
 
     // the partials of a long context over a large batch would not fit, so launches take the batch in chunks of
-    // tokens
-    const int64_t per_token = (int64_t) n_head*p.n_splits*(p.v.head_dim + 2);
-    const int     chunk     = p.n_splits == 1 ? n_tokens : (int) std::clamp<int64_t>(KVQ_MAX_PARTIALS/per_token, 1, n_tokens);
+    // blocks
+    const int64_t per_block = (int64_t) p.n_tok*n_head*p.n_splits*(p.v.head_dim + 2);
+    const int     n_blocks  = kvq_attn_n_blocks(p);
+    const int     chunk     = p.n_splits == 1 ? n_blocks : (int) std::clamp<int64_t>(KVQ_MAX_PARTIALS/per_block, 1, n_blocks);
     const int     n_rows    = n_head_kv*p.n_groups;
 
     ggml_cuda_pool_alloc<float> part(ctx.pool());
     ggml_cuda_pool_alloc<int>   arrived(ctx.pool());
     if (p.n_splits > 1) {
-        part.alloc(chunk*per_token);
+        part.alloc(chunk*per_block);
         arrived.alloc((int64_t) chunk*n_rows);
         p.part    = part.get();
-        p.part_ms = p.part + (int64_t) chunk*n_head*p.n_splits*p.v.head_dim;
+        p.part_ms = p.part + (int64_t) chunk*p.n_tok*n_head*p.n_splits*p.v.head_dim;
         p.arrived = arrived.get();
     }
 
     cudaStream_t stream = ctx.stream();
-    for (p.t0 = 0; p.t0 < n_tokens; p.t0 += chunk) {
-        const int n = std::min(chunk, n_tokens - p.t0);
+    for (p.z0 = 0; p.z0 < n_blocks; p.z0 += chunk) {
+        const int n = std::min(chunk, n_blocks - p.z0);
         if (p.n_splits > 1) {
             CUDA_CHECK(cudaMemsetAsync(p.arrived, 0, sizeof(int)*n*n_rows, stream));
         }
