@@ -116,7 +116,11 @@ PACKED_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("case", "n_swa"), PACKED_CASES, ids=lambda x: case_id(x) if isinstance(x, Case) else f"swa{x}")
+def packed_id(x: Case | int) -> str:
+    return case_id(x) if isinstance(x, Case) else f"swa{x}"
+
+
+@pytest.mark.parametrize(("case", "n_swa"), PACKED_CASES, ids=packed_id)
 def test_emulated_packed_tokens_read_as_they_would_alone(case: Case, n_swa: int, emulated) -> None:
     """A prefill's tokens packed into blocks give each token the bits it gets decoded alone, one token a step."""
     n = 90
