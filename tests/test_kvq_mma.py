@@ -120,17 +120,20 @@ def packed_id(x: Case | int) -> str:
     return case_id(x) if isinstance(x, Case) else f"swa{x}"
 
 
-@pytest.mark.parametrize(("case", "n_swa"), PACKED_CASES, ids=packed_id)
-def test_emulated_packed_tokens_read_as_they_would_alone(case: Case, n_swa: int, emulated) -> None:
-    """A prefill's tokens packed into blocks give each token the bits it gets decoded alone, one token a step."""
+def packed_as_alone(case: Case, n_swa: int, **where) -> float:
+    """A prefill's tokens packed into blocks get the bits each gets decoded alone, one token a step; returns that
+    result's NMSE against the CPU op's."""
     n = 90
     q, k, v = random_qkv(case, n, seed=5)
-    alone = run_layer(case, q, k, v, [1] * n, n_swa=n_swa, attention_op=emulated)
+    alone = run_layer(case, q, k, v, [1] * n, n_swa=n_swa, **where)
     for ubatches in ([n], [37, 3, 50]):
-        packed = run_layer(case, q, k, v, ubatches, n_swa=n_swa, attention_op=emulated)
-        np.testing.assert_array_equal(packed, alone)
-    want = run_layer(case, q, k, v, [n], n_swa=n_swa)
-    assert nmse(alone, want) <= EMULATED_NMSE_BAR
+        np.testing.assert_array_equal(run_layer(case, q, k, v, ubatches, n_swa=n_swa, **where), alone)
+    return nmse(alone, run_layer(case, q, k, v, [n], n_swa=n_swa))
+
+
+@pytest.mark.parametrize(("case", "n_swa"), PACKED_CASES, ids=packed_id)
+def test_emulated_packed_tokens_read_as_they_would_alone(case: Case, n_swa: int, emulated) -> None:
+    assert packed_as_alone(case, n_swa, attention_op=emulated) <= EMULATED_NMSE_BAR
 
 
 def kivi2(**fields) -> RandomCache:
@@ -214,3 +217,8 @@ def test_gpu_tensor_core_splits_and_batching(gpu: g.Backend) -> None:
     np.testing.assert_array_equal(whole, again)
     np.testing.assert_array_equal(whole, mixed)
 
+
+@pytest.mark.parametrize(("case", "n_swa"), PACKED_CASES, ids=packed_id)
+def test_gpu_packed_tokens_read_as_they_would_alone(case: Case, n_swa: int, gpu: g.Backend) -> None:
+    """On the GPU too: one kernel for the layer whatever the batch, each token's passes its own."""
+    assert packed_as_alone(case, n_swa, backend=gpu) <= NMSE_BAR
