@@ -115,10 +115,10 @@ def test_without_a_driver_it_says_so(tmp_path: Path) -> None:
 def test_the_tensor_core_attention_compiles_without_spills() -> None:
     """kvq-cuda-mma.cu as the build compiles it (its own command, plus -Xptxas=-v): the kernel for head sizes 64,
     96, 128 and 256 and for DeepSeek's latent layers (K 576, V 512), and its packed twin (several tokens a block) for
-    head sizes 64, 96 and 128, none spilling registers (bench/cuda_kernels.py records every kernel's figures)."""
+    the four head sizes, none spilling registers (bench/cuda_kernels.py records every kernel's figures)."""
     mma = [k for k in cuda_kernels.compile_report(BUILD, only="kvq-cuda-mma.cu") if k.kernel.startswith("kvq_attn_mma")]
     shapes = [(64, 64), (96, 96), (128, 128), (256, 256), (576, 512)]
     want = [f"kvq_attn_mma_kernel<{d}, {dv}, false, 4>" for d, dv in shapes]
-    want += [f"kvq_attn_mma_kernel<{d}, {d}, true, 4>" for d in (64, 96, 128)]
+    want += [f"kvq_attn_mma_kernel<{d}, {d}, true, 4>" for d in (64, 96, 128, 256)]
     assert sorted(k.kernel for k in mma) == sorted(want)
     assert all(k.spill_stores == 0 and k.spill_loads == 0 and k.stack_bytes == 0 for k in mma), mma

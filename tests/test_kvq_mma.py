@@ -103,16 +103,17 @@ def test_emulated_batching_does_not_change_results(case: Case, emulated) -> None
     np.testing.assert_array_equal(whole, mixed)
 
 
-# Tokens of a sequence share a block beside their heads (kvq_attn_mma_tokens: 8 over the heads of a KV head, head
-# sizes up to 128): 8 a block without GQA, 4 at GQA 2, 2 at GQA 3 (with 2 padding columns). Windows that do not end
-# on a tile's edge give neighbouring tokens other views of one tile; a sliding window hides tiles from some tokens of
-# a block and not from others.
+# Tokens of a sequence share a block beside their heads (kvq_attn_mma_tokens: 8 over the heads of a KV head): 8 a
+# block without GQA, 4 at GQA 2, 2 at GQA 3 (with 2 padding columns). Windows that do not end on a tile's edge give
+# neighbouring tokens other views of one tile; a sliding window hides tiles from some tokens of a block and not from
+# others (the last case: Gemma 2's head size, soft-capping and sliding-window layers).
 PACKED_CASES = [
     (Case(head_dim=64, n_head=4, n_head_kv=4, window=40, n_sink=3), 0),
     (Case(head_dim=128, n_head=4, n_head_kv=2, window=16, n_sink=0, k_type=GGML_TYPE_KIVI4, v_type=GGML_TYPE_KIVI1),
      0),
     (Case(head_dim=96, n_head=6, n_head_kv=2, window=33, n_sink=2), 0),
     (Case(head_dim=64, n_head=2, n_head_kv=2, window=20, n_sink=0), 45),
+    (Case(head_dim=256, n_head=4, n_head_kv=2, window=40, n_sink=0, softcap=30.0), 60),
 ]
 
 

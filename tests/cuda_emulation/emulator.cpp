@@ -281,7 +281,8 @@ extern "C" void kvq_emu_attn_mma(ggml_tensor * dst, const ggml_tensor * attn, in
     const int tiles_per_split = emu_tiles_per_split(userdata, KVQ_MMA_TILES_PER_SPLIT);
     GGML_ASSERT(tiles_per_split % KVQ_NWARPS == 0);
     const emu_attn a(dst, attn, KVQ_MMA_COLS, tiles_per_split, true);
-    const size_t smem = kvq_attn_mma_smem(a.p.k.head_dim, a.p.v.head_dim, a.p.k_bits, a.p.v_bits);
+    const size_t smem = kvq_attn_mma_smem(a.p.k.head_dim, a.p.v.head_dim, a.p.k_bits, a.p.v_bits,
+                                         kvq_attn_mma_packed(a.p));
     const auto   run  = [&](auto kernel) {
         emu_launch(a.grid(), KVQ_NWARPS*WARP_SIZE, kvq_mma_smem, sizeof(kvq_mma_smem), smem, [&]() { kernel(a.p); });
     };

@@ -255,6 +255,12 @@ static __host__ __device__ constexpr int kvq_mma_warp_bytes(const int D, const i
            (1 + KVQ_MMA_STAGES)*QK_KIVI*KVQ_MMA_COLS*(int) sizeof(float);
 }
 
+// Whether Q's fragments sit in shared memory rather than registers: a latent layer's (576 channels: 72 registers), and
+// a packed kernel's of head size 256 (32 registers), whose passes per token would spill them
+static __host__ __device__ constexpr bool kvq_mma_q_shared(const int D, const int DV, const bool packed) {
+    return DV < D || (packed && D > 128);
+}
+
 // TPW tiles per warp and split: the product's is KVQ_MMA_TILES_PER_SPLIT's share; the emulation's tests force others
 // to hold the merge to any number of splits. DV < D: a latent layer, whose V is K's first DV channels. packed: blocks
 // of p.n_tok tokens (kvq_attn_mma_packed); a layer whose heads leave no room for a second token compiles without the
@@ -313,11 +319,12 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
     const kvq_lane_codes v_codes = kvq_lane_codes_at(gid, p.v_bits);
     const kvq_lane_cells v_cells = kvq_lane_cells_at(tq, p.k_bits);  // a latent V's codes, from K's blocks
 
-    // B of Q^T per k-step (kvq_q_fragment): in registers, or a latent layer's in shared memory after the warps'
-    // loops, lane by lane [kk][lane]
-    uint32_t q2[latent ? 1 : NK][2];
+    // B of Q^T per k-step (kvq_q_fragment): in registers, or in shared memory after the warps' loops, lane by lane
+    // [kk][lane] (kvq_mma_q_shared)
+    constexpr bool q_shared = kvq_mma_q_shared(D, DV, packed);
+    uint32_t q2[q_shared ? 1 : NK][2];
     uint2  * q_s = (uint2 *) (kvq_mma_smem + KVQ_NWARPS*warp_bytes);
-    if constexpr (latent) {
+    if constexpr (q_shared) {
         for (int idx = threadIdx.x; idx < NK*WARP_SIZE; idx += blockDim.x) {
             const int g = idx % WARP_SIZE / 4;
             uint32_t b[2];
@@ -336,7 +343,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
     const uint32_t b_token  = 1u << token_of(gid);                         // B's column's, as a bit
     // Q^T's k-step kk for the tokens of a group, zero in the other columns
     const auto q_at = [&](const int kk, const uint32_t group, uint32_t (&b)[2]) {
-        if constexpr (latent) {
+        if constexpr (q_shared) {
             const uint2 v = q_s[kk*WARP_SIZE + lane];
             b[0] = v.x;
             b[1] = v.y;
@@ -737,10 +744,10 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
 #endif // AMPERE_MMA_AVAILABLE
 }
 
-// shared memory of a block: per warp its stages and its tile's weights (and a latent layer's Q); at the end the
-// warps' states
-static __host__ size_t kvq_attn_mma_smem(const int D, const int DV, const int k_bits, const int v_bits) {
-    const size_t q      = DV < D ? (size_t) D/16*WARP_SIZE*sizeof(uint2) : 0;
+// shared memory of a block: per warp its stages and its tile's weights (and Q where kvq_mma_q_shared); at the end
+// the warps' states
+static __host__ size_t kvq_attn_mma_smem(const int D, const int DV, const int k_bits, const int v_bits, const bool packed) {
+    const size_t q      = kvq_mma_q_shared(D, DV, packed) ? (size_t) D/16*WARP_SIZE*sizeof(uint2) : 0;
     const size_t warps  = KVQ_NWARPS*(size_t) kvq_mma_warp_bytes(D, DV, k_bits, v_bits) + q;
     const size_t states = KVQ_NWARPS*(KVQ_MMA_COLS*DV + 2*KVQ_MMA_COLS)*sizeof(float);
     return std::max(warps, states);

@@ -24,7 +24,7 @@ bool kvq_attn_mma_wanted(const int device, const kvq_attn_params & p) {
     const ggml_cuda_device_info::cuda_device_info & info = ggml_cuda_info().devices[device];
     // a latent layer's kivi4 K needs 105 KB, more than GPUs of compute capability 8.6/8.9 give a block
     return ampere_mma_available(info.cc) && kvq_attn_mma_shape(p) &&
-           kvq_attn_mma_smem(p.k.head_dim, p.v.head_dim, p.k_bits, p.v_bits) <= info.smpbo;
+           kvq_attn_mma_smem(p.k.head_dim, p.v.head_dim, p.k_bits, p.v_bits, kvq_attn_mma_packed(p)) <= info.smpbo;
 }
 
 template <int D, int DV, bool packed>
@@ -32,9 +32,9 @@ static void kvq_attn_mma_launch_k(const kvq_attn_params & p, const dim3 grid, cu
     // the most any kivi widths need, raised once per device as far as the device allows (kvq_attn_mma_wanted
     // keeps the launches within it)
     const size_t smpbo = ggml_cuda_info().devices[ggml_cuda_get_device()].smpbo;
-    CUDA_SET_SHARED_MEMORY_LIMIT((kvq_attn_mma_kernel<D, DV, packed>), std::min(kvq_attn_mma_smem(D, DV, 4, 4), smpbo));
+    CUDA_SET_SHARED_MEMORY_LIMIT((kvq_attn_mma_kernel<D, DV, packed>), std::min(kvq_attn_mma_smem(D, DV, 4, 4, packed), smpbo));
     ggml_cuda_kernel_launch(kvq_attn_mma_kernel<D, DV, packed>, ggml_cuda_kernel_launch_params(grid, KVQ_NWARPS*WARP_SIZE,
-                            kvq_attn_mma_smem(D, DV, p.k_bits, p.v_bits), stream), p);
+                            kvq_attn_mma_smem(D, DV, p.k_bits, p.v_bits, packed), stream), p);
 }
 
 template <int D, int DV>

@@ -14,10 +14,9 @@
 bool kvq_attn_mma_wanted(int device, const kvq_attn_params & p);
 
 // Whether the kernel of head sizes D and DV can take several tokens a block: not for latent layers (the multi-head
-// latent attention models have 16 query heads or more) nor past head size 128, where the packed kernel spills
-// registers (bench/cuda_kernels.py)
+// latent attention models have 16 query heads or more)
 static constexpr bool kvq_attn_mma_packs(const int D, const int DV) {
-    return DV == D && D <= 128;
+    return DV == D;
 }
 
 // Whether a layer's attention runs the packed kernel: its shape packs and two tokens or more fit beside a KV head's
