@@ -259,16 +259,10 @@ static auto emu_mma_kernel(const int tpw) {
     GGML_ABORT("no emulated tensor-core kernel for head size %d at %d tiles per warp", D, tpw);
 }
 
-// the kernel the launch picks (kvq_attn_mma_launch_d)
+// the kernel the launch picks (kvq_attn_mma_dispatch)
 template <int D, int DV>
 static auto emu_mma_kernel_for(const kvq_attn_params & p, const int tpw) {
-    if constexpr (kvq_attn_mma_packs(D, DV)) {
-        if (kvq_attn_mma_packed(p)) {
-            return emu_mma_kernel<D, DV, true>(tpw);
-        }
-    }
-    GGML_ASSERT(p.n_tok == 1);
-    return emu_mma_kernel<D, DV, false>(tpw);
+    return kvq_attn_mma_dispatch<D, DV>(p, [&](auto packed) { return emu_mma_kernel<D, DV, packed()>(tpw); });
 }
 
 // ggml_custom1_op_t: the attention node's output through the tensor-core kernel (the head sizes

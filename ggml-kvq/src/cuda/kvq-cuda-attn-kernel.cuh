@@ -262,8 +262,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(c
     const int hk     = bh.hk;
     const int h0     = bh.h0;
     const int nh     = bh.nh;
-    // one token a block (planned with n_tok 1: kvq_block_tokens_at's first is then the block's z)
-    const kvq_block_tokens bt = { p.z0 + (int) blockIdx.z, 1 };
+    const kvq_block_tokens bt = kvq_block_token_at(p);  // planned with one token a block
     const int t      = bt.first;
     const int D      = p.k.head_dim;
     const int Dv     = p.v.head_dim;

@@ -80,6 +80,11 @@ static __device__ __forceinline__ kvq_block_tokens kvq_block_tokens_at(const kvq
     return { z / p.bps*p.k.n_tps + sub, min(p.n_tok, p.k.n_tps - sub) };
 }
 
+// ... of a launch planned with one token a block: the block's z
+static __device__ __forceinline__ kvq_block_tokens kvq_block_token_at(const kvq_attn_params & p) {
+    return { p.z0 + (int) blockIdx.z, 1 };
+}
+
 // online softmax state of a part of the context, for one output channel
 struct kvq_partial {
     float max;

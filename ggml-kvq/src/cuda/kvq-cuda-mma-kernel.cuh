@@ -286,17 +286,16 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
     const int hk    = bh.hk;
     const int h0    = bh.h0;
     const int nh    = bh.nh;
-    const kvq_block_tokens bt = packed ? kvq_block_tokens_at(p) : kvq_block_tokens{ kvq_block_tokens_at(p).first, 1 };
+    const kvq_block_tokens bt = packed ? kvq_block_tokens_at(p) : kvq_block_token_at(p);
     const int n_col = bt.n*nh;  // real columns: token col/nh, head h0 + col%nh
 
     const kvq_query qr = kvq_query_at(p, bt.first);  // the segment's, the first token's limits
     const int       i0 = (int) (qr.first + bt.first % p.k.n_tps);
-    // token tt's view of the tile from cell j0 on: the tile's cells below it that it reads quantized (sinks aside)
-    const auto view_k = [&](const int tt, const int j0) {
-        return min(max((int) ggml_kvq_lim_k(i0 + tt, p.window) - j0, 0), QK_KIVI);
-    };
-    const auto view_v = [&](const int tt, const int j0) {
-        return latent ? view_k(tt, j0) : min(max((int) ggml_kvq_lim_v(i0 + tt, p.window) - j0, 0), QK_KIVI);
+    // token tt's view of the tile from cell j0 on: the tile's cells below its limit, which it reads quantized (sinks
+    // aside)
+    const auto view = [&](const bool v, const int tt, const int j0) {
+        const int lim = (int) (v && !latent ? ggml_kvq_lim_v(i0 + tt, p.window) : ggml_kvq_lim_k(i0 + tt, p.window));
+        return min(max(lim - j0, 0), QK_KIVI);
     };
     // the token of a column (a padding column's: the last token's, its Q zeros), and a column's Q row
     const auto token_of = [&](const int col) { return min(col / nh, bt.n - 1); };
@@ -365,15 +364,16 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
 
     const int n_tiles = (p.n_kv + QK_KIVI - 1)/QK_KIVI;
 
-    // the warp's k-th tile of the split
+    // the warp's k-th tile of the split, and its mask rows (in stage k % KVQ_MMA_STAGES)
     const auto warp_tile = [&](const int k) { return split*(TPW*KVQ_NWARPS) + warp + k*KVQ_NWARPS; };
+    const auto masks_of  = [&](const int k) { return mask_s + k % KVQ_MMA_STAGES*(KVQ_MMA_COLS*QK_KIVI); };
     // what the warp knows of its k-th tile, its mask rows and copies to stage k % KVQ_MMA_STAGES
     const auto prefetch = [&](const int k) {
         const int     tile = warp_tile(k);
         const int     j0   = tile*QK_KIVI;
         const int64_t j    = j0 + lane;
         const bool    in   = tile < n_tiles && j < qr.end;
-        float * m_s = mask_s + k % KVQ_MMA_STAGES*(KVQ_MMA_COLS*QK_KIVI);
+        float * m_s = masks_of(k);
         uint32_t mine = 0, tokens = 0, quant_k = 0, quant_v = 0;
         for (int tt = 0; tt < bt.n; ++tt) {
             const float mv  = in ? kvq_mask_value(p, bt.first + tt, qr.col0 + j) : -INFINITY;
@@ -381,8 +381,8 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
             m_s[tt*QK_KIVI + lane] = mv;
             mine    |= (uint32_t) att << tt;
             tokens  |= (uint32_t) (__ballot_sync(0xFFFFFFFF, att) != 0) << tt;
-            quant_k |= (uint32_t) __all_sync(0xFFFFFFFF, !att || (j >= qr.k.n_sink && lane < view_k(tt, j0))) << tt;
-            quant_v |= (uint32_t) __all_sync(0xFFFFFFFF, !att || (j >= qr.k.n_sink && lane < view_v(tt, j0))) << tt;
+            quant_k |= (uint32_t) __all_sync(0xFFFFFFFF, !att || (j >= qr.k.n_sink && lane < view(false, tt, j0))) << tt;
+            quant_v |= (uint32_t) __all_sync(0xFFFFFFFF, !att || (j >= qr.k.n_sink && lane < view(true, tt, j0))) << tt;
         }
         quant_k &= tokens;
         quant_v &= tokens;
@@ -409,10 +409,10 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
             if (!(tokens >> tt & 1)) {
                 continue;
             }
-            const int lim   = v ? view_v(tt, j0) : view_k(tt, j0);
+            const int lim   = view(v, tt, j0);
             uint32_t  group = 0;
             for (int u = tt; u < bt.n; ++u) {
-                group |= (uint32_t) ((tokens >> u & 1) && (v ? view_v(u, j0) : view_k(u, j0)) == lim) << u;
+                group |= (uint32_t) ((tokens >> u & 1) && view(v, u, j0) == lim) << u;
             }
             tokens &= ~group;
             pass(group, lim);
@@ -434,7 +434,7 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
             continue;
         }
         const char *  stage_s = stages_s + k % KVQ_MMA_STAGES*stage_bytes;
-        const float * m_s     = mask_s + k % KVQ_MMA_STAGES*(KVQ_MMA_COLS*QK_KIVI);
+        const float * m_s     = masks_of(k);
         const int     tile    = warp_tile(k);
         const int     j0      = tile*QK_KIVI;
         // the tokens of the group that attend a cell of the tile

@@ -39,14 +39,7 @@ static void kvq_attn_mma_launch_k(const kvq_attn_params & p, const dim3 grid, cu
 
 template <int D, int DV>
 static void kvq_attn_mma_launch_d(const kvq_attn_params & p, const dim3 grid, cudaStream_t stream) {
-    if constexpr (kvq_attn_mma_packs(D, DV)) {
-        if (kvq_attn_mma_packed(p)) {
-            kvq_attn_mma_launch_k<D, DV, true>(p, grid, stream);
-            return;
-        }
-    }
-    GGML_ASSERT(p.n_tok == 1);
-    kvq_attn_mma_launch_k<D, DV, false>(p, grid, stream);
+    kvq_attn_mma_dispatch<D, DV>(p, [&](auto packed) { kvq_attn_mma_launch_k<D, DV, packed()>(p, grid, stream); });
 }
 
 void kvq_attn_mma_launch(const kvq_attn_params & p, const dim3 grid, cudaStream_t stream) {

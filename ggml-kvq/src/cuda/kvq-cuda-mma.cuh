@@ -3,6 +3,8 @@
 
 #include "kvq-cuda-attn.cuh"
 
+#include <type_traits>
+
 #define KVQ_MMA_COLS            8   // query heads per block: the N of mma.m16n8k16
 #define KVQ_MMA_TILES_PER_SPLIT 16  // context tiles per block, KVQ_MMA_TILES_PER_SPLIT/KVQ_NWARPS per warp
 #define KVQ_MMA_STAGES          2   // tiles in flight per warp (cp.async ring)
@@ -32,6 +34,19 @@ static inline bool kvq_attn_mma_packed(const kvq_attn_params & p) {
 // for them
 static inline int kvq_attn_mma_tokens(const kvq_attn_params & p) {
     return kvq_attn_mma_packed(p) ? KVQ_MMA_COLS/p.n_gqa : 1;
+}
+
+// f(std::bool_constant<packed>) for the kernel a layer of head sizes D and DV runs: the packed one where
+// kvq_attn_mma_packed, else the one-token one (planned with one token a block)
+template <int D, int DV, typename F>
+static auto kvq_attn_mma_dispatch(const kvq_attn_params & p, F f) {
+    if constexpr (kvq_attn_mma_packs(D, DV)) {
+        if (kvq_attn_mma_packed(p)) {
+            return f(std::true_type{});
+        }
+    }
+    GGML_ASSERT(p.n_tok == 1);
+    return f(std::false_type{});
 }
 
 // one launch over `grid` = (n_splits, n_head_kv*n_groups, blocks of n_tok tokens) with p.tiles_per_split == KVQ_MMA_TILES_PER_SPLIT
