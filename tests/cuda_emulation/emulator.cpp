@@ -11,6 +11,7 @@
 
 #include <barrier>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -39,6 +40,23 @@ struct emu_block {
 };
 
 emu_block * g_block = nullptr;
+
+// a cp.async in flight
+struct emu_copy {
+    char *       dst;
+    const char * src;
+    int          bytes;
+};
+
+// the calling thread's cp.async copies: those not yet committed, and its committed groups, oldest first
+struct emu_copies {
+    std::vector<emu_copy>              open;
+    std::deque<std::vector<emu_copy>> groups;
+
+    bool idle() const { return open.empty() && groups.empty(); }
+};
+
+thread_local emu_copies t_copies;
 
 emu_warp & my_warp() {
     return g_block->warps[threadIdx.x/WARP_SIZE];
@@ -77,6 +95,10 @@ void emu_launch(const dim3 grid, const int n_threads, void * smem, const size_t 
                         }
                         block.bar.arrive_and_wait();
                         body();
+                        if (!t_copies.idle()) {
+                            // a block that ends with copies in flight into its shared memory: a kernel bug
+                            std::abort();
+                        }
                         block.bar.arrive_and_wait();
                     }
                 }
@@ -129,6 +151,29 @@ bool kvq_emu_syncthreads_or(bool pred) {
     }
     g_block->bar.arrive_and_wait();
     return r;
+}
+
+// PTX ISA, cp.async: the copy may land at any time until the thread's cp.async.wait_group retires its group, and
+// only then is it visible to the thread (to the warp's other lanes after a __syncwarp). The emulation takes both
+// extremes: at the issue the destination holds the NaN pattern of unwritten shared memory (a lane that still reads
+// what the stage held, or reads it before the wait, sees it), and the data lands when the wait retires the group.
+void kvq_emu_cp_async(char * dst_s, const char * src, int bytes) {
+    memset(dst_s, 0xFF, bytes);
+    t_copies.open.push_back({ dst_s, src, bytes });
+}
+
+void kvq_emu_cp_async_commit() {
+    t_copies.groups.push_back(std::move(t_copies.open));
+    t_copies.open.clear();
+}
+
+void kvq_emu_cp_async_wait(int n) {
+    while ((int) t_copies.groups.size() > n) {
+        for (const emu_copy & c : t_copies.groups.front()) {
+            memcpy(c.dst, c.src, c.bytes);
+        }
+        t_copies.groups.pop_front();
+    }
 }
 
 // PTX ISA, mma.m16n8k16 with .f16 A and B: lane 4*g + t holds A (row g, columns 2t, 2t+1), (row g+8, the
