@@ -1,9 +1,11 @@
 """Registers, spills and stack of pykvq's CUDA kernels as ptxas builds them in the real CUDA build (.ci/cuda-build,
 no GPU needed): each of our .cu files is compiled once more with its own command from the build's
-compile_commands.json, plus -Xptxas=-v, into a scratch object. Writes bench/results/cuda-kernels-<arch>.json and
-prints a table.
+compile_commands.json, plus -Xptxas=-v, into a scratch object; for the build's architecture, or for those named
+(`--arch 86 120a`, `--arch default`: every architecture of a user's build, cmake/pykvq-cuda-archs.cmake, where CI
+builds sm_90 alone). Writes bench/results/cuda-kernels-<archs>.json (cuda-kernels-default-archs.json) and prints
+a table.
 
-    python bench/cuda_kernels.py [--build build/cuda]
+    python bench/cuda_kernels.py [--build build/cuda] [--arch default | 86 120a ...]
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,9 +30,10 @@ OUR_SOURCES = "ggml-kvq/src/cuda/"
 
 log = logging.getLogger("cuda_kernels")
 
-_ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+a?)'")
+_ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+[af]?)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
+_GENCODE = re.compile(r"^--generate-code=|^-gencode|^-arch=|^--gpu-architecture")
 
 
 @dataclass(frozen=True)
@@ -63,38 +69,68 @@ def parse_ptxas(source: str, text: str) -> list[KernelResources]:
             for name, (_, arch, regs, stack, stores, loads) in zip(names, found, strict=True)]
 
 
-def compile_report(build: Path, only: str | None = None) -> list[KernelResources]:
+def for_archs(args: list[str], archs: list[str]) -> list[str]:
+    """A compile command's arguments with its target architectures replaced by machine code for `archs`."""
+    kept = [a for a in args if not _GENCODE.match(a)]
+    if len(kept) == len(args):
+        raise SystemExit(f"cuda_kernels: no architecture flag in the compile command: {shlex.join(args)[:400]}")
+    i = kept.index("-c")
+    return kept[:i] + [f"--generate-code=arch=compute_{a},code=[sm_{a}]" for a in archs] + kept[i:]
+
+
+def default_archs() -> list[str]:
+    """The architectures a CUDA build that names none takes on a machine without a GPU
+    (cmake/pykvq-cuda-archs.cmake, for this machine's nvcc), as compute capabilities: 75, 86, 120a, ..."""
+    nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True).stdout
+    version = re.search(r"release (\d+\.\d+)", nvcc)
+    if version is None:
+        raise SystemExit(f"cuda_kernels: no release in nvcc --version:\n{nvcc}")
+    proc = subprocess.run(["cmake", f"-DCUDA_VERSION={version.group(1)}", "-DGPU_CAPS=", "-P",
+                           str(REPO / "cmake" / "pykvq-cuda-archs.cmake")], capture_output=True, text=True, check=True)
+    return [arch.split("-")[0] for arch in proc.stderr.split()]
+
+
+def _compile(command: dict, archs: list[str] | None, scratch: Path) -> list[KernelResources]:
+    args = shlex.split(command["command"])
+    if archs:
+        args = for_archs(args, archs)
+    source = Path(command["file"]).name
+    args[args.index("-o") + 1] = str(scratch / f"{source}.o")
+    # ccache keeps the compiler's report with the object: a rerun of unchanged sources takes seconds
+    launcher = ["ccache"] if shutil.which("ccache") else []
+    log.info("compiling %s with -Xptxas=-v%s", source, f" for {', '.join(archs)}" if archs else "")
+    proc = subprocess.run([*launcher, *args, "-Xptxas=-v"], cwd=command["directory"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"cuda_kernels: {source} does not compile:\n{proc.stderr[-4000:]}")
+    return parse_ptxas(source, proc.stdout + proc.stderr)
+
+
+def compile_report(build: Path, only: str | None = None, archs: list[str] | None = None) -> list[KernelResources]:
     """Every kernel of our CUDA sources (or of the one named `only`) in the build at `build` (its
-    compile_commands.json)."""
+    compile_commands.json), for the build's architectures or `archs`; the sources in parallel."""
     commands = json.loads((build / "compile_commands.json").read_text())
     ours = [c for c in commands if OUR_SOURCES in c["file"] and c["file"].endswith(".cu")
             and (only is None or Path(c["file"]).name == only)]
     if not ours:
         raise SystemExit(f"cuda_kernels: {build} holds no compile command of {OUR_SOURCES}*.cu: not a CUDA build")
-    report = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for c in ours:
-            args = shlex.split(c["command"])
-            out = args.index("-o")
-            args[out + 1] = str(Path(scratch) / "kernel.o")
-            source = Path(c["file"]).name
-            log.info("compiling %s with -Xptxas=-v", source)
-            proc = subprocess.run([*args, "-Xptxas=-v"], cwd=c["directory"], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise SystemExit(f"cuda_kernels: {source} does not compile:\n{proc.stderr[-4000:]}")
-            report += parse_ptxas(source, proc.stdout + proc.stderr)
-    return report
+    with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(os.cpu_count()) as pool:
+        reports = pool.map(lambda c: _compile(c, archs, Path(scratch)), ours)
+        return [k for report in reports for k in report]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", type=Path, default=REPO / "build" / "cuda", help="the CUDA build folder")
+    parser.add_argument("--arch", nargs="+", metavar="CC",
+                        help="compute capabilities to compile for instead of the build's (86 = sm_86, 120a = sm_120a; "
+                             "`default`: those of a build that names none, on a machine without a GPU)")
     parser.add_argument("--out", type=Path, help="JSON to write (default bench/results/cuda-kernels-<arch>.json)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    report = compile_report(args.build)
+    default = args.arch == ["default"]
+    report = compile_report(args.build, archs=default_archs() if default else args.arch)
     archs = sorted({k.arch for k in report})
-    out = args.out or RESULTS / f"cuda-kernels-{'-'.join(archs)}.json"
+    out = args.out or RESULTS / f"cuda-kernels-{'default-archs' if default else '-'.join(archs)}.json"
     out.write_text(json.dumps({"archs": archs, "kernels": [asdict(k) for k in report]}, indent=1) + "\n")
     print("| kernel | arch | registers | stack B | spill stores B | spill loads B |\n|---|---|---:|---:|---:|---:|")
     for k in report:

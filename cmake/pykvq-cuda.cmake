@@ -8,6 +8,18 @@ endif()
 
 find_package(CUDAToolkit REQUIRED)
 
+include(${CMAKE_CURRENT_LIST_DIR}/pykvq-cuda-archs.cmake)
+if (NOT CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
+    pykvq_gpu_caps(caps)
+    pykvq_cuda_archs(archs ${CUDAToolkit_VERSION} "${caps}")
+    set(CMAKE_CUDA_ARCHITECTURES "${archs}" CACHE STRING "" FORCE)
+    if (caps)
+        message(STATUS "pykvq: CUDA architectures ${archs}: this machine's GPUs")
+    else()
+        message(STATUS "pykvq: CUDA architectures ${archs}: no GPU here, so upstream's list")
+    endif()
+endif()
+
 set(PYKVQ_CUBLAS_ROOT "" CACHE PATH
     "pykvq: folder with include/cublas_v2.h and lib/libcublas.so*, when the CUDA toolkit has no cuBLAS")
 set(PYKVQ_CUDA_INSTALL_RPATH "")

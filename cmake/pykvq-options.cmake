@@ -18,8 +18,3 @@ set(GGML_RPC ON CACHE BOOL "" FORCE)
 
 # the sdist carries no git history: tell upstream which commit it is
 set(LLAMA_BUILD_COMMIT ${PYKVQ_LLAMA_CPP_COMMIT})
-
-if (GGML_CUDA AND NOT CMAKE_CUDA_ARCHITECTURES)
-    # Ampere, Ada, Hopper; override with -DCMAKE_CUDA_ARCHITECTURES=...
-    set(CMAKE_CUDA_ARCHITECTURES "80-virtual;86-real;89-real;90-real" CACHE STRING "" FORCE)
-endif()
