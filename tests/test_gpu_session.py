@@ -47,7 +47,7 @@ def test_the_hash_follows_the_sources_and_nothing_else(tree_copy: Path) -> None:
     assert fingerprint(tree_copy) != before
 
 
-@pytest.mark.parametrize("listing", ["recheck.txt", "mma.txt"])
+@pytest.mark.parametrize("listing", ["recheck.txt", "mma.txt", "sanitize.txt"])
 def test_the_tests_a_listing_names_exist(listing: str) -> None:
     ids = [line for line in (REPO / "bench" / "gpu" / listing).read_text().splitlines() if line.strip()]
     assert ids

@@ -14,8 +14,9 @@
 # must pass as the CPU build does) -> bench (decode, prefill, largest context). Run only when named: mma (the
 # tensor-core attention, issue 18: its tests and decode speed against the CUDA-core kernel), op (the attention op
 # alone, bench/gpu/attn_op.py), profile (its DRAM bytes and instructions under ncu, bench/gpu/attn_profile.py) and
-# threshold (prefill by batch size through each kivi path, bench/prefill_speed.py --ubatch). PYKVQ_GPU_STEPS picks
-# and orders them.
+# threshold (prefill by batch size through each kivi path, bench/prefill_speed.py --ubatch) and sanitize
+# (compute-sanitizer's memcheck, racecheck and synccheck over the kernels' op tests). PYKVQ_GPU_STEPS picks and orders
+# them.
 # The suite waits for the model assets, which travel in parts (.gpu-carry/partN, one per command).
 # Each step leaves <step>.log and <step>.json under /tmp/pykvq-gpu; every poll copies them to $OUT.
 set -uo pipefail
@@ -253,6 +254,40 @@ step_threshold() {
         --depth 4096 16384 --ubatch 8 16 32 64 128 256 --kv-types f16,kivi2 --repeat 1 --workdir /tmp
     local rc=$?
     bundle "$WORK/threshold.json" bench/results/prefill-speed-h*-ub8-*.json
+    return $rc
+}
+
+# compute-sanitizer over the op tests of both attention kernels and the store (bench/gpu/sanitize.txt; the
+# tensor-core tests also run the CUDA-core kernel): memcheck (out-of-bounds and misaligned accesses), racecheck
+# (shared-memory hazards between threads: what the CPU emulation, whose lanes meet at every warp collective, cannot
+# see) and synccheck (barriers), each tool its own run of at most 4 minutes
+step_sanitize() {
+    cd "$SRC"
+    local tool code rc=0 tests
+    mapfile -t tests < <(grep -v '^\s*$' "$SRC/bench/gpu/sanitize.txt")
+    : > "$WORK/sanitize-exit.txt"
+    for tool in memcheck racecheck synccheck; do
+        log "compute-sanitizer --tool $tool"
+        GGML_KVQ_CUDA_MMA=1 timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 \
+            pytest -p no:cacheprovider -q -x --timeout 600 "${tests[@]}" > "$WORK/sanitize-$tool.log" 2>&1
+        code=$?
+        echo "$tool $code" >> "$WORK/sanitize-exit.txt"
+        [ $code -eq 0 ] || rc=1
+    done
+    python3 - "$WORK" "$(gpu_name)" <<'EOF'
+import json, re, sys
+from pathlib import Path
+work = Path(sys.argv[1])
+tools = {}
+for line in (work / "sanitize-exit.txt").read_text().splitlines():
+    tool, code = line.split()
+    text = (work / f"sanitize-{tool}.log").read_text(errors="replace")
+    summary = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+    tools[tool] = {"exit": int(code), "errors": int(summary[-1]) if summary else None,
+                   "tests": {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped)", text)},
+                   "reports": [line for line in text.splitlines() if line.startswith("========= ")][:40]}
+json.dump({"gpu": sys.argv[2], "tools": tools}, open(work / "sanitize.json", "w"), indent=1)
+EOF
     return $rc
 }
 
