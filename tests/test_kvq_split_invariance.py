@@ -3,7 +3,8 @@ tests/kvq_emulation.py: the same cache read with the context forced into 1, 2, 7
 make (one tile per split on CUDA cores, one per warp on tensor cores) gives the kernel's own result within the
 reassociation of its sums (and, on tensor cores, the fp16 rounding of its softmax weights), so that the last block's
 merge of the partials is judged apart from the split size the product happens to use. Each result is also held to
-the CPU op, so that a merge that drops or repeats a split fails whichever split counts agree."""
+the CPU op, so that a merge that drops or repeats a split fails whichever split counts agree. A batch taken in
+several launches (chunks of blocks, as a long context's large batch is on a GPU) gives the bits of one launch."""
 
 from __future__ import annotations
 
@@ -82,3 +83,39 @@ def test_forced_splits_agree_with_the_kernels_own(kernel: str, results) -> None:
         assert nmse(forced, own) <= REASSOCIATION_NMSE_BAR[kernel], f"{splits(tiles)} splits"
     # the forcing reached the kernel: one split sums in another order than the kernel's own splits
     assert not np.array_equal(results[kernel][FORCED[kernel][0]], own)
+
+
+# three streams of five batch tokens at different depths, several splits on both kernels: 9 blocks of 2 tokens on
+# tensor cores (GQA 4), 15 of one token on CUDA cores
+CHUNKED = RandomCache(n_head=8, n_head_kv=2, head_dim=128, k_type=GGML_TYPE_KIVI2, v_type=GGML_TYPE_KIVI2, window=32,
+                      sinks=5, depth=40 * 32 - 9, seqs=3, stagger=300, n_tps=5)
+TOKENS_PER_BLOCK = {"cuda cores": 1, "tensor cores": 2}
+
+
+@pytest.mark.parametrize("kernel", FORCED)
+def test_launches_in_chunks_of_blocks_change_no_bit(kernel: str, cuda_emulation: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long context over a large batch takes several launches, each a chunk of blocks (kvq_attn_launch_blocks):
+    the batch in chunks of one block and of two gives the bits of one launch."""
+    n_splits = -(-CHUNKED.kv_size // 32 // OWN_TILES[kernel])
+    block_partials = TOKENS_PER_BLOCK[kernel] * CHUNKED.n_head * n_splits * (CHUNKED.head_dim + 2)
+    assert n_splits > 1
+    op = emulation.attention_op(cuda_emulation, kernel)
+    shape = (CHUNKED.seqs * CHUNKED.n_tps, CHUNKED.n_head, CHUNKED.head_dim)
+    ctx = g.Context(mem_size=(64 << 20) + CHUNKED.data_bytes())
+    try:
+        node = attention(ctx, CHUNKED, np.random.default_rng(9))
+        out = {}
+        for max_partials in (None, 1, 2 * block_partials):
+            if max_partials is not None:
+                monkeypatch.setenv("KVQ_EMU_MAX_PARTIALS", str(max_partials))
+            t = g.libs().base.ggml_map_custom1(ctx.ctx, node, op, 1, g.libs().ffi.NULL)
+            ctx.compute(t)
+            out[max_partials] = ctx.read(t, np.float32, shape)
+        ctx.compute(node)
+        cpu = ctx.read(node, np.float32, shape)
+    finally:
+        ctx.close()
+    assert nmse(out[None], cpu) <= CPU_NMSE_BAR
+    np.testing.assert_array_equal(out[1], out[None])
+    np.testing.assert_array_equal(out[2 * block_partials], out[None])

@@ -212,8 +212,16 @@ void kvq_emu_mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) 
     }
 }
 
+// floats of split partials per launch: KVQ_MAX_PARTIALS, or fewer where a test sets KVQ_EMU_MAX_PARTIALS, so that
+// a small batch takes several launches as a long context's large batch does on a GPU
+static int64_t emu_max_partials() {
+    const char * forced = getenv("KVQ_EMU_MAX_PARTIALS");
+    return forced != nullptr ? atoll(forced) : KVQ_MAX_PARTIALS;
+}
+
 // A GGML_OP_KVQ attention node's parameters, planned with ncols query heads and n_tok tokens per block and splits of
-// tiles_per_split tiles, the whole batch in one launch; the split partials in host memory
+// tiles_per_split tiles, launched as kvq-cuda.cu launches it: in chunks of blocks along z (kvq_attn_launch_blocks),
+// the split partials of one chunk in host memory
 struct emu_attn {
     emu_attn(ggml_tensor * dst, const ggml_tensor * attn, const int ncols, const int tiles_per_split, const bool mma) {
         p = kvq_attn_make_params(attn);
@@ -222,31 +230,44 @@ struct emu_attn {
         p.dst_nb1 = dst->nb[1];
         p.dst_nb2 = dst->nb[2];
         kvq_attn_plan(p, ncols, tiles_per_split, mma ? kvq_attn_mma_tokens(p) : 1);
-        const size_t rows = (size_t) kvq_attn_n_blocks(p)*p.n_tok*p.n_head*p.n_splits;
-        part.resize(rows*(p.v.head_dim + 2));
-        arrived.resize((size_t) kvq_attn_n_blocks(p)*grid().y);
+        chunk = kvq_attn_launch_blocks(p, emu_max_partials());
+        part.resize((size_t) chunk*kvq_attn_block_partials(p));
+        arrived.resize((size_t) chunk*rows());
         p.part    = part.data();
-        p.part_ms = p.part + rows*p.v.head_dim;
+        p.part_ms = p.part + (size_t) chunk*p.n_tok*p.n_head*p.n_splits*p.v.head_dim;
         p.arrived = arrived.data();
     }
 
-    dim3 grid() const {
-        return dim3(p.n_splits, p.n_head/p.n_gqa*p.n_groups, kvq_attn_n_blocks(p));
+    int rows() const {
+        return p.n_head/p.n_gqa*p.n_groups;
+    }
+
+    // launch(grid) per chunk, p.z0 its first block
+    template <typename F>
+    void launches(F launch) {
+        const int n_blocks = kvq_attn_n_blocks(p);
+        for (p.z0 = 0; p.z0 < n_blocks; p.z0 += chunk) {
+            std::fill(arrived.begin(), arrived.end(), 0);
+            launch(dim3(p.n_splits, rows(), std::min(chunk, n_blocks - p.z0)));
+        }
     }
 
     kvq_attn_params    p;
+    int                chunk;
     std::vector<float> part;
     std::vector<int>   arrived;
 };
 
 template <int ncols, int nvq>
-void emu_cuda_cores(const emu_attn & a) {
-    emu_launch(a.grid(), KVQ_NWARPS*WARP_SIZE, kvq_smem, sizeof(kvq_smem), kvq_attn_smem(ncols, a.p),
-               [&]() { kvq_attn_kernel<ncols, nvq>(a.p); });
+void emu_cuda_cores(emu_attn & a) {
+    a.launches([&](const dim3 grid) {
+        emu_launch(grid, KVQ_NWARPS*WARP_SIZE, kvq_smem, sizeof(kvq_smem), kvq_attn_smem(ncols, a.p),
+                   [&]() { kvq_attn_kernel<ncols, nvq>(a.p); });
+    });
 }
 
 template <int nvq>
-void emu_cuda_cores_cols(const emu_attn & a, const int ncols) {
+void emu_cuda_cores_cols(emu_attn & a, const int ncols) {
     switch (ncols) {
         case 1: emu_cuda_cores<1, nvq>(a); break;
         case 2: emu_cuda_cores<2, nvq>(a); break;
@@ -275,7 +296,7 @@ extern "C" void kvq_emu_attn_cuda_cores(ggml_tensor * dst, const ggml_tensor * a
     }
     const kvq_attn_params p0 = kvq_attn_make_params(attn);
     const int ncols = kvq_attn_ncols(p0.n_gqa, p0.k.head_dim, p0.v.head_dim);
-    const emu_attn a(dst, attn, ncols, emu_tiles_per_split(userdata, KVQ_TILES_PER_SPLIT), false);
+    emu_attn a(dst, attn, ncols, emu_tiles_per_split(userdata, KVQ_TILES_PER_SPLIT), false);
     switch (a.p.v.head_dim <= 128 ? 1 : (a.p.v.head_dim <= 256 ? 2 : 4)) {
         case 1:  emu_cuda_cores_cols<1>(a, ncols); break;
         case 2:  emu_cuda_cores_cols<2>(a, ncols); break;
@@ -319,11 +340,13 @@ extern "C" void kvq_emu_attn_mma(ggml_tensor * dst, const ggml_tensor * attn, in
     }
     const int tiles_per_split = emu_tiles_per_split(userdata, KVQ_MMA_TILES_PER_SPLIT);
     GGML_ASSERT(tiles_per_split % KVQ_NWARPS == 0);
-    const emu_attn a(dst, attn, KVQ_MMA_COLS, tiles_per_split, true);
+    emu_attn     a(dst, attn, KVQ_MMA_COLS, tiles_per_split, true);
     const size_t smem = kvq_attn_mma_smem(a.p.k.head_dim, a.p.v.head_dim, a.p.k_bits, a.p.v_bits,
                                          kvq_attn_mma_packed(a.p));
     const auto   run  = [&](auto kernel) {
-        emu_launch(a.grid(), KVQ_NWARPS*WARP_SIZE, kvq_mma_smem, sizeof(kvq_mma_smem), smem, [&]() { kernel(a.p); });
+        a.launches([&](const dim3 grid) {
+            emu_launch(grid, KVQ_NWARPS*WARP_SIZE, kvq_mma_smem, sizeof(kvq_mma_smem), smem, [&]() { kernel(a.p); });
+        });
     };
     const int tpw = tiles_per_split/KVQ_NWARPS;
     if (a.p.latent) {

@@ -314,3 +314,15 @@ static void kvq_attn_plan(kvq_attn_params & p, const int ncols, const int tiles_
 static int kvq_attn_n_blocks(const kvq_attn_params & p) {
     return p.k.n_tokens/p.k.n_tps*p.bps;
 }
+
+// the split partials of one block along z, in floats
+static int64_t kvq_attn_block_partials(const kvq_attn_params & p) {
+    return (int64_t) p.n_tok*p.n_head*p.n_splits*(p.v.head_dim + 2);
+}
+
+// blocks along z per launch: the partials of a long context over a large batch would not fit in max_partials
+// floats, so launches take the batch in chunks of blocks (kvq_attn_params::z0), each zeroing its arrived counters
+static int kvq_attn_launch_blocks(const kvq_attn_params & p, const int64_t max_partials) {
+    const int n_blocks = kvq_attn_n_blocks(p);
+    return p.n_splits == 1 ? n_blocks : (int) std::clamp<int64_t>(max_partials/kvq_attn_block_partials(p), 1, n_blocks);
+}

@@ -84,17 +84,14 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const int  nvq   = p.v.head_dim <= 128 ? 1 : (p.v.head_dim <= 256 ? 2 : 4);
     kvq_attn_plan(p, ncols, mma ? KVQ_MMA_TILES_PER_SPLIT : KVQ_TILES_PER_SPLIT, mma ? kvq_attn_mma_tokens(p) : 1);
 
-    // the partials of a long context over a large batch would not fit, so launches take the batch in chunks of
-    // blocks
-    const int64_t per_block = (int64_t) p.n_tok*n_head*p.n_splits*(p.v.head_dim + 2);
-    const int     n_blocks  = kvq_attn_n_blocks(p);
-    const int     chunk     = p.n_splits == 1 ? n_blocks : (int) std::clamp<int64_t>(KVQ_MAX_PARTIALS/per_block, 1, n_blocks);
-    const int     n_rows    = n_head_kv*p.n_groups;
+    const int n_blocks = kvq_attn_n_blocks(p);
+    const int chunk    = kvq_attn_launch_blocks(p, KVQ_MAX_PARTIALS);
+    const int n_rows   = n_head_kv*p.n_groups;
 
     ggml_cuda_pool_alloc<float> part(ctx.pool());
     ggml_cuda_pool_alloc<int>   arrived(ctx.pool());
     if (p.n_splits > 1) {
-        part.alloc(chunk*per_block);
+        part.alloc(chunk*kvq_attn_block_partials(p));
         arrived.alloc((int64_t) chunk*n_rows);
         p.part    = part.get();
         p.part_ms = p.part + (int64_t) chunk*p.n_tok*n_head*p.n_splits*p.v.head_dim;
