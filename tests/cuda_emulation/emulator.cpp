@@ -232,14 +232,8 @@ struct emu_attn {
         kvq_attn_plan(p, ncols, tiles_per_split, mma ? kvq_attn_mma_tokens(p) : 1);
         chunk = kvq_attn_launch_blocks(p, emu_max_partials());
         part.resize((size_t) chunk*kvq_attn_block_partials(p));
-        arrived.resize((size_t) chunk*rows());
-        p.part    = part.data();
-        p.part_ms = p.part + (size_t) chunk*p.n_tok*p.n_head*p.n_splits*p.v.head_dim;
-        p.arrived = arrived.data();
-    }
-
-    int rows() const {
-        return p.n_head/p.n_gqa*p.n_groups;
+        arrived.resize((size_t) chunk*kvq_attn_n_rows(p));
+        kvq_attn_use_partials(p, part.data(), arrived.data(), chunk);
     }
 
     // launch(grid) per chunk, p.z0 its first block
@@ -248,7 +242,7 @@ struct emu_attn {
         const int n_blocks = kvq_attn_n_blocks(p);
         for (p.z0 = 0; p.z0 < n_blocks; p.z0 += chunk) {
             std::fill(arrived.begin(), arrived.end(), 0);
-            launch(dim3(p.n_splits, rows(), std::min(chunk, n_blocks - p.z0)));
+            launch(dim3(p.n_splits, kvq_attn_n_rows(p), std::min(chunk, n_blocks - p.z0)));
         }
     }
 

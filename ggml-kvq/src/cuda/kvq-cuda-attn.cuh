@@ -315,9 +315,22 @@ static int kvq_attn_n_blocks(const kvq_attn_params & p) {
     return p.k.n_tokens/p.k.n_tps*p.bps;
 }
 
+// the blocks along y: n_groups blocks of query heads per KV head
+static int kvq_attn_n_rows(const kvq_attn_params & p) {
+    return p.n_head/p.n_gqa*p.n_groups;
+}
+
 // the split partials of one block along z, in floats
 static int64_t kvq_attn_block_partials(const kvq_attn_params & p) {
     return (int64_t) p.n_tok*p.n_head*p.n_splits*(p.v.head_dim + 2);
+}
+
+// points p at the split partials of a launch of `chunk` blocks: `part` holds kvq_attn_block_partials floats a block
+// (the unnormalised outputs of them all, then their (max, sum) pairs), `arrived` a counter per block and row of heads
+static void kvq_attn_use_partials(kvq_attn_params & p, float * part, int * arrived, const int chunk) {
+    p.part    = part;
+    p.part_ms = part + (int64_t) chunk*p.n_tok*p.n_head*p.n_splits*p.v.head_dim;
+    p.arrived = arrived;
 }
 
 // blocks along z per launch: the partials of a long context over a large batch would not fit in max_partials

@@ -76,8 +76,6 @@ static void kvq_attn_launch_cols(const kvq_attn_params & p, const int ncols, con
 
 static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     kvq_attn_params p = kvq_attn_make_params(dst);
-    const int n_head    = p.n_head;
-    const int n_head_kv = p.n_head/p.n_gqa;
 
     const bool mma   = kvq_attn_mma_wanted(ctx.device, p);
     const int  ncols = mma ? KVQ_MMA_COLS : kvq_attn_ncols(p.n_gqa, p.k.head_dim, p.v.head_dim);
@@ -86,16 +84,14 @@ static void kvq_attn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 
     const int n_blocks = kvq_attn_n_blocks(p);
     const int chunk    = kvq_attn_launch_blocks(p, KVQ_MAX_PARTIALS);
-    const int n_rows   = n_head_kv*p.n_groups;
+    const int n_rows   = kvq_attn_n_rows(p);
 
     ggml_cuda_pool_alloc<float> part(ctx.pool());
     ggml_cuda_pool_alloc<int>   arrived(ctx.pool());
     if (p.n_splits > 1) {
         part.alloc(chunk*kvq_attn_block_partials(p));
         arrived.alloc((int64_t) chunk*n_rows);
-        p.part    = part.get();
-        p.part_ms = p.part + (int64_t) chunk*p.n_tok*n_head*p.n_splits*p.v.head_dim;
-        p.arrived = arrived.get();
+        kvq_attn_use_partials(p, part.get(), arrived.get(), chunk);
     }
 
     cudaStream_t stream = ctx.stream();
