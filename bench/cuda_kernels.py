@@ -96,10 +96,14 @@ def _compile(command: dict, archs: list[str] | None, scratch: Path) -> list[Kern
         args = for_archs(args, archs)
     source = Path(command["file"]).name
     args[args.index("-o") + 1] = str(scratch / f"{source}.o")
-    # ccache keeps the compiler's report with the object: a rerun of unchanged sources takes seconds
+    # ccache keeps the compiler's report with the object: a rerun of unchanged sources takes seconds, in any clone
+    # (paths relative to the project, as cmake/pykvq-ccache.cmake makes the build's; CI compiles a fresh clone)
     launcher = ["ccache"] if shutil.which("ccache") else []
+    env = os.environ | {"CCACHE_BASEDIR": str(REPO), "CCACHE_NOHASHDIR": "1",
+                        "CCACHE_SLOPPINESS": "include_file_mtime,include_file_ctime"}
     log.info("compiling %s with -Xptxas=-v%s", source, f" for {', '.join(archs)}" if archs else "")
-    proc = subprocess.run([*launcher, *args, "-Xptxas=-v"], cwd=command["directory"], capture_output=True, text=True)
+    proc = subprocess.run([*launcher, *args, "-Xptxas=-v"], cwd=command["directory"], env=env, capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         raise SystemExit(f"cuda_kernels: {source} does not compile:\n{proc.stderr[-4000:]}")
     return parse_ptxas(source, proc.stdout + proc.stderr)

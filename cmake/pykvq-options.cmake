@@ -11,8 +11,10 @@ foreach (option LLAMA_BUILD_TESTS LLAMA_BUILD_TOOLS LLAMA_BUILD_EXAMPLES LLAMA_B
     set(${option} OFF CACHE BOOL "" FORCE)
 endforeach()
 set(LLAMA_BUILD_COMMON ON CACHE BOOL "" FORCE)
-# libmtmd: llama-cpp-python's multimodal chat handlers (images into the KV cache) load it beside libllama
-set(LLAMA_BUILD_MTMD ON CACHE BOOL "" FORCE)
+# libmtmd: llama-cpp-python's multimodal chat handlers (images into the KV cache) load it beside libllama; 51 of
+# the build's 196 objects, which a build for text alone (CI's sanitizer job) leaves out
+option(PYKVQ_MTMD "pykvq: build libmtmd, for llama-cpp-python's multimodal chat handlers" ON)
+set(LLAMA_BUILD_MTMD ${PYKVQ_MTMD} CACHE BOOL "" FORCE)
 # ggml's RPC backend: remote devices (`--rpc`), and the tests' device whose memory the host cannot read
 set(GGML_RPC ON CACHE BOOL "" FORCE)
 
