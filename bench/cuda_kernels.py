@@ -3,7 +3,7 @@ no GPU needed): each of our .cu files is compiled once more with its own command
 compile_commands.json, plus -Xptxas=-v, into a scratch object; for the build's architecture, or for those named
 (`--arch 86 120a`, `--arch default`: every architecture of a user's build, cmake/pykvq-cuda-archs.cmake, where CI
 builds sm_90 alone). Writes bench/results/cuda-kernels-<archs>.json (cuda-kernels-default-archs.json) and prints
-a table.
+a table. `shipped_resources` reads the registers and stack of the kernels in a built library instead (cuobjdump).
 
     python bench/cuda_kernels.py [--build build/cuda] [--arch default | 86 120a ...]
 """
@@ -33,6 +33,9 @@ log = logging.getLogger("cuda_kernels")
 _ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+[af]?)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
+_FATBIN_ARCH = re.compile(r"^arch = (sm_\w+)")
+_FUNCTION = re.compile(r"^ Function (\S+):")
+_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)")
 _GENCODE = re.compile(r"^--generate-code=|^-gencode|^-arch=|^--gpu-architecture")
 
 
@@ -45,6 +48,18 @@ class KernelResources:
     stack_bytes: int
     spill_stores: int
     spill_loads: int
+
+
+@dataclass(frozen=True)
+class ShippedKernel:
+    """A kernel as a built library holds it: cuobjdump reports no spills as such, but a spill lives in the stack
+    frame, so a kernel with no stack and no local memory spills nothing."""
+
+    kernel: str        # demangled, without its parameter list
+    arch: str
+    registers: int
+    stack_bytes: int
+    local_bytes: int
 
 
 def demangle(names: list[str]) -> list[str]:
@@ -107,6 +122,39 @@ def _compile(command: dict, archs: list[str] | None, scratch: Path) -> list[Kern
     if proc.returncode != 0:
         raise SystemExit(f"cuda_kernels: {source} does not compile:\n{proc.stderr[-4000:]}")
     return parse_ptxas(source, proc.stdout + proc.stderr)
+
+
+def cuobjdump() -> Path:
+    """cuobjdump: on PATH, beside nvcc, or from the nvidia-cuda-cuobjdump wheel (.ci/cuda-build installs it: the
+    toolkit of a build machine may lack it)."""
+    found = [shutil.which("cuobjdump")]
+    if nvcc := shutil.which("nvcc"):
+        found.append(str(Path(nvcc).resolve().with_name("cuobjdump")))
+    found += [str(p) for entry in sys.path if entry for p in sorted(Path(entry).glob("nvidia/cu*/bin/cuobjdump"))]
+    for candidate in filter(None, found):
+        if os.access(candidate, os.X_OK):
+            return Path(candidate)
+    raise SystemExit("cuda_kernels: cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+
+
+def shipped_resources(library: Path) -> list[ShippedKernel]:
+    """Every kernel of the built CUDA library at `library`, per architecture, as cuobjdump -res-usage reports it."""
+    proc = subprocess.run([str(cuobjdump()), "-res-usage", str(library)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"cuda_kernels: cuobjdump cannot read {library}:\n{proc.stderr[-2000:]}")
+    found = []
+    arch = function = None
+    for line in proc.stdout.splitlines():
+        if m := _FATBIN_ARCH.match(line):
+            arch = m.group(1)
+        elif m := _FUNCTION.match(line):
+            function = m.group(1)
+        elif (m := _USAGE.search(line)) and function and arch:
+            found.append((function, arch, *(int(x) for x in m.groups())))
+            function = None
+    names = [name.split("(")[0].removeprefix("void ") for name in demangle([f[0] for f in found])] if found else []
+    return [ShippedKernel(name, arch, regs, stack, local)
+            for name, (_, arch, regs, stack, local) in zip(names, found, strict=True)]
 
 
 def compile_report(build: Path, only: str | None = None, archs: list[str] | None = None) -> list[KernelResources]:
