@@ -62,9 +62,12 @@ class ShippedKernel:
     local_bytes: int
 
 
-def demangle(names: list[str]) -> list[str]:
-    proc = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True)
-    return proc.stdout.splitlines()
+def kernel_names(mangled: list[str]) -> list[str]:
+    """Kernels' names demangled, without their parameter lists."""
+    if not mangled:
+        return []
+    proc = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True, text=True, check=True)
+    return [name.split("(")[0].removeprefix("void ") for name in proc.stdout.splitlines()]
 
 
 def parse_ptxas(source: str, text: str) -> list[KernelResources]:
@@ -79,7 +82,7 @@ def parse_ptxas(source: str, text: str) -> list[KernelResources]:
         elif (m := _USED.search(line)) and entry and frame:
             found.append((entry, arch, int(m.group(1)), *frame))
             entry = None
-    names = [name.split("(")[0].removeprefix("void ") for name in demangle([f[0] for f in found])] if found else []
+    names = kernel_names([f[0] for f in found])
     return [KernelResources(source, name, arch, regs, stack, stores, loads)
             for name, (_, arch, regs, stack, stores, loads) in zip(names, found, strict=True)]
 
@@ -152,7 +155,7 @@ def shipped_resources(library: Path) -> list[ShippedKernel]:
         elif (m := _USAGE.search(line)) and function and arch:
             found.append((function, arch, *(int(x) for x in m.groups())))
             function = None
-    names = [name.split("(")[0].removeprefix("void ") for name in demangle([f[0] for f in found])] if found else []
+    names = kernel_names([f[0] for f in found])
     return [ShippedKernel(name, arch, regs, stack, local)
             for name, (_, arch, regs, stack, local) in zip(names, found, strict=True)]
 
