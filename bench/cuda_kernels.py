@@ -160,12 +160,11 @@ def shipped_resources(library: Path) -> list[ShippedKernel]:
             for name, (_, arch, regs, stack, local) in zip(names, found, strict=True)]
 
 
-def compile_report(build: Path, only: str | None = None, archs: list[str] | None = None) -> list[KernelResources]:
-    """Every kernel of our CUDA sources (or of the one named `only`) in the build at `build` (its
-    compile_commands.json), for the build's architectures or `archs`; the sources in parallel."""
+def compile_report(build: Path, archs: list[str] | None = None) -> list[KernelResources]:
+    """Every kernel of our CUDA sources in the build at `build` (its compile_commands.json), for the build's
+    architectures or `archs`; the sources in parallel."""
     commands = json.loads((build / "compile_commands.json").read_text())
-    ours = [c for c in commands if OUR_SOURCES in c["file"] and c["file"].endswith(".cu")
-            and (only is None or Path(c["file"]).name == only)]
+    ours = [c for c in commands if OUR_SOURCES in c["file"] and c["file"].endswith(".cu")]
     if not ours:
         raise SystemExit(f"cuda_kernels: {build} holds no compile command of {OUR_SOURCES}*.cu: not a CUDA build")
     with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(os.cpu_count()) as pool:
