@@ -45,7 +45,7 @@ static float kvq_score_mask(const kvq_score_inputs * in, int64_t t, int64_t w) {
 
 // scaled score of query q16 (KV head hk) against wide cell w of token t's segment, mask included
 static float kvq_score_at(const kvq_score_inputs * in, int64_t t, int64_t hk, int64_t w, ggml_fp16_t * q16, float m) {
-    ggml_fp16_t * k = (ggml_fp16_t *) ((const char *) in->k_wide->data + (t / in->n_tps)*in->k_wide->nb[2] +
+    ggml_fp16_t * k = (ggml_fp16_t *) ((char *) in->k_wide->data + (t / in->n_tps)*in->k_wide->nb[2] +
                                        w*in->k_wide->nb[1]) + hk*in->head_dim;
     float s;
     ggml_vec_dot_f16((int) in->head_dim, &s, 0, k, 0, q16, 0, 1);
