@@ -17,14 +17,16 @@ static __device__ __forceinline__ void kvq_mma(float (&d)[4], const uint32_t (&a
 #endif // AMPERE_MMA_AVAILABLE
 }
 
+// Copies, commits and waits clobber memory, so that nvcc keeps each read of a stage after the wait that completes
+// its copies and before the copy that refills it, whatever barriers happen to sit beside them
 template <int bytes>
 static __device__ __forceinline__ void kvq_cp_async(char * dst_s, const char * src) {
 #ifdef CP_ASYNC_AVAILABLE
     const unsigned dst = (unsigned) __cvta_generic_to_shared(dst_s);
     if constexpr (bytes == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" : : "r"(dst), "l"(src));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" : : "r"(dst), "l"(src) : "memory");
     } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" : : "r"(dst), "l"(src), "n"(bytes));
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" : : "r"(dst), "l"(src), "n"(bytes) : "memory");
     }
 #else
     GGML_UNUSED(dst_s);
@@ -35,7 +37,7 @@ static __device__ __forceinline__ void kvq_cp_async(char * dst_s, const char * s
 
 static __device__ __forceinline__ void kvq_cp_async_commit() {
 #ifdef CP_ASYNC_AVAILABLE
-    asm volatile("cp.async.commit_group;");
+    asm volatile("cp.async.commit_group;" : : : "memory");
 #endif // CP_ASYNC_AVAILABLE
 }
 
@@ -43,6 +45,6 @@ static __device__ __forceinline__ void kvq_cp_async_commit() {
 template <int n>
 static __device__ __forceinline__ void kvq_cp_async_wait() {
 #ifdef CP_ASYNC_AVAILABLE
-    asm volatile("cp.async.wait_group %0;" : : "n"(n));
+    asm volatile("cp.async.wait_group %0;" : : "n"(n) : "memory");
 #endif // CP_ASYNC_AVAILABLE
 }

@@ -109,6 +109,8 @@ static kvq_source kvq_make_source(const ggml_tensor * dst, const ggml_tensor * f
     const int32_t n_seq   = ggml_get_op_params_i32(dst, 4);
     const int32_t kv_size = ggml_get_op_params_i32(dst, 5);
     GGML_ASSERT(fp16->type == GGML_TYPE_F16 && ggml_is_contiguous(fp16));
+    // the kernels read fp16 rows two halves at a time, which a GPU faults on unless 4-byte aligned
+    GGML_ASSERT((uintptr_t) fp16->data % (2*sizeof(ggml_fp16_t)) == 0 && cur->ne[0] % 2 == 0);
     GGML_ASSERT(cur->type == GGML_TYPE_F32 && cur->nb[0] == sizeof(float));
     GGML_ASSERT(fp16->ne[0] == cur->ne[0]*cur->ne[1]);
     GGML_ASSERT(n_sink >= 0 && fp16->ne[1] > n_sink && (fp16->ne[1] - n_sink) % QK_KIVI == 0);
