@@ -76,7 +76,8 @@ static inline void __syncthreads() { kvq_emu_syncthreads(); }
 static inline bool __syncthreads_or(bool pred) { return kvq_emu_syncthreads_or(pred); }
 static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline int atomicAdd(int * address, int v) { return __atomic_fetch_add(address, v, __ATOMIC_SEQ_CST); }
-static inline float __ldcg(const float * p) { return *p; }
+static inline float2 __ldcg(const float2 * p) { return *p; }
+static inline float4 __ldcg(const float4 * p) { return *p; }
 [[noreturn]] static inline void __trap() { std::abort(); }
 
 template <int width = WARP_SIZE>

@@ -92,30 +92,20 @@ struct kvq_partial {
     float acc;  // unnormalised output
 };
 
-// loads of the warps' states in shared memory, and of other blocks' partials in global memory past L1, which
-// may hold lines of them read before they were written
-struct kvq_load_shared {
-    __device__ float operator()(const float * x) const { return *x; }
-};
-struct kvq_load_global {
-    __device__ float operator()(const float * x) const { return __ldcg(x); }
-};
-
 // merges the states of n disjoint parts: max at ms[k*ms_stride], sum right after it, acc at acc[k*acc_stride]
-template <typename load_t>
 static __device__ kvq_partial kvq_fold(const float * ms, const int ms_stride, const float * acc, const int acc_stride,
-                                       const int n, const load_t load) {
+                                       const int n) {
     kvq_partial r = { -INFINITY, 0.0f, 0.0f };
     for (int k = 0; k < n; ++k) {
-        r.max = fmaxf(r.max, load(ms + k*ms_stride));
+        r.max = fmaxf(r.max, ms[k*ms_stride]);
     }
     if (r.max == -INFINITY) {
         return r; // nothing attended
     }
     for (int k = 0; k < n; ++k) {
-        const float f = expf(load(ms + k*ms_stride) - r.max);
-        r.sum += f*load(ms + k*ms_stride + 1);
-        r.acc += f*load(acc + k*acc_stride);
+        const float f = expf(ms[k*ms_stride] - r.max);
+        r.sum += f*ms[k*ms_stride + 1];
+        r.acc += f*acc[k*acc_stride];
     }
     return r;
 }
@@ -134,9 +124,13 @@ static __device__ __forceinline__ float kvq_head_output(kvq_partial r, const flo
     return kvq_normalize(r);
 }
 
-// Split-K: the block that finishes last among the splits of its (tokens, query heads) merges their partials, in
-// split order, into the output: no second launch. Every thread's partials are made visible before the block counts
-// itself in (the threadFenceReduction pattern); the whole block must call it.
+// Split-K: the block that finishes last among the splits of its (tokens, query heads) merges their partials into the
+// output: no second launch. Every thread's partials are made visible before the block counts itself in (the
+// threadFenceReduction pattern); the whole block must call it. A long context has hundreds of splits, merged by this
+// one block while the rest of the GPU waits, so each thread folds four consecutive channels of a column at once, in
+// split order as kvq_fold does (the same bits), with the loads of several splits in flight, where a fold per channel
+// waited on its loads split after split. The loads bypass L1, which may hold lines of the partials read before they
+// were written. (A warp-wide maximum made ptxas spill the head-256 GQA-2 kernel, which this one does not.)
 static __device__ void kvq_merge_if_last(const kvq_attn_params & p, const kvq_block_tokens & bt, const int h0, const int nh) {
     __threadfence();
     __syncthreads();
@@ -147,15 +141,39 @@ static __device__ void kvq_merge_if_last(const kvq_attn_params & p, const kvq_bl
     }
     __threadfence();
     const int Dv = p.v.head_dim;
-    for (int idx = threadIdx.x; idx < bt.n*nh*Dv; idx += blockDim.x) {
-        const int     col = idx / Dv;
-        const int     tt  = col / nh;
-        const int     g   = col % nh;
-        const int     c   = idx % Dv;
-        const int64_t row = ((int64_t) blockIdx.z*p.n_tok + tt)*p.n_head + h0 + g;
-        const kvq_partial r = kvq_fold(p.part_ms + 2*row*p.n_splits, 2, p.part + row*p.n_splits*Dv + c, Dv, p.n_splits,
-                                       kvq_load_global());
-        ((float *) (p.dst + (bt.first + tt)*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, h0 + g);
+    for (int quad = threadIdx.x; quad < bt.n*nh*Dv/4; quad += blockDim.x) {
+        const int      col = 4*quad / Dv;
+        const int      tt  = col / nh;
+        const int      g   = col % nh;
+        const int      c   = 4*quad % Dv;
+        const int64_t  row = ((int64_t) blockIdx.z*p.n_tok + tt)*p.n_head + h0 + g;
+        const float2 * ms  = (const float2 *) (p.part_ms + 2*row*p.n_splits);
+        const float4 * acc = (const float4 *) (p.part + row*p.n_splits*Dv + c);
+        float max = -INFINITY;
+#pragma unroll 16
+        for (int k = 0; k < p.n_splits; ++k) {
+            max = fmaxf(max, __ldcg(ms + k).x);
+        }
+        float  sum = 0.0f;
+        float4 a   = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (max != -INFINITY) { // else nothing attended
+#pragma unroll 8
+            for (int k = 0; k < p.n_splits; ++k) {
+                const float2 st = __ldcg(ms + k);
+                const float4 x  = __ldcg(acc + (int64_t) k*(Dv/4));
+                const float  f  = expf(st.x - max);
+                sum += f*st.y;
+                a.x += f*x.x;
+                a.y += f*x.y;
+                a.z += f*x.z;
+                a.w += f*x.w;
+            }
+        }
+        float * out = (float *) (p.dst + (bt.first + tt)*p.dst_nb2 + (h0 + g)*p.dst_nb1) + c;
+        out[0] = kvq_head_output({ max, sum, a.x }, p.sinks, h0 + g);
+        out[1] = kvq_head_output({ max, sum, a.y }, p.sinks, h0 + g);
+        out[2] = kvq_head_output({ max, sum, a.z }, p.sinks, h0 + g);
+        out[3] = kvq_head_output({ max, sum, a.w }, p.sinks, h0 + g);
     }
 }
 
@@ -202,7 +220,7 @@ static __device__ void kvq_attn_write_block(const kvq_attn_params & p, const flo
         const int tt  = col / nh;
         const int g   = col % nh;
         const int c   = idx % Dv;
-        const kvq_partial r = kvq_fold(w_s + 2*col, w_stride, slice_s + col*Dv + c, slice, KVQ_NWARPS, kvq_load_shared());
+        const kvq_partial r = kvq_fold(w_s + 2*col, w_stride, slice_s + col*Dv + c, slice, KVQ_NWARPS);
         if (p.n_splits == 1) {
             ((float *) (p.dst + (bt.first + tt)*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, h0 + g);
         } else {
@@ -328,6 +346,8 @@ static int64_t kvq_attn_block_partials(const kvq_attn_params & p) {
 // points p at the split partials of a launch of `chunk` blocks: `part` holds kvq_attn_block_partials floats a block
 // (the unnormalised outputs of them all, then their (max, sum) pairs), `arrived` a counter per block and row of heads
 static void kvq_attn_use_partials(kvq_attn_params & p, float * part, int * arrived, const int chunk) {
+    // the merge reads four channels of a partial and a (max, sum) pair at once
+    GGML_ASSERT((uintptr_t) part % 16 == 0 && p.v.head_dim % 4 == 0);
     p.part    = part;
     p.part_ms = part + (int64_t) chunk*p.n_tok*p.n_head*p.n_splits*p.v.head_dim;
     p.arrived = arrived;
