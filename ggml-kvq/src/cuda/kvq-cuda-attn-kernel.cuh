@@ -252,7 +252,9 @@ template <int ncols, int nvq>
 static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE) kvq_attn_kernel(const kvq_attn_params p) {
     static_assert(ncols*nvq <= 16, "V accumulators would spill");
     extern __shared__ float kvq_smem[];
-    // launched with programmatic dependent launch: nothing is read before the store before it has finished
+    // launched with programmatic dependent launch: the kernel after it may start, as after upstream's flash
+    // attention, and waits for it in its own ggml_cuda_pdl_sync; nothing is read before the store has finished
+    ggml_cuda_pdl_lc();
     ggml_cuda_pdl_sync();
 
     const int warp   = threadIdx.x / WARP_SIZE;

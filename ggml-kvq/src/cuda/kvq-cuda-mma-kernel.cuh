@@ -274,7 +274,9 @@ static __global__ void __launch_bounds__(KVQ_NWARPS*WARP_SIZE, 1) kvq_attn_mma_k
     static_assert(latent || DV == D, "an ordinary layer's K and V heads are of one size");
     static_assert(KVQ_MMA_TILES_PER_SPLIT % KVQ_NWARPS == 0, "whole tiles per warp");
     extern __shared__ __align__(16) char kvq_mma_smem[];
-    // launched with programmatic dependent launch: nothing is read before the store before it has finished
+    // launched with programmatic dependent launch: the kernel after it may start, as after upstream's flash
+    // attention, and waits for it in its own ggml_cuda_pdl_sync; nothing is read before the store has finished
+    ggml_cuda_pdl_lc();
     ggml_cuda_pdl_sync();
 
     const int warp  = threadIdx.x / WARP_SIZE;
