@@ -124,6 +124,17 @@ static __device__ __forceinline__ float kvq_head_output(kvq_partial r, const flo
     return kvq_normalize(r);
 }
 
+// the split partials' row of the block's token tt, head h
+static __device__ __forceinline__ int64_t kvq_partial_row(const kvq_attn_params & p, const int tt, const int h) {
+    return ((int64_t) blockIdx.z*p.n_tok + tt)*p.n_head + h;
+}
+
+// the output of head h for the block's token tt
+static __device__ __forceinline__ float * kvq_head_dst(const kvq_attn_params & p, const kvq_block_tokens & bt, const int tt,
+                                                      const int h) {
+    return (float *) (p.dst + (bt.first + tt)*p.dst_nb2 + h*p.dst_nb1);
+}
+
 // Split-K: the block that finishes last among the splits of its (tokens, query heads) merges their partials into the
 // output: no second launch. Every thread's partials are made visible before the block counts itself in (the
 // threadFenceReduction pattern); the whole block must call it. A long context has hundreds of splits, merged by this
@@ -146,7 +157,7 @@ static __device__ void kvq_merge_if_last(const kvq_attn_params & p, const kvq_bl
         const int      tt  = col / nh;
         const int      g   = col % nh;
         const int      c   = 4*quad % Dv;
-        const int64_t  row = ((int64_t) blockIdx.z*p.n_tok + tt)*p.n_head + h0 + g;
+        const int64_t  row = kvq_partial_row(p, tt, h0 + g);
         const float2 * ms  = (const float2 *) (p.part_ms + 2*row*p.n_splits);
         const float4 * acc = (const float4 *) (p.part + row*p.n_splits*Dv + c);
         float max = -INFINITY;
@@ -169,7 +180,7 @@ static __device__ void kvq_merge_if_last(const kvq_attn_params & p, const kvq_bl
                 a.w += f*x.w;
             }
         }
-        float * out = (float *) (p.dst + (bt.first + tt)*p.dst_nb2 + (h0 + g)*p.dst_nb1) + c;
+        float * out = kvq_head_dst(p, bt, tt, h0 + g) + c;
         out[0] = kvq_head_output({ max, sum, a.x }, p.sinks, h0 + g);
         out[1] = kvq_head_output({ max, sum, a.y }, p.sinks, h0 + g);
         out[2] = kvq_head_output({ max, sum, a.z }, p.sinks, h0 + g);
@@ -222,9 +233,9 @@ static __device__ void kvq_attn_write_block(const kvq_attn_params & p, const flo
         const int c   = idx % Dv;
         const kvq_partial r = kvq_fold(w_s + 2*col, w_stride, slice_s + col*Dv + c, slice, KVQ_NWARPS);
         if (p.n_splits == 1) {
-            ((float *) (p.dst + (bt.first + tt)*p.dst_nb2 + (h0 + g)*p.dst_nb1))[c] = kvq_head_output(r, p.sinks, h0 + g);
+            kvq_head_dst(p, bt, tt, h0 + g)[c] = kvq_head_output(r, p.sinks, h0 + g);
         } else {
-            const int64_t ps = (((int64_t) blockIdx.z*p.n_tok + tt)*p.n_head + h0 + g)*p.n_splits + split;
+            const int64_t ps = kvq_partial_row(p, tt, h0 + g)*p.n_splits + split;
             p.part[ps*Dv + c] = r.acc;
             if (c == 0) {
                 p.part_ms[2*ps + 0] = r.max;
