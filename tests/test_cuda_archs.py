@@ -3,13 +3,18 @@ the GPUs nvidia-smi reports on the machine that builds, else upstream's list for
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+import cuda_kernels
+
 SCRIPT = Path(__file__).resolve().parent.parent / "cmake" / "pykvq-cuda-archs.cmake"
+# registers, stack and spills of each of our kernels for every architecture of NO_GPU_13
+RECORD = cuda_kernels.RESULTS / "cuda-kernels-default-archs.json"
 NO_GPU_13 = ["75-virtual", "80-virtual", "86-real", "89-real", "90-real", "120a-real", "121a-real"]
 
 pytestmark = pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
@@ -43,3 +48,16 @@ def test_without_a_gpu_it_builds_upstream_s_list(tmp_path: Path, nvidia_smi: str
 def test_blackwell_needs_cuda_12_8(tmp_path: Path) -> None:
     assert archs(tmp_path, "12.4", None) == NO_GPU_13[:5]
     assert archs(tmp_path, "12.8", None) == NO_GPU_13[:6]
+
+
+def test_the_architectures_compiled_through_another_get_its_code() -> None:
+    """The every-architecture compile (tests/test_cuda_build.py) judges Ada through sm_86 and GB10 through sm_120a
+    (cuda_kernels.SAME_CODE_AS): in the record of all seven (`python bench/cuda_kernels.py --arch default`) each of
+    our kernels has the same registers, stack and spills on both."""
+    resources: dict[str, dict] = {}
+    for k in json.loads(RECORD.read_text())["kernels"]:
+        resources.setdefault(k["arch"], {})[k["source"], k["kernel"]] = (
+            k["registers"], k["stack_bytes"], k["spill_stores"], k["spill_loads"])
+    assert sorted(resources) == sorted(f"sm_{a.split('-')[0]}" for a in NO_GPU_13)
+    for arch, through in cuda_kernels.SAME_CODE_AS.items():
+        assert resources[f"sm_{arch}"] == resources[f"sm_{through}"], arch
