@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import sys
 from collections.abc import Iterator
+from functools import cache
 from importlib import metadata
 from pathlib import Path
 
@@ -68,17 +69,17 @@ def third_party_imports() -> dict[str, list[str]]:
 def project_requirements(extras: set[str]) -> list[Requirement]:
     """What pyproject.toml declares for `pykvq[extras]`, its self-references (`pykvq[convert]`) followed."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    texts, wanted, done = list(project["dependencies"]), set(extras), set()
+    requirements = [Requirement(text) for text in project["dependencies"]]
+    wanted, done = set(extras), set()
     while wanted - done:
         extra = (wanted - done).pop()
         done.add(extra)
-        for text in project["optional-dependencies"][extra]:
-            requirement = Requirement(text)
+        for requirement in map(Requirement, project["optional-dependencies"][extra]):
             if canonicalize_name(requirement.name) == "pykvq":
                 wanted |= requirement.extras
             else:
-                texts.append(text)
-    return [Requirement(text) for text in texts]
+                requirements.append(requirement)
+    return requirements
 
 
 def declared_closure(extras: set[str]) -> set[str]:
@@ -105,8 +106,14 @@ def declared_closure(extras: set[str]) -> set[str]:
     return declared
 
 
+@cache
+def installed_distributions() -> dict[str, list[str]]:
+    """Each importable top-level module with the installed distributions that provide it (one scan of them all)."""
+    return metadata.packages_distributions()
+
+
 def distributions_of(module: str) -> set[str]:
-    return {canonicalize_name(dist) for dist in metadata.packages_distributions().get(module, [])}
+    return {canonicalize_name(dist) for dist in installed_distributions().get(module, [])}
 
 
 def test_every_third_party_import_is_declared_by_the_test_extra() -> None:
