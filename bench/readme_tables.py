@@ -84,6 +84,55 @@ def prefill_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def attn_op_table(path: Path) -> str:
+    return attn_op_record_table(json.loads(path.read_text()))
+
+
+def attn_op_record_table(record: dict) -> str:
+    """bench/gpu/attn_op.py's sweep at its first window and sinks (the others stay in the JSON), each setting's time
+    against upstream's f16 flash attention over the same cells and sequences."""
+    rows = record["rows"]
+    kivi = [r for r in rows if r["kernel"] != "flash attention"]
+    window, sinks = (kivi[0]["window"], kivi[0]["sinks"]) if kivi else (0, 0)
+    shown = [r for r in rows if r["kernel"] == "flash attention" or (r["window"], r["sinks"]) == (window, sinks)]
+    f16_us = {(r["seqs"], r["depth"]): r["us"] for r in rows if r["kv_type"] == "f16"}
+    shape = record["shape"]
+    heads = f"{shape['n_head']} query heads, {shape['n_head_kv']} KV heads of {shape['head_dim']}"
+    if shape.get("head_dim_v"):
+        heads += f" (latent: V is K's first {shape['head_dim_v']} channels)"
+    peak = f", peak {record['peak_gbs']:.0f} GB/s" if record.get("peak_gbs") else ""
+    lines = [f"Decode attention op alone ({record['device']}; {heads}; the layers rotate over "
+             f"{record['min_cache_mb']:g} MB of cache; a streaming read {record['stream_gbs']:.1f} GB/s{peak}), kivi "
+             f"at window {window}, sinks {sinks} (`python bench/gpu/attn_op.py`; bytes: what the op must read):", "",
+             "| sequences | cells | KV type | kernel | µs | MB read | GB/s | of streaming | of peak | speed vs f16 |",
+             "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in shown:
+        of_peak = "" if r.get("of_peak") is None else f"{r['of_peak']:.1%}"
+        f16 = f16_us.get((r["seqs"], r["depth"]))
+        speed = "" if f16 is None else f"{f16 / r['us']:.2f}x"
+        lines.append(f"| {r['seqs']} | {r['depth']} | {r['kv_type']} | {r['kernel']} | {r['us']:.1f} | "
+                     f"{r['mb']:.2f} | {r['gbs']:.1f} | {r['of_stream']:.1%} | {of_peak} | {speed} |")
+    return "\n".join(lines)
+
+
+def attn_profile_table(path: Path) -> str:
+    return attn_profile_record_table(json.loads(path.read_text()))
+
+
+def attn_profile_record_table(record: dict) -> str:
+    """bench/gpu/attn_profile.py's record: Nsight Compute's counts of each kernel's median launch."""
+    r0 = record["rows"][0]
+    lines = [f"Nsight Compute over the decode attention op ({record['device']}, {r0['depth']} cells, {r0['seqs']} "
+             f"sequence(s), kivi at window {r0['window']}, sinks {r0['sinks']}; `python bench/gpu/attn_profile.py`; "
+             f"DRAM bytes within {record['bytes_tolerance']:.0%} of the computed ones is the bar):", "",
+             "| KV type | kernel | launches | computed MB | DRAM MB | DRAM / computed | warp instructions per cell and "
+             "KV head | µs under ncu |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in record["rows"]:
+        lines.append(f"| {r['kv_type']} | {r['kernel']} | {r['launches']} | {r['computed_bytes'] / 2**20:.2f} | "
+                     f"{r['dram_bytes'] / 2**20:.2f} | {r['dram_vs_computed']:.3f} | "
+                     f"{r['instructions_per_cell_head']:.1f} | {r['us']:.1f} |")
+    return "\n".join(lines)
+
 def asymkv_table(path: Path) -> str:
     record = json.loads(path.read_text())
     s = record["settings"]
@@ -414,6 +463,8 @@ def render() -> str:
     parts += [decode_table(p) for p in sorted(RESULTS.glob("decode-speed-*.json"))]
     parts += [batched_table(p) for p in sorted(RESULTS.glob("batched-speed-*.json"))]
     parts += [prefill_table(p) for p in sorted(RESULTS.glob("prefill-speed-*.json"))]
+    parts += [attn_op_table(p) for p in sorted(RESULTS.glob("attn-op-*.json"))]
+    parts += [attn_profile_table(p) for p in sorted(RESULTS.glob("attn-profile-*.json"))]
     parts += [iswa_memory_table(p) for p in sorted(RESULTS.glob("iswa-memory-*.json"))]
     parts += [fit_context_table(p) for p in sorted(RESULTS.glob("fit-context-*.json"))]
     parts += [passkey_table(p) for p in sorted(RESULTS.glob("passkey-*.json"))]

@@ -15,6 +15,7 @@ import pytest
 
 import attn_op
 import attn_profile
+import readme_tables
 
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
@@ -67,7 +68,8 @@ json.dump({"device": "NVIDIA H200"}, open(argv[argv.index("--out") + 1] + ".json
 """
 
 
-def test_a_profile_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_profile_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str]) -> None:
     folder = fake_ncu(tmp_path, WRITES_REPORT)
     (folder / "ncu.report").write_text(report())
     monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
@@ -91,6 +93,11 @@ def test_a_profile_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert rows["flash attention"]["kernels"] == ["flash_attn_ext_vec", "flash_attn_combine_results"]
     assert rows["flash attention"]["dram_vs_computed"] == pytest.approx(1.0)
     assert rows["flash attention"]["us"] == pytest.approx(70.0)
+    table = readme_tables.attn_profile_table(out.with_suffix(".json"))
+    assert table in capsys.readouterr().out
+    assert "NVIDIA H200, 32768 cells, 1 sequence(s), kivi at window 128, sinks 0" in table
+    assert "| kivi2 | cuda cores | 3 |" in table and "| 1.100 | 1000.0 | 98.0 |" in table
+    assert "| f16 | flash attention | 4 |" in table and "| 70.0 |" in table
 
 
 @pytest.mark.parametrize(("body", "message"), [

@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import kvq_graph as g  # noqa: E402
 from kvq_random_cache import RandomCache, attention, fill  # noqa: E402
 from decode_speed import PEAK_GBS  # noqa: E402
+from readme_tables import attn_op_record_table  # noqa: E402
 
 from pykvq.bindings.ggml_types import GGML_TYPE_KIVI1, GGML_TYPE_KIVI2, GGML_TYPE_KIVI4, KIVI_BITS  # noqa: E402
 
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
               "stream_gbs": stream, "peak_gbs": peak, "repeat": args.repeat, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     plot(rows, out.with_suffix(".png"), device)
+    print(attn_op_record_table(record))
     print(f"streaming read: {stream:.1f} GB/s; wrote {out}.json", file=sys.stderr)
     return 0
 

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import attn_op
+import readme_tables
 
 METRICS = {"dram__bytes_read.sum": "byte", "smsp__inst_executed.sum": "inst", "gpu__time_duration.sum": "second"}
 # the kernels of the op: pykvq's two attention kernels and upstream's flash attention (its vector kernel and the
@@ -156,16 +157,6 @@ def profile(ncu: Path, args: argparse.Namespace, workdir: Path) -> str:
     return report
 
 
-def table(rows: list[dict]) -> str:
-    lines = [f"{'KV type':<7} {'kernel':<15} {'launches':>8} {'computed MB':>11} {'DRAM MB':>9} {'ratio':>6} "
-             f"{'inst/cell/head':>14} {'us':>8}"]
-    for r in rows:
-        lines.append(f"{r['kv_type']:<7} {r['kernel']:<15} {r['launches']:>8} {r['computed_bytes'] / 2**20:>11.2f} "
-                     f"{r['dram_bytes'] / 2**20:>9.2f} {r['dram_vs_computed']:>6.3f} "
-                     f"{r['instructions_per_cell_head']:>14.1f} {r['us']:>8.1f}")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=attn_op.SHAPES, default="llama3-8b", help="attn_op.py's --shape")
@@ -197,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"device": device, "shape": asdict(shape), "metrics": list(METRICS),
               "bytes_tolerance": BYTES_TOLERANCE, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"{device}\n{table(rows)}")
+    print(readme_tables.attn_profile_record_table(record))
     off = [r for r in rows if abs(r["dram_vs_computed"] - 1) > BYTES_TOLERANCE]
     for r in off:
         print(f"{r['kv_type']} on {r['kernel']}: DRAM bytes {r['dram_vs_computed']:.3f}x the computed bytes "
