@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -132,6 +133,35 @@ def attn_profile_record_table(record: dict) -> str:
                      f"{r['dram_bytes'] / 2**20:.2f} | {r['dram_vs_computed']:.3f} | "
                      f"{r['instructions_per_cell_head']:.1f} | {r['us']:.1f} |")
     return "\n".join(lines)
+
+def gpu_run_table(path: Path) -> str:
+    """A GPU run's steps (bench/gpu/session.sh, filed by bench/gpu/record.py): each step's exit code and result;
+    the benchmarks' records have tables of their own."""
+    record = json.loads(path.read_text())
+    steps, exits = record["steps"], record["exits"]
+    lines = [f"GPU run on {record['gpu']}, {record['date']}, commit {record['commit']} (`bench/gpu/session.sh`):", "",
+             "| step | exit | result |", "| --- | ---: | --- |"]
+    for name in [*exits, *(n for n in steps if n not in exits)]:
+        code = exits.get(name, "cut short")
+        lines.append(f"| {name} | {code} | {gpu_step_words(name, steps.get(name))} |")
+    return "\n".join(lines)
+
+
+def gpu_step_words(name: str, step: dict | None) -> str:
+    if step is None:
+        return "see its benchmark's table" if name in ("mma", "op", "profile", "threshold", "bench") else ""
+    if "tests" in step and "passed" in step:
+        return (f"{step['passed']} passed, {step['failed']} failed, {step['skipped']} skipped of {step['tests']} "
+                f"in {step['seconds'] / 60:.1f} min ({step['settings']})")
+    if name == "build":
+        return f"{step['build']}, {step['build_seconds']} s"
+    if name == "smoke":
+        speed = re.search(r"generated \d+ tokens, ([\d.]+) t/s", step.get("run", ""))
+        run = f"`pykvq run -ngl 99 --kv-type kivi2` {speed[1]} t/s" if speed else "`pykvq run` gave no speed"
+        return f"{run}; the llama-cpp-python server {'answered' if step.get('server') else 'gave no answer'}"
+    if name == "sanitize":
+        return "; ".join(f"{tool}: {t['errors']} errors, exit {t['exit']}" for tool, t in step["tools"].items())
+    return "recorded"
 
 def asymkv_table(path: Path) -> str:
     record = json.loads(path.read_text())
@@ -465,6 +495,7 @@ def render() -> str:
     parts += [prefill_table(p) for p in sorted(RESULTS.glob("prefill-speed-*.json"))]
     parts += [attn_op_table(p) for p in sorted(RESULTS.glob("attn-op-*.json"))]
     parts += [attn_profile_table(p) for p in sorted(RESULTS.glob("attn-profile-*.json"))]
+    parts += [gpu_run_table(p) for p in sorted(RESULTS.glob("gpu-run-*.json"))]
     parts += [iswa_memory_table(p) for p in sorted(RESULTS.glob("iswa-memory-*.json"))]
     parts += [fit_context_table(p) for p in sorted(RESULTS.glob("fit-context-*.json"))]
     parts += [passkey_table(p) for p in sorted(RESULTS.glob("passkey-*.json"))]
