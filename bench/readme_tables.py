@@ -102,7 +102,8 @@ def attn_op_record_table(record: dict) -> str:
     if shape.get("head_dim_v"):
         heads += f" (latent: V is K's first {shape['head_dim_v']} channels)"
     peak = f", peak {record['peak_gbs']:.0f} GB/s" if record.get("peak_gbs") else ""
-    lines = [f"Decode attention op alone ({record['device']}; {heads}; the layers rotate over "
+    threads = f", {record['threads']} threads" if record.get("threads") else ""
+    lines = [f"Decode attention op alone ({record['device']}{threads}; {heads}; the layers rotate over "
              f"{record['min_cache_mb']:g} MB of cache; a streaming read {record['stream_gbs']:.1f} GB/s{peak}), kivi "
              f"at window {window}, sinks {sinks} (`python bench/gpu/attn_op.py`; bytes: what the op must read):", "",
              "| sequences | cells | KV type | kernel | µs | MB read | GB/s | of streaming | of peak | speed vs f16 |",

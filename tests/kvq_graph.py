@@ -86,6 +86,7 @@ _CDEF = """
     void ggml_kvq_attn_set_sinks(struct ggml_tensor * attn, struct ggml_tensor * sinks);
     void ggml_flash_attn_ext_add_sinks(struct ggml_tensor * a, struct ggml_tensor * sinks);
     struct ggml_tensor * ggml_sum(struct ggml_context * ctx, struct ggml_tensor * a);
+    struct ggml_tensor * ggml_mul_mat(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
     struct ggml_tensor * ggml_map_custom1(struct ggml_context * ctx, struct ggml_tensor * a, void * fun, int n_tasks,
                                           void * userdata);
     struct ggml_tensor * ggml_kvq_ring_put(struct ggml_context * ctx, struct ggml_tensor * fp16,

@@ -183,14 +183,21 @@ class Bench:
         fill(ctx, t, raw)
 
     def stream_read(self, megabytes: float) -> float:
-        """GB/s of ggml_sum over an F32 buffer of that size: what the device reads streaming."""
-        n = int(megabytes * 2**20) // 4
-        ctx = self._context(n * 4)
+        """GB/s of what the device reads streaming an F32 buffer of that size: ggml_sum over it on a GPU; on the
+        CPU, whose ggml_sum runs on one thread, a matrix-vector product over it (every thread, a multiply-add a
+        value)."""
+        cols = 4096
+        rows = int(megabytes * 2**20) // (4 * cols)
+        ctx = self._context(rows * cols * 4 + cols * 8)
         try:
-            t = ctx.new(g.GGML_TYPE_F32, n)
-            fill(ctx, t, np.zeros(n, dtype=np.float32))
-            seconds = self._time(ctx, [self.lib.ggml_sum(ctx.ctx, t)])
-            return n * 4 / seconds / 1e9
+            t = ctx.new(g.GGML_TYPE_F32, cols, rows)
+            fill(ctx, t, np.zeros(rows * cols, dtype=np.float32))
+            if self.backend is None:
+                node = self.lib.ggml_mul_mat(ctx.ctx, t, ctx.tensor(np.ones(cols, dtype=np.float32)))
+            else:
+                node = self.lib.ggml_sum(ctx.ctx, t)
+            seconds = self._time(ctx, [node])
+            return rows * cols * 4 / seconds / 1e9
         finally:
             ctx.close()
 
@@ -248,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r['us']:>9.1f} us {r['gbs']:>8.1f} GB/s {r['of_stream']:>6.1%} of streaming", flush=True)
     tag = device.replace("NVIDIA ", "").replace(" ", "-").lower()
     out = args.out or RESULTS / f"attn-op-{tag}{'' if args.shape == 'llama3-8b' else '-' + args.shape}"
-    record = {"device": device, "shape": asdict(bench.shape), "min_cache_mb": args.min_cache_mb,
+    record = {"device": device, "threads": None if backend else os.cpu_count(), "shape": asdict(bench.shape),
+              "min_cache_mb": args.min_cache_mb,
               "stream_gbs": stream, "peak_gbs": peak, "repeat": args.repeat, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     plot(rows, out.with_suffix(".png"), device)
