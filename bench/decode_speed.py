@@ -172,6 +172,11 @@ def cuda_attention(ngl: int) -> str | None:
     return "tensor cores" if os.environ.get("GGML_KVQ_CUDA_MMA") == "1" else "cuda cores"
 
 
+def device_tag(device: str) -> str:
+    """A device's name as result files carry it: NVIDIA H100 80GB HBM3 -> h100-80gb-hbm3."""
+    return device.replace("NVIDIA ", "").replace(" ", "-").lower()
+
+
 @dataclass(frozen=True)
 class Machine:
     device: str   # the GPU's name, or cpu-<arch>
@@ -182,7 +187,7 @@ class Machine:
 def machine(ngl: int, threads: int) -> Machine:
     if ngl:
         device = device_name()
-        tag = device.replace("NVIDIA ", "").replace(" ", "-").lower()
+        tag = device_tag(device)
         # the tensor-core attention (GGML_KVQ_CUDA_MMA=1) gets records of its own beside the CUDA-core kernel's
         if cuda_attention(ngl) == "tensor cores":
             return Machine(device, f"{device}, tensor-core attention", f"{tag}-mma")

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from decode_speed import RESULTS, device_name, model_tag, resolve_model, save_results
+from decode_speed import RESULTS, device_name, device_tag, model_tag, resolve_model, save_results
 from readme_tables import fit_context_record_table
 
 from pykvq import fit_placement, kv_types
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     except (LlamaError, rpc_server.RpcServerError) as exc:
         sys.exit(f"fit_context: {exc}")
     record.update(model=label, n_layer=n_layer, fit_ctx=args.fit_ctx)
-    tag = name.replace("NVIDIA ", "").replace(" ", "-").lower()
-    save_results(args.results / f"fit-context-{tag}-{model_tag(label)}", record, plot, fit_context_record_table)
+    save_results(args.results / f"fit-context-{device_tag(name)}-{model_tag(label)}", record, plot,
+                 fit_context_record_table)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
 import kvq_graph as g  # noqa: E402
 from kvq_random_cache import RandomCache, attention, fill  # noqa: E402
-from decode_speed import PEAK_GBS  # noqa: E402
+from decode_speed import PEAK_GBS, device_tag  # noqa: E402
 from readme_tables import attn_op_record_table  # noqa: E402
 
 from pykvq.bindings.ggml_types import GGML_TYPE_KIVI1, GGML_TYPE_KIVI2, GGML_TYPE_KIVI4, KIVI_BITS  # noqa: E402
@@ -202,6 +202,11 @@ class Bench:
             ctx.close()
 
 
+def default_record(kind: str, device: str, shape: str) -> Path:
+    """bench/results/<kind>-<device>[-<shape>], without suffix; Llama-3-8B's shape, the default, goes unnamed."""
+    return RESULTS / f"{kind}-{device_tag(device)}{'' if shape == 'llama3-8b' else '-' + shape}"
+
+
 def kernels(backend: g.Backend | None) -> list[str]:
     return ["cpu"] if backend is None else ["cuda cores", "tensor cores"]
 
@@ -253,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(r)
                     print(f"{seqs:>3} {depth:>7} {kv_type:<6} {s.kernel:<15} w{s.window:<4} s{s.sinks} "
                           f"{r['us']:>9.1f} us {r['gbs']:>8.1f} GB/s {r['of_stream']:>6.1%} of streaming", flush=True)
-    tag = device.replace("NVIDIA ", "").replace(" ", "-").lower()
-    out = args.out or RESULTS / f"attn-op-{tag}{'' if args.shape == 'llama3-8b' else '-' + args.shape}"
+    out = args.out or default_record("attn-op", device, args.shape)
     record = {"device": device, "threads": None if backend else os.cpu_count(), "shape": asdict(bench.shape),
               "min_cache_mb": args.min_cache_mb,
               "stream_gbs": stream, "peak_gbs": peak, "repeat": args.repeat, "rows": rows}

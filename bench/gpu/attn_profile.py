@@ -183,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     except ProfileError as exc:
         print(f"attn_profile: {exc}", file=sys.stderr)
         return 1
-    tag = device.replace("NVIDIA ", "").replace(" ", "-").lower()
-    out = args.out or attn_op.RESULTS / f"attn-profile-{tag}{'' if args.shape == 'llama3-8b' else '-' + args.shape}"
+    out = args.out or attn_op.default_record("attn-profile", device, args.shape)
     record = {"device": device, "shape": asdict(shape), "metrics": list(METRICS),
               "bytes_tolerance": BYTES_TOLERANCE, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")

@@ -17,14 +17,18 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+import attn_op
+from decode_speed import device_tag
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 BUNDLES = ("mma-bench.json", "threshold.json", "bench.json")
-# attn_op.py's and attn_profile.py's default record names, after the GPU's tag
-RENAMED = {"op.json": "attn-op-{tag}.json", "op-deepseek2-lite.json": "attn-op-{tag}-deepseek2-lite.json",
-           "profile.json": "attn-profile-{tag}.json"}
+# session.sh's names for attn_op.py's and attn_profile.py's records: (kind, shape) of the tools' own names
+RENAMED = {"op.json": ("attn-op", "llama3-8b"), "op-deepseek2-lite.json": ("attn-op", "deepseek2-lite"),
+           "profile.json": ("attn-profile", "llama3-8b")}
 STEPS = ("build", "smoke", "recheck", "suite", "control", "mma", "sanitize", "diagnose")
 PYTEST_STEPS = ("recheck", "suite", "control", "mma")
 RECORD_NAME = re.compile(r"[a-z0-9][a-z0-9.-]*\.json")
@@ -32,11 +36,6 @@ RECORD_NAME = re.compile(r"[a-z0-9][a-z0-9.-]*\.json")
 
 class RecordError(Exception):
     """The folder is not a session's output, or a file in it cannot be filed."""
-
-
-def gpu_tag(gpu: str) -> str:
-    """The GPU's name as the benchmarks put it in file names: NVIDIA H100 80GB HBM3 -> h100-80gb-hbm3."""
-    return gpu.replace("NVIDIA ", "").replace(" ", "-").lower()
 
 
 def load(path: Path) -> dict:
@@ -69,25 +68,30 @@ def head_commit() -> str:
     return proc.stdout.strip() if proc.returncode == 0 else "unknown"
 
 
-def collect(folder: Path, date: str, commit: str) -> tuple[dict[str, dict], list[str]]:
-    """What to write under bench/results (file name -> record), and the failing tests."""
+@dataclass(frozen=True)
+class Filing:
+    records: dict[str, dict]  # what goes under bench/results, by file name
+    steps: dict[str, dict]    # the steps' summaries
+    failing: list[str]        # node ids of the tests still failing at full offload
+
+
+def collect(folder: Path, date: str, commit: str) -> Filing:
     steps = {name: load(folder / f"{name}.json") for name in STEPS if (folder / f"{name}.json").is_file()}
     if not steps:
         raise RecordError(f"{folder}: none of {', '.join(f'{s}.json' for s in STEPS)}: not bench/gpu/session.sh's "
                           "output")
     gpu = gpu_of(steps)
-    tag = gpu_tag(gpu)
     out: dict[str, dict] = {}
     for bundle in BUNDLES:
         if (folder / bundle).is_file():
             out.update(unbundle(folder / bundle))
-    for name, pattern in RENAMED.items():
+    for name, (kind, shape) in RENAMED.items():
         if (folder / name).is_file():
-            out[pattern.format(tag=tag)] = load(folder / name)
+            out[attn_op.default_record(kind, gpu, shape).with_suffix(".json").name] = load(folder / name)
     exits = step_exits(folder / "chain.log")
-    out[f"gpu-run-{tag}-{date}.json"] = {"gpu": gpu, "date": date, "commit": commit, "exits": exits,
+    out[f"gpu-run-{device_tag(gpu)}-{date}.json"] = {"gpu": gpu, "date": date, "commit": commit, "exits": exits,
                                          "steps": steps}
-    return out, still_failing(steps)
+    return Filing(out, steps, still_failing(steps))
 
 
 def step_exits(chain_log: Path) -> dict[str, int]:
@@ -125,22 +129,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the records go")
     args = parser.parse_args(argv)
     try:
-        records, failing = collect(args.folder, args.date, args.commit or head_commit())
+        filing = collect(args.folder, args.date, args.commit or head_commit())
     except RecordError as exc:
         print(f"record: {exc}", file=sys.stderr)
         return 1
     args.results.mkdir(parents=True, exist_ok=True)
-    for name, record in records.items():
+    for name, record in filing.records.items():
         (args.results / name).write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {args.results / name}")
-    steps = records[next(n for n in records if n.startswith("gpu-run-"))]["steps"]
     for name in PYTEST_STEPS:
-        if name in steps:
-            s = steps[name]
+        if name in filing.steps:
+            s = filing.steps[name]
             print(f"{name}: {s.get('passed')} passed, {s.get('failed')} failed, {s.get('skipped')} skipped of "
                   f"{s.get('tests')}")
-    if failing:
-        print("still failing at full offload (for bench/gpu/recheck.txt):", *failing, sep="\n")
+    if filing.failing:
+        print("still failing at full offload (for bench/gpu/recheck.txt):", *filing.failing, sep="\n")
     print("next: python bench/update_readme.py")
     return 0
 
