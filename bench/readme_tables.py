@@ -135,6 +135,7 @@ def attn_profile_record_table(record: dict) -> str:
                      f"{r['instructions_per_cell_head']:.1f} | {r['us']:.1f} |")
     return "\n".join(lines)
 
+
 def gpu_run_table(path: Path) -> str:
     """A GPU run's steps (bench/gpu/session.sh, filed by bench/gpu/record.py): each step's exit code and result;
     the benchmarks' records have tables of their own."""
