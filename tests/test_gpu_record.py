@@ -33,6 +33,8 @@ def session_output(tmp_path: Path) -> Path:
     """What session.sh's polls bring back from a lease that ended during the suite."""
     out = tmp_path / "out"
     out.mkdir()
+    (out / "packages.json").write_text(json.dumps([{"name": "torch", "version": "2.9.0"},
+                                                   {"name": "transformers", "version": "5.17.0"}]))
     write(out, "build.json", {"gpu": GPU, "build": "prebuilt by CI (.ci/cuda-build), carried", "build_seconds": 21})
     write(out, "smoke.json", {"gpu": GPU, "run": "Paris.\npykvq: prompt 6 tokens, 900.0 t/s | generated 24 tokens, "
                               "448.1 t/s\n", "fit": [], "api": "Paris", "server": '{"choices": []}'})
@@ -64,6 +66,7 @@ def test_a_run_is_filed_under_its_gpu(session_output: Path, tmp_path: Path, caps
     run = json.loads((results / "gpu-run-h100-80gb-hbm3-2026-12-06.json").read_text())
     assert (run["gpu"], run["date"], run["commit"]) == (GPU, "2026-12-06", "abc1234")
     assert run["exits"] == {"build": 0, "smoke": 0, "recheck": 1}
+    assert run["packages"] == {"torch": "2.9.0", "transformers": "5.17.0"}
     assert sorted(run["steps"]) == ["build", "recheck", "sanitize", "smoke", "suite"]
     printed = capsys.readouterr()
     assert "still failing at full offload (for bench/gpu/recheck.txt):\n" \

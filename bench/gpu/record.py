@@ -6,7 +6,8 @@ The benchmarks' records go where the benchmarks write them on a machine of their
 threshold.json, bench.json) are unpacked under their own file names, attn_op.py's and attn_profile.py's records
 (op.json, op-deepseek2-lite.json, profile.json) are named for the GPU as those tools name them. The steps' own
 summaries (build, smoke, the pytest runs, sanitize, diagnose) become one record, gpu-run-<gpu>-<date>.json, with
-the commit the run judged. Prints what it wrote and the tests that failed, for bench/gpu/recheck.txt.
+the commit the run judged and the image's Python packages. Prints what it wrote and the tests that failed, for
+bench/gpu/recheck.txt.
 """
 
 from __future__ import annotations
@@ -88,9 +89,11 @@ def collect(folder: Path, date: str, commit: str) -> Filing:
     for name, (kind, shape) in RENAMED.items():
         if (folder / name).is_file():
             out[attn_op.default_record(kind, gpu, shape).with_suffix(".json").name] = load(folder / name)
-    exits = step_exits(folder / "chain.log")
-    out[f"gpu-run-{device_tag(gpu)}-{date}.json"] = {"gpu": gpu, "date": date, "commit": commit, "exits": exits,
-                                         "steps": steps}
+    run = {"gpu": gpu, "date": date, "commit": commit, "exits": step_exits(folder / "chain.log"), "steps": steps}
+    if (folder / "packages.json").is_file():
+        # the image's Python packages (transformers, torch, ...): what the converter tests met there
+        run["packages"] = {p["name"]: p["version"] for p in json.loads((folder / "packages.json").read_text())}
+    out[f"gpu-run-{device_tag(gpu)}-{date}.json"] = run
     return Filing(out, steps, still_failing(steps))
 
 
