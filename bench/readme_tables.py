@@ -93,8 +93,8 @@ def attn_op_record_table(record: dict) -> str:
     """bench/gpu/attn_op.py's sweep at its first window and sinks (the others stay in the JSON), each setting's time
     against upstream's f16 flash attention over the same cells and sequences."""
     rows = record["rows"]
-    kivi = [r for r in rows if r["kernel"] != "flash attention"]
-    window, sinks = (kivi[0]["window"], kivi[0]["sinks"]) if kivi else (0, 0)
+    first_kivi = next((r for r in rows if r["kernel"] != "flash attention"), {"window": 0, "sinks": 0})
+    window, sinks = first_kivi["window"], first_kivi["sinks"]
     shown = [r for r in rows if r["kernel"] == "flash attention" or (r["window"], r["sinks"]) == (window, sinks)]
     f16_us = {(r["seqs"], r["depth"]): r["us"] for r in rows if r["kv_type"] == "f16"}
     shape = record["shape"]

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import attn_op
 from decode_speed import device_tag
@@ -39,13 +40,14 @@ class RecordError(Exception):
     """The folder is not a session's output, or a file in it cannot be filed."""
 
 
-def load(path: Path) -> dict:
+def load(path: Path, kind: type = dict) -> Any:
+    """A JSON file's value, which must be a `kind` (an object, or pip's list of packages)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise RecordError(f"{path.name}: not readable JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise RecordError(f"{path.name}: not a JSON object")
+    if not isinstance(data, kind):
+        raise RecordError(f"{path.name}: not a JSON {'object' if kind is dict else kind.__name__}")
     return data
 
 
@@ -92,7 +94,7 @@ def collect(folder: Path, date: str, commit: str) -> Filing:
     run = {"gpu": gpu, "date": date, "commit": commit, "exits": step_exits(folder / "chain.log"), "steps": steps}
     if (folder / "packages.json").is_file():
         # the image's Python packages (transformers, torch, ...): what the converter tests met there
-        run["packages"] = {p["name"]: p["version"] for p in json.loads((folder / "packages.json").read_text())}
+        run["packages"] = {p["name"]: p["version"] for p in load(folder / "packages.json", list)}
     out[f"gpu-run-{device_tag(gpu)}-{date}.json"] = run
     return Filing(out, steps, still_failing(steps))
 
