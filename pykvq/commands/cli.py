@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+from types import FrameType
 
 from pykvq.convert.command import add_convert_command
 
@@ -33,19 +35,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM (what `timeout` and `kill` send), raised where Python runs next so that, as on Ctrl-C, every
+    ``finally`` runs: a command's temporary files and folders go, the user's files stay as they were."""
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if sys.stdout is None:
+        # a closed stdout: print() would drop every result without a word
+        print("pykvq: error: standard output is closed: nothing could be shown or piped", file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="pykvq: %(message)s")
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     logging.getLogger("gguf").setLevel(logging.WARNING)
     # llama.cpp's own log only with -v: its errors reach the user as the exception's message
     logging.getLogger("pykvq.llama").setLevel(logging.DEBUG if args.verbose else logging.CRITICAL)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.handler(args)
     except (RuntimeError, OSError, ValueError) as exc:
         # One line, no traceback: these carry a message meant for the user.
         print(f"pykvq: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\npykvq: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Terminated:
+        print("\npykvq: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":
