@@ -6,8 +6,14 @@ the CPU's logits bit for bit; code that touched tensor->data of a device buffer 
 from __future__ import annotations
 
 import json
+import re
+import socket
+import struct
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +21,8 @@ import numpy as np
 import pytest
 
 from pykvq import gguf_metadata
-from pykvq.devtools import random_model
+from pykvq.bindings import devices
+from pykvq.devtools import random_model, upstream
 
 # the reference is the host's CPU, and the RPC server serves CPU kernels: no GPU in either run
 pytestmark = pytest.mark.usefixtures("cpu_only")
@@ -161,3 +168,57 @@ def test_a_bad_rpc_server_is_one_clear_error(smollm2: Path, hamlet: Path, tmp_pa
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 1
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@contextmanager
+def fake_server(answer: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A listener on 127.0.0.1 that answers every connection with ``answer`` (then closes it): something that is no
+    ggml-rpc-server of this build."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(30)
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                with conn:
+                    answer(conn)
+
+        threading.Thread(target=serve, daemon=True).start()
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+def hello_response(major: int, minor: int) -> bytes:
+    return struct.pack("<Q", 4 + devices.RPC_CONN_CAPS_SIZE) + bytes([major, minor, 0, 0]) + \
+        bytes(devices.RPC_CONN_CAPS_SIZE)
+
+
+@pytest.mark.parametrize(("answer", "message"), [
+    # an SSH server, say: ggml's client aborted the process on its banner
+    (lambda conn: conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n" * 4), "answered, but not as ggml-rpc-server does"),
+    # accepts and says nothing: ggml's client waited forever
+    (lambda conn: conn.recv(64) and threading.Event().wait(20), "did not answer ggml-rpc's handshake within"),
+    (lambda conn: conn.recv(64) and conn.sendall(hello_response(devices.RPC_PROTO_MAJOR_VERSION + 1, 0)),
+     "speaks RPC protocol 8.0.0"),
+    (lambda conn: conn.recv(64) and None, "closed the connection during ggml-rpc's handshake"),
+], ids=["banner", "silent", "version", "closes"])
+def test_a_listener_that_is_no_rpc_server_of_this_build_is_one_clear_error(smollm2: Path, answer, message: str) -> None:
+    with fake_server(answer) as endpoint:
+        proc = subprocess.run(["pykvq", "run", "--rpc", endpoint, "-m", str(smollm2), "-p", "hi", "-n", "2"],
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"RPC server {endpoint}" in proc.stderr and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_handshake_speaks_the_pinned_protocol(upstream_source: upstream.Source) -> None:
+    """The HELLO that pykvq sends before ggml's client connects (devices.py) is the pinned ggml-rpc's."""
+    rpc = upstream_source.root / "ggml"
+    header = (rpc / "include" / "ggml-rpc.h").read_text()
+    for name in ("RPC_PROTO_MAJOR_VERSION", "RPC_PROTO_MINOR_VERSION"):
+        assert int(re.search(rf"#define {name}\s+(\d+)", header).group(1)) == getattr(devices, name)
+    transport = (rpc / "src" / "ggml-rpc" / "transport.h").read_text()
+    assert int(re.search(r"RPC_CONN_CAPS_SIZE = (\d+);", transport).group(1)) == devices.RPC_CONN_CAPS_SIZE
+    source = (rpc / "src" / "ggml-rpc" / "ggml-rpc.cpp").read_text()
+    assert re.search(rf"static_assert\(RPC_CMD_HELLO == {devices.RPC_CMD_HELLO},", source)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import socket
+import struct
 import threading
 from dataclasses import dataclass
 
@@ -12,6 +13,15 @@ from pykvq.bindings import native
 # enum ggml_backend_dev_type: the kinds that take model layers (-ngl); an RPC server is a GPU to llama.cpp
 _OFFLOAD_TYPES = {1: "GPU", 2: "iGPU"}
 _ENDPOINT = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):\d{1,5}$")
+
+# ggml-rpc's HELLO, as its client sends it first on every connection (ggml-rpc.cpp, transport.h; checked against the
+# pinned source by tests/test_rpc.py): | command 14 | u64 request size | the client's connection capabilities |,
+# answered by | u64 response size | major, minor, patch, padding | the server's capabilities |
+RPC_CMD_HELLO = 14
+RPC_PROTO_MAJOR_VERSION = 7
+RPC_PROTO_MINOR_VERSION = 0
+RPC_CONN_CAPS_SIZE = 24
+_HELLO_RESPONSE_SIZE = 4 + RPC_CONN_CAPS_SIZE
 
 _added: set[str] = set()
 _lock = threading.Lock()
@@ -81,10 +91,36 @@ def add_rpc_servers(servers: str) -> list[str]:
 
 
 def _check_reachable(endpoint: str, timeout_s: float = 5.0) -> None:
-    # ggml's RPC client aborts the process when it cannot connect: ask first
+    """DeviceError unless ``endpoint`` answers ggml-rpc's handshake, in a version this build speaks, within
+    ``timeout_s``: ggml's RPC client aborts the process on a refused connection, a malformed answer or another
+    protocol version, and waits forever on a server that accepts and stays silent."""
     host, port = endpoint.rsplit(":", 1)
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
+            # no capabilities offered: the server keeps the plain transport for this probe
+            sock.sendall(struct.pack("<BQ", RPC_CMD_HELLO, RPC_CONN_CAPS_SIZE) + bytes(RPC_CONN_CAPS_SIZE))
+            (size,) = struct.unpack("<Q", _receive(sock, 8, endpoint))
+            if size != _HELLO_RESPONSE_SIZE:
+                raise DeviceError(f"RPC server {endpoint} answered, but not as ggml-rpc-server does (is it one?)")
+            major, minor, patch = _receive(sock, size, endpoint)[:3]
+    except TimeoutError:
+        raise DeviceError(f"RPC server {endpoint} did not answer ggml-rpc's handshake within {timeout_s:g} s: is "
+                          "ggml-rpc-server running there?") from None
     except OSError as e:
         raise DeviceError(f"RPC server {endpoint} did not answer ({e.strerror or e}): is ggml-rpc-server running "
                           "there?") from None
+    if major != RPC_PROTO_MAJOR_VERSION or minor > RPC_PROTO_MINOR_VERSION:
+        raise DeviceError(f"RPC server {endpoint} speaks RPC protocol {major}.{minor}.{patch}, this build "
+                          f"{RPC_PROTO_MAJOR_VERSION}.{RPC_PROTO_MINOR_VERSION}: run the ggml-rpc-server of this "
+                          "pykvq (or of the same llama.cpp release) there")
+
+
+def _receive(sock: socket.socket, n: int, endpoint: str) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise DeviceError(f"RPC server {endpoint} closed the connection "
+                              "during ggml-rpc's handshake (is it ggml-rpc-server?)")
+        data += chunk
+    return data
