@@ -14,8 +14,9 @@ class ToolError(RuntimeError):
     """A tool exited non-zero; the message's first line says why (the tool's first error line), then its tail."""
 
 
-# an error line of llama.cpp's common log ("0.00.167.930 E llama_init_from_model: ...")
-_ERROR_LINE = re.compile(r"^[0-9.]+ E (?:cmn  )?(.+)$", re.MULTILINE)
+# an error line of llama.cpp's common log ("0.00.167.930 E llama_init_from_model: ..."), or of its argument parser,
+# which prints before any log ("error while handling argument "--kv-window": invalid value ...")
+_ERROR_LINE = re.compile(r"^(?:[0-9.]+ E (?:cmn  )?|(?=error while handling argument ))(.+)$", re.MULTILINE)
 
 
 def tool_failure(name: str, returncode: int, output: str) -> ToolError:

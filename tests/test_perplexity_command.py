@@ -122,3 +122,27 @@ def test_kl_divergence_scores_every_type_against_the_f16_run(smollm2: Path, haml
     for r in json.loads(plain.with_suffix(".json").read_text())["runs"]:
         assert rows[r["kv_type"]]["ppl"] == pytest.approx(r["ppl"], abs=1e-4)
         assert r["kld"] is None
+
+
+def test_a_dotted_output_prefix_is_kept_whole(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
+    """-o run.kivi2 and -o run.q4_0 wrote run.json and run.png both: the second comparison replaced the first."""
+    proc = pykvq_perplexity(smollm2, hamlet, "-t", "2", "--kv-types", "f16", "-o", str(tmp_path / "run.f16"),
+                            *device.TOOL_ARGS)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.f16.json", "run.f16.png"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-o", "missing-folder/run"], "-o missing-folder/run: the folder missing-folder does not exist"),
+    (["-o", "."], "-o .: give a file prefix"),
+    (["--kv-window", "2147483648"], "the kivi window must be at most 2147483647 tokens"),
+    (["--kv-sinks", "99999999999"], "the kivi sink count must be at most 2147483647 tokens"),
+])
+def test_settings_that_cannot_run_are_refused_before_any_run(smollm2: Path, hamlet: Path, tmp_path: Path,
+                                                             args: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-P", "-m", "pykvq", "perplexity", "-m", str(smollm2), "-f", str(hamlet),
+                           "-c", "128", "--chunks", "1", *args], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"pykvq: error: {message}" in proc.stderr, proc.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []

@@ -24,3 +24,15 @@ def test_perplexity_never_loses_its_final_estimate(tmp_path: Path, hamlet: Path)
     args = ["-m", str(model), "-f", str(text), "-c", "128", "-b", "128", "--chunks", "1", "-t", "2"]
     missing = [i for i in range(RUNS) if "Final estimate" not in llama_tools.run_tool("llama-perplexity", args)]
     assert missing == [], f"runs {missing} of {RUNS} printed no final estimate"
+
+
+def test_a_refused_argument_leads_the_tools_error(tmp_path: Path) -> None:
+    """The argument parser's reason, printed before any log line, is the error's first line: `pykvq perplexity`
+    showed only "exited with status 1" for a row whose flag llama-perplexity refused."""
+    try:
+        llama_tools.run_tool("llama-perplexity", ["-m", str(tmp_path / "unread.gguf"), "--kv-window", "2147483648"])
+    except llama_tools.ToolError as err:
+        first = str(err).splitlines()[0]
+    else:
+        raise AssertionError("llama-perplexity took a window beyond int32")
+    assert first.startswith('llama-perplexity exited with status 1: error while handling argument "--kv-window"'), first

@@ -211,13 +211,18 @@ def kvq_params() -> KvqParams:
     return _kvq_params(libs().llama.llama_kvq_get_params())
 
 
+def check_token_count(name: str, value: int) -> None:
+    """ValueError for a kivi count of tokens (window, sinks, ...) that the C API's int32 cannot hold."""
+    if not INT32_MIN <= value <= INT32_MAX:
+        raise ValueError(f"the kivi {name} must be at most {INT32_MAX} tokens, got {value}")
+
+
 def set_kvq_params(params: KvqParams) -> None:
     """Set the process-wide kivi settings; ValueError with the C API's reason when they are invalid."""
     fields = (("window", params.window), ("sink count", params.n_sink), ("rollback depth", params.n_rollback),
               ("observation window", params.select_observe))
     for name, value in fields:
-        if not INT32_MIN <= value <= INT32_MAX:
-            raise ValueError(f"the kivi {name} must be at most {INT32_MAX} tokens, got {value}")
+        check_token_count(name, value)
     lib = libs()
     struct = lib.ffi.new("struct llama_kvq_params *", (params.window, params.n_sink, params.rotate, params.n_rollback,
                                                           params.select_hh, params.select_recent,

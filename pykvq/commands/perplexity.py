@@ -272,6 +272,24 @@ def plot(path: Path, settings: Settings, runs: list[Run]) -> None:
     plt.close(fig)
 
 
+@dataclass(frozen=True)
+class OutputFiles:
+    json: Path
+    png: Path
+
+
+def output_files(prefix: str) -> OutputFiles:
+    """PREFIX.json and PREFIX.png, the prefix kept whole (a dot in it is no suffix to replace: `-o run.kivi2` and
+    `-o run.q4_0` must not both write run.json), checked before any run so that hours of runs are not lost to a
+    folder that is not there."""
+    base = Path(prefix)
+    if not base.name or base.is_dir():
+        raise ValueError(f"-o {prefix}: give a file prefix (PREFIX.json and PREFIX.png are written), not a folder")
+    if not base.parent.is_dir():
+        raise ValueError(f"-o {prefix}: the folder {base.parent} does not exist")
+    return OutputFiles(base.with_name(base.name + ".json"), base.with_name(base.name + ".png"))
+
+
 def load_json(path: Path) -> tuple[Settings, list[Run]]:
     record = json.loads(path.read_text())
     raw = record["settings"]
@@ -299,6 +317,9 @@ def run(args: argparse.Namespace) -> int:
     n_sink = int(kvq.get(gguf_metadata.KEY_SINKS, defaults.n_sink) if args.kv_sinks is None else args.kv_sinks)
     if args.ctx_size < 64 or args.chunks < 1 or args.threads < 1 or window < 0 or n_sink < 0:
         raise ValueError("need -c >= 64, --chunks >= 1, -t >= 1, --kv-window >= 0 and --kv-sinks >= 0")
+    native.check_token_count("window", window)
+    native.check_token_count("sink count", n_sink)
+    outputs = output_files(args.output)
     if args.kv_type_swa is not None:
         kv_types.type_id(args.kv_type_swa)  # an unknown name is refused before any run, with the valid ones
     n_layer = model_info.read_shape(gguf_metadata.read_fields(args.model)).n_layer
@@ -320,10 +341,9 @@ def run(args: argparse.Namespace) -> int:
                         args.op_offload, args.fit, tuple(args.fit_target), args.kl_divergence, args.kv_offload)
     runs = compare(settings, specs)
     print(format_table(runs))
-    out = Path(args.output)
-    write_json(out.with_suffix(".json"), settings, runs)
-    plot(out.with_suffix(".png"), settings, runs)
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    write_json(outputs.json, settings, runs)
+    plot(outputs.png, settings, runs)
+    print(f"wrote {outputs.json} and {outputs.png}")
     failed = [r.kv_type for r in runs if r.failure is not None]
     if failed:
         log.error("%d of %d KV types failed: %s", len(failed), len(runs), ", ".join(failed))
