@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import zipfile
 from pathlib import Path
@@ -58,6 +59,53 @@ def test_chat_mode_uses_the_chat_template_and_keeps_the_conversation(smollm2: Pa
     assert "Paris" in first and "Berlin" in second
 
 
+def test_chat_mode_takes_the_prompt_as_its_first_turn(smollm2: Path) -> None:
+    """As llama.cpp's conversation mode: -p was dropped without a word, and with an empty stdin nothing ran."""
+    proc = pykvq_run("-m", str(smollm2), "-cnv", "-p", "What is the capital of France?", "--temp", "0", "-n", "40",
+                     "-c", "1024", stdin="And of Germany?\n")
+    assert proc.returncode == 0, proc.stderr
+    first, second = proc.stdout.strip().splitlines()[:2]
+    assert "Paris" in first and "Berlin" in second
+
+
+def closed_stream_run(redirect: str, *args: str) -> subprocess.CompletedProcess:
+    """pykvq run with a standard stream closed (``<&-`` or ``>&-``), as a script or a service may start it."""
+    command = " ".join(["exec pykvq run", *device.TOOL_ARGS, "-t 2", *args, redirect])
+    return subprocess.run(["sh", "-c", command], stdout=None if redirect == ">&-" else subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=300)
+
+
+def test_closed_standard_streams_are_one_clear_error(smollm2: Path) -> None:
+    chat = closed_stream_run("<&-", "-m", str(smollm2), "-cnv", "-n", "8", "-c", "256")
+    assert chat.returncode == 1 and "Traceback" not in chat.stderr
+    assert "-cnv reads its turns from standard input, which is closed: give the first turn with -p" in chat.stderr
+    quiet = closed_stream_run(">&-", "-m", str(smollm2), "-p", "hi", "-n", "2", "-c", "256")
+    assert quiet.returncode == 1 and "Traceback" not in quiet.stderr
+    assert "pykvq: error: standard output is closed" in quiet.stderr
+
+
+@pytest.mark.parametrize(("sent", "code", "message"), [(signal.SIGINT, 130, "pykvq: interrupted"),
+                                                       (signal.SIGTERM, 143, "pykvq: terminated")])
+def test_a_signal_mid_generation_ends_with_one_line(smollm2: Path, sent: signal.Signals, code: int,
+                                                    message: str) -> None:
+    """Ctrl-C printed a KeyboardInterrupt traceback; SIGTERM (timeout, kill) skipped every cleanup."""
+    with subprocess.Popen(["pykvq", "run", *device.TOOL_ARGS, "-t", "2", "-m", str(smollm2), "-p", "Once upon a time",
+                           "-n", "-1", "-c", "4096", "--ignore-eos"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stdout.read(len("Once upon a time") + 8)
+        proc.send_signal(sent)
+        _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr[-2000:]
+    assert "Traceback" not in stderr and stderr.rstrip().endswith(message)
+
+
+def test_a_window_type_for_a_model_without_sliding_window_layers_is_warned(smollm2: Path) -> None:
+    proc = pykvq_run("-m", str(smollm2), "--kv-type-swa", "kivi2", "-p", "hi", "-n", "2", "-c", "256")
+    assert proc.returncode == 0, proc.stderr
+    assert "--kv-type-swa kivi2 changes nothing: SmolLM2-135M-Instruct.Q4_1.gguf has no sliding-window layers" \
+        in proc.stderr
+
+
 def test_long_generation_with_n_minus_one_stops_at_a_full_context(smollm2: Path) -> None:
     # --ignore-eos: where greedy decoding meets an end of generation depends on the backend's rounding
     proc = pykvq_run("-m", str(smollm2), "-p", "Hello", "-n", "-1", "-c", "256", "--temp", "0", "--ignore-eos")
@@ -90,6 +138,12 @@ def _not_gguf(tmp: Path) -> Path:
     return path
 
 
+def _latin1(tmp: Path) -> Path:
+    path = tmp / "latin1.txt"
+    path.write_bytes("Caf\u00e9 au lait".encode("latin-1"))
+    return path
+
+
 LONG_PROMPT = "word " * 600
 
 
@@ -111,6 +165,10 @@ LONG_PROMPT = "word " * 600
     ("kv-layers-gap", "layer types 'k:0-15=kivi2' in 'k:': layers 16-29 have no type"),
     ("kv-layers-type", "in '0-15=kivi9': unknown type 'kivi9'"),
     ("asymkv-too-many", "in 'asymkv: L_K = 40': more layers than the model's 30"),
+    ("asymkv-with-ctk", "--kv-type asymkv:16/0 gives every layer its K and V type, which -ctk/-ctv would not"),
+    ("sys-without-cnv", "-sys is the system message of a chat: give it with -cnv"),
+    ("prompt-folder", "is a folder: give the file that holds the prompt"),
+    ("prompt-not-utf8", "latin1.txt is not UTF-8 text (invalid continuation byte at byte 3)"),
 ])
 def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tmp_path: Path) -> None:
     model = ["-m", str(smollm2)]
@@ -132,6 +190,10 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tm
         "kv-layers-gap": [*model, "--kv-layers", "k:0-15=kivi2", "-p", "hi"],
         "kv-layers-type": [*model, "--kv-layers", "k:0-15=kivi9", "-p", "hi"],
         "asymkv-too-many": [*model, "--kv-type", "asymkv:40/0", "-p", "hi"],
+        "asymkv-with-ctk": [*model, "--kv-type", "asymkv:16/0", "-ctk", "q8_0", "-p", "hi"],
+        "sys-without-cnv": [*model, "-sys", "Be brief.", "-p", "hi"],
+        "prompt-folder": [*model, "-f", str(tmp_path)],
+        "prompt-not-utf8": [*model, "-f", str(_latin1(tmp_path))],
     }[case]
     if case == "ngl-without-gpu" and gpu_offload_supported():
         pytest.skip("this build has a GPU backend")

@@ -107,6 +107,9 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
 
 def kv_config(args: argparse.Namespace) -> KvConfig:
     preset = KvSpec.parse(args.kv_type)
+    if preset.layers is not None and (args.cache_type_k or args.cache_type_v):
+        raise ValueError(f"--kv-type {args.kv_type} gives every layer its K and V type, which -ctk/-ctv would not "
+                         "change: give the types per layer with --kv-layers instead")
     type_k = KvSpec.parse(args.cache_type_k).name if args.cache_type_k else preset.name
     type_v = KvSpec.parse(args.cache_type_v).name if args.cache_type_v else preset.name
     rotate = args.kv_rotate if args.kv_rotate is not None else (True if preset.rotate else None)
@@ -120,9 +123,14 @@ def kv_config(args: argparse.Namespace) -> KvConfig:
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
-    if args.file is not None:
+    if args.file is None:
+        return args.prompt if args.prompt is not None else ""
+    if args.file.is_dir():
+        raise ValueError(f"-f {args.file} is a folder: give the file that holds the prompt")
+    try:
         return args.file.read_text(encoding="utf-8")
-    return args.prompt if args.prompt is not None else ""
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"-f {args.file} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def _model_path(args: argparse.Namespace) -> Path:
@@ -150,12 +158,18 @@ def run_command(args: argparse.Namespace) -> int:
                          f"got {args.ctx_size}")
     if not args.conversation and args.prompt is None and args.file is None:
         raise ValueError("give a prompt with -p or -f, or chat with -cnv")
+    if args.system_prompt is not None and not args.conversation:
+        raise ValueError("-sys is the system message of a chat: give it with -cnv")
+    if args.conversation and sys.stdin is None and args.prompt is None and args.file is None:
+        raise ValueError("-cnv reads its turns from standard input, which is closed: give the first turn with -p")
     path = _model_path(args)
     n_gpu_layers = arguments.gpu_layers(args, unset=None if args.fit else 999)
     # the settings are checked, and the batch sizes chosen, before the weights are placed and loaded
     with Model(path, metadata_only=True) as shape:
         kv = with_model_metadata(kv, path)
         check_layers(kv, shape)
+        if kv.type_swa is not None and not shape.n_swa:
+            log.warning("--kv-type-swa %s changes nothing: %s has no sliding-window layers", kv.type_swa, path.name)
         select = kv.select if kv.select is not None else model_selection(path)
         n_batch, n_ubatch = _batch_sizes(args, shape, kv, select)
     config = ContextConfig(args.ctx_size, n_batch, n_ubatch, args.threads, args.flash_attn, kv,
@@ -272,10 +286,14 @@ def _report_selection(ctx: Context, kv: KvConfig, select: kv_types.Selection) ->
           file=sys.stderr)
 
 
-def _chat(model: Model, ctx: Context, sampler: Sampler, args: argparse.Namespace) -> None:
-    """Turns read from stdin; each new turn feeds only the text the cache has not seen yet."""
-    messages = [ChatMessage("system", args.system_prompt)] if args.system_prompt else []
-    evaluated = ""
+def _chat_turns(args: argparse.Namespace, ctx: Context) -> Iterator[str]:
+    """The user's turns until the context is full: -p or -f first, as llama.cpp's conversation mode takes it, then
+    a line of stdin each."""
+    first = _prompt_text(args)
+    if first.strip():
+        yield first
+    if sys.stdin is None:
+        return
     interactive = sys.stdin.isatty()
     while not ctx.context_full:
         if interactive:
@@ -283,10 +301,17 @@ def _chat(model: Model, ctx: Context, sampler: Sampler, args: argparse.Namespace
             sys.stdout.flush()
         line = sys.stdin.readline()
         if not line:
-            break
-        if not line.strip():
-            continue
-        messages.append(ChatMessage("user", line.rstrip("\n")))
+            return
+        if line.strip():
+            yield line.rstrip("\n")
+
+
+def _chat(model: Model, ctx: Context, sampler: Sampler, args: argparse.Namespace) -> None:
+    """Each new turn feeds only the text the cache has not seen yet."""
+    messages = [ChatMessage("system", args.system_prompt)] if args.system_prompt else []
+    evaluated = ""
+    for turn in _chat_turns(args, ctx):
+        messages.append(ChatMessage("user", turn))
         formatted = model.apply_chat_template(messages)
         if not formatted.startswith(evaluated):
             raise LlamaError("the chat template rewrote earlier turns; this conversation cannot continue in "
