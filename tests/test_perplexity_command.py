@@ -137,6 +137,7 @@ def test_a_dotted_output_prefix_is_kept_whole(smollm2: Path, hamlet: Path, tmp_p
     (["-o", "."], "-o .: give a file prefix"),
     (["--kv-window", "2147483648"], "the kivi window must be at most 2147483647 tokens"),
     (["--kv-sinks", "99999999999"], "the kivi sink count must be at most 2147483647 tokens"),
+    (["-f", "."], "text path is a folder, not a file: ."),
 ])
 def test_settings_that_cannot_run_are_refused_before_any_run(smollm2: Path, hamlet: Path, tmp_path: Path,
                                                              args: list[str], message: str) -> None:

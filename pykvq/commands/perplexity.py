@@ -21,6 +21,7 @@ from pykvq.api.fit import DEFAULT_MARGIN_MIB
 from pykvq.bindings import native
 from pykvq.commands import arguments
 from pykvq.commands import inspect as model_info
+from pykvq.input_files import check_readable_file
 from pykvq.kv_types import KvSpec
 
 log = logging.getLogger("pykvq.perplexity")
@@ -300,8 +301,7 @@ def load_json(path: Path) -> tuple[Settings, list[Run]]:
 def run(args: argparse.Namespace) -> int:
     specs = parse_specs(args.kv_types, args.kv_layers)
     for f, what in ((args.model, "model"), (args.file, "text")):
-        if not f.is_file():
-            raise FileNotFoundError(f"{what} file not found: {f}")
+        check_readable_file(f, what)
     # the model's kvq.* metadata: its window and sinks are the defaults, its per-layer types one more run
     overrides = ((gguf_metadata.KEY_LAYERS, args.kv_layers or None), (gguf_metadata.KEY_WINDOW, args.kv_window),
                  (gguf_metadata.KEY_SINKS, args.kv_sinks), (gguf_metadata.KEY_CLIP, args.kv_clip),
