@@ -4,8 +4,11 @@ scores every type against the f16 run."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -147,3 +150,30 @@ def test_settings_that_cannot_run_are_refused_before_any_run(smollm2: Path, haml
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"pykvq: error: {message}" in proc.stderr, proc.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_ends_the_comparison_its_tool_and_its_temporary_files(smollm2: Path, hamlet: Path,
+                                                                      tmp_path: Path) -> None:
+    """`timeout` signals pykvq alone: llama-perplexity ran on to its last chunk, the f16 log-probabilities stayed."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    cmd = [sys.executable, "-P", "-m", "pykvq", "perplexity", "-m", str(smollm2), "-f", str(hamlet), "-c", "512",
+           "--chunks", "40", "-t", "2", "--kv-types", "f16,kivi2", "--kl-divergence", "-o", str(tmp_path / "out"),
+           *device.TOOL_ARGS]
+    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "TMPDIR": str(tmp)}) as proc:
+        deadline = time.monotonic() + 120
+        while not (tools := tool_children(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert tools, "llama-perplexity never started"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "Traceback" not in stderr, stderr[-2000:]
+    assert stderr.rstrip().endswith("pykvq: terminated")
+    assert not any(Path(f"/proc/{pid}").exists() for pid in tools)
+    assert list(tmp.iterdir()) == [] and not (tmp_path / "out.json").exists()
+
+
+def tool_children(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in children.read_text().split()] if children.exists() else []

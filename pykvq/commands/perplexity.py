@@ -111,11 +111,16 @@ def run_one(settings: Settings, spec: KvSpec, progress: tqdm, kld_args: tuple[st
     done = 0
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
         assert proc.stdout is not None
-        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
-            output += chunk
-            finished = len(_CHUNK_DONE.findall(output))
-            progress.update(finished - done)
-            done = finished
+        try:
+            while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+                output += chunk
+                finished = len(_CHUNK_DONE.findall(output))
+                progress.update(finished - done)
+                done = finished
+        except BaseException:
+            # a SIGTERM reaches pykvq alone, and Popen's exit would wait for the tool to finish its chunks
+            proc.kill()
+            raise
     text = output.decode(errors="replace")
     log.debug("llama-perplexity's output:\n%s", text)
     if proc.returncode != 0:
