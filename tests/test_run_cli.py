@@ -111,6 +111,7 @@ LONG_PROMPT = "word " * 600
     ("kv-layers-gap", "layer types 'k:0-15=kivi2' in 'k:': layers 16-29 have no type"),
     ("kv-layers-type", "in '0-15=kivi9': unknown type 'kivi9'"),
     ("asymkv-too-many", "in 'asymkv: L_K = 40': more layers than the model's 30"),
+    ("negative-batch", "-b/n_batch must be 1 or more, got -5"),
 ])
 def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tmp_path: Path) -> None:
     model = ["-m", str(smollm2)]
@@ -132,6 +133,7 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tm
         "kv-layers-gap": [*model, "--kv-layers", "k:0-15=kivi2", "-p", "hi"],
         "kv-layers-type": [*model, "--kv-layers", "k:0-15=kivi9", "-p", "hi"],
         "asymkv-too-many": [*model, "--kv-type", "asymkv:40/0", "-p", "hi"],
+        "negative-batch": [*model, "-b", "-5", "-p", "hi"],
     }[case]
     if case == "ngl-without-gpu" and gpu_offload_supported():
         pytest.skip("this build has a GPU backend")
