@@ -1,15 +1,16 @@
 """The Python API refuses what llama.cpp would crash on or silently take: a closed model or context, a context on a
-model without weights, token ids outside the vocabulary, out-of-range context settings; a failed
+model without weights, token ids outside the vocabulary, out-of-range context and sampling settings; a failed
 evaluation leaves the cache as it was, or says what it could not take back."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
 import pykvq.api.llama as api
-from pykvq import ContextConfig, KvConfig, LlamaError, Model
+from pykvq import ContextConfig, KvConfig, LlamaError, Model, SamplerSettings
 
 import device
 
@@ -111,3 +112,9 @@ def test_n_ctx_0_is_the_training_context(model: Model) -> None:
     with model.context(device.context_config(n_ctx=0, n_batch=64, n_ubatch=64)) as ctx:
         assert ctx.n_ctx == model.n_ctx_train
 
+
+@pytest.mark.parametrize("setting", [{"temp": math.nan}, {"temp": math.inf}, {"temp": -math.inf},
+                                     {"top_p": math.nan}, {"min_p": math.inf}])
+def test_non_finite_sampling_settings_are_refused(setting: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="bad sampling settings: .*temp finite"):
+        SamplerSettings(**setting)
