@@ -15,10 +15,13 @@ import logging
 import sys
 
 from pykvq import kv_types
-from pykvq.api.llama import kvq_params_applied
 from pykvq.commands.arguments import rotation
 from pykvq.kv_types import KvSpec, KvTypeError
-from pykvq.llama_cpp import LlamaCppError, kv_config, check_kv_type, load
+from pykvq.llama_cpp import LlamaCppError, kv_config, load
+
+# what llama_cpp.server reads as false for a boolean option (its cli._parse_bool_arg)
+FALSE_VALUES = {"0", "off", "f", "false", "n", "no"}
+
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m pykvq.llama_cpp.server", add_help=False)
@@ -39,13 +42,15 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _option(rest: list[str], name: str) -> str | None:
-    """The value given to ``name`` (``--type_k 43`` or ``--type_k=43``) in llama_cpp.server's arguments."""
+    """The value given to ``name`` (``--type_k 43`` or ``--type_k=43``) in llama_cpp.server's arguments: the last
+    one, as its parser takes it."""
+    value = None
     for i, arg in enumerate(rest):
         if arg.startswith(f"{name}="):
-            return arg.split("=", 1)[1]
-        if arg == name and i + 1 < len(rest):
-            return rest[i + 1]
-    return None
+            value = arg.split("=", 1)[1]
+        elif arg == name and i + 1 < len(rest):
+            value = rest[i + 1]
+    return value
 
 
 def _type_option(rest: list[str], name: str) -> int | None:
@@ -62,8 +67,6 @@ def _type_option(rest: list[str], name: str) -> int | None:
 def server_argv(argv: list[str]) -> tuple[list[str], dict[str, object]]:
     """llama_cpp.server's command line for ours, and the kivi settings (checked) that every Llama it creates takes."""
     ours, rest = _parse(argv)
-    for option in ("--type_k", "--type_v"):
-        check_kv_type(_type_option(rest, option))
     spec = KvSpec.parse(ours.kv_type) if ours.kv_type is not None else None
     if spec is not None:
         type_id = kv_types.type_id(spec.name)
@@ -74,10 +77,13 @@ def server_argv(argv: list[str]) -> tuple[list[str], dict[str, object]]:
     settings = {"kv_window": ours.kv_window, "kv_sinks": ours.kv_sinks, "kv_rotate": rotate, "kv_layers": layers,
                 "kv_rollback": ours.kv_rollback, "kv_type_swa": ours.kv_type_swa, "kv_clip": ours.kv_clip,
                 "kv_dither": ours.kv_dither}
-    kv = kv_config({}, **{name.removeprefix("kv_"): value for name, value in settings.items()})
-    with kvq_params_applied(kv):
-        pass  # refused here, with the reason, before any model loads
-    if (spec is not None and spec.is_kivi) or kv.is_kivi:
+    # refused here, with the reason, before any model loads
+    kv = kv_config({"type_k": _type_option(rest, "--type_k"), "type_v": _type_option(rest, "--type_v"), **settings})
+    if kv.is_kivi:
+        flash_attn = _option(rest, "--flash_attn")
+        if flash_attn is not None and flash_attn.strip().lower() in FALSE_VALUES:
+            raise KvTypeError(f"kivi KV types are read by the fused attention only: drop --flash_attn {flash_attn} "
+                              "(the server turns it on for them)")
         rest += ["--flash_attn", "true"]
     return rest, settings
 
@@ -89,6 +95,10 @@ def serving_llama(settings: dict[str, object]) -> type:
     from pykvq.llama_cpp import Llama
 
     class ServingLlama(Llama):
+        # the settings reach __new__ too, which checks them before an instance exists
+        def __new__(cls, *args, **kwargs) -> ServingLlama:
+            return super().__new__(cls, *args, **{**settings, **kwargs})
+
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **{**settings, **kwargs})
 
