@@ -11,8 +11,12 @@ layers of every model the server loads. Its models are pykvq.llama_cpp.Llama obj
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import inspect
 import logging
 import sys
+from collections.abc import Awaitable, Callable
 
 from pykvq import kv_types
 from pykvq.commands.arguments import rotation
@@ -88,6 +92,42 @@ def server_argv(argv: list[str]) -> tuple[list[str], dict[str, object]]:
     return rest, settings
 
 
+def check_prompt_fits(llama, prompt: str | list[int]) -> None:
+    """llama-cpp-python's own check of a completion's prompt against the context (Llama._create_completion), in its
+    words, which its server answers with a 400 context_length_exceeded; the prompt counted as it counts one without
+    a suffix: BOS (or CLS) and EOS where the model adds them."""
+    n_tokens = len(prompt) if isinstance(prompt, list) else len(llama.tokenize(prompt.encode(), add_bos=True,
+                                                                              special=True))
+    if n_tokens >= llama.n_ctx():
+        raise ValueError(f"Requested tokens ({n_tokens}) exceed context window of {llama.n_ctx()}")
+
+
+def _checking_streamed_prompts(endpoint: Callable[..., Awaitable[object]], app) -> Callable[..., Awaitable[object]]:
+    @functools.wraps(endpoint)
+    async def checked(request, body):
+        response = await endpoint(request=request, body=body)
+        # a streamed answer's Llama runs only once its 200 has gone out: a prompt too long for the context
+        # ended it empty, the error in the server's log. The endpoint has made body.prompt one prompt.
+        if body.stream and body.suffix is None:
+            async with contextlib.asynccontextmanager(app.get_llama_proxy)() as proxy:
+                await app.run_in_threadpool(check_prompt_fits, proxy(body.model), body.prompt)
+        return response
+
+    # FastAPI reads the parameters' types from the signature: the endpoint's module has postponed annotations
+    checked.__signature__ = inspect.signature(endpoint, eval_str=True)
+    return checked
+
+
+def check_streamed_prompts() -> None:
+    """Make llama_cpp.server refuse a streamed completion whose prompt does not fit the context as it refuses one
+    that is not streamed (a 400 rather than a 200 with an empty body); before it creates its app."""
+    from llama_cpp.server import app
+
+    for route in app.router.routes:
+        if getattr(route, "endpoint", None) is app.create_completion:
+            route.endpoint = _checking_streamed_prompts(route.endpoint, app)
+
+
 def serving_llama(settings: dict[str, object]) -> type:
     """pykvq's Llama with the server's kivi settings, for llama_cpp.server to create: upstream's Llama would
     ignore --rpc_servers (llama.cpp now registers them as devices) and skip pykvq's checks; a draft model's length
@@ -112,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         llama_cpp = load()
         # llama_cpp.server creates its models as llama_cpp.Llama
         llama_cpp.Llama = serving_llama(settings)
+        check_streamed_prompts()
         from llama_cpp.server.__main__ import main as server_main
     except (LlamaCppError, ValueError) as exc:
         print(f"pykvq: error: {exc}", file=sys.stderr)
