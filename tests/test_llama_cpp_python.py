@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -107,6 +108,28 @@ def test_embedding_with_a_kivi_cache_is_refused_before_the_model_loads(smollm2: 
               verbose=False)
     embedder = Llama(model_path=str(smollm2), embedding=True, verbose=False, **device.LLAMA_KWARGS)
     assert len(embedder.create_embedding(["one text", "another"])["data"]) == 2
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"kv_window": -1}, "the recent window must be 0 or more tokens, got -1"),
+    ({"kv_sinks": -2}, "the sink count must be 0 or more tokens, got -2"),
+    ({"kv_rotate": "bogus"}, "rotation 'bogus' is neither on/off nor a per-layer spec"),
+    ({"kv_type_swa": "kivi9"}, "unknown KV cache type 'kivi9' for the sliding-window cache"),
+    ({"type_v": 1}, r"a kivi K type needs a kivi V type and the other way round: type_k 43 \(kivi2\) and type_v 1 "
+                    r"\(f16\)"),
+], ids=["window", "sinks", "rotate", "type-swa", "kivi-k-f16-v"])
+def test_bad_kv_settings_are_refused_before_llama_cpp_python_allocates(smollm2: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       setting: dict, message: str) -> None:
+    """They were refused inside upstream's __init__, whose __del__ then failed on the half-built Llama four times
+    ("Exception ignored in ... no attribute '_stack'"); a kivi K beside an f16 V was told to pass flash_attn=True."""
+    from pykvq.llama_cpp import Llama
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(ValueError, match=message):
+        Llama(model_path=str(smollm2), verbose=False, flash_attn=False,
+              **{"type_k": pykvq.GGML_TYPE_KIVI2, "type_v": pykvq.GGML_TYPE_KIVI2, **setting})
+    gc.collect()
+    assert [str(u.exc_value) for u in unraisable] == []
 
 
 @pytest.mark.parametrize(("name", "hint"), [("kivi2", r"pykvq\.GGML_TYPE_KIVI2 \(43\)"),
@@ -275,7 +298,9 @@ def test_a_refused_state_load_leaves_the_token_count_in_sync(smollm2: Path, llm)
     other = Llama(model_path=str(smollm2), n_ctx=1024, n_threads=2, verbose=False, type_k=pykvq.GGML_TYPE_KIVI2,
                   type_v=pykvq.GGML_TYPE_KIVI2, kv_window=64, **device.LLAMA_KWARGS)
     fresh = other.create_completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
-    with pytest.raises(RuntimeError, match="Failed to set llama state data"):
+    # llama-cpp-python's own message, then the cache's reason
+    with pytest.raises(RuntimeError, match=r"Failed to set llama state data: kivi KV cache: cannot load this state: "
+                                           r"it was saved with .*window 32.*; this cache has .*window 64"):
         other.load_state(state)
     assert other.n_tokens == 0
     assert other.create_completion(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"] == fresh
@@ -309,7 +334,8 @@ def test_llama_cpp_python_still_gets_the_log(smollm2: Path, capfd: pytest.Captur
     (["--kv-type", "kivi2", "--kv-rollback", "0", "--draft_model", "prompt-lookup-decoding"],
      "None None 0 --draft_model prompt-lookup-decoding --type_k 43 --type_v 43 --flash_attn true"),
     (["--kv-layers", "k:*=kivi4;v:*=f16"], "None k:*=kivi4;v:*=f16 None --flash_attn true"),
-], ids=["rotation", "asymkv", "kv-layers", "explicit-rollback", "layers-alone"])
+    (["--type_k", "43", "--type_v", "43"], "None None None --type_k 43 --type_v 43 --flash_attn true"),
+], ids=["rotation", "asymkv", "kv-layers", "explicit-rollback", "layers-alone", "type-ids"])
 def test_the_server_takes_every_part_of_the_kv_type(args: list[str], expected: str) -> None:
     """`--kv-type asymkv:16/0` ran as uniform kivi2 and `kivi2+rot` without rotation: the server dropped the
     parts after the type name. An explicit --kv-rollback is kept beside a --draft_model (whose own length sets it
@@ -318,3 +344,17 @@ def test_the_server_takes_every_part_of_the_kv_type(args: list[str], expected: s
     rest, settings = server_argv(args)
     got = f"{settings['kv_rotate']} {settings['kv_layers']} {settings['kv_rollback']} {' '.join(rest)}"
     assert got == expected.replace("43", str(pykvq.GGML_TYPE_KIVI2))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--kv-type", "kivi2", "--flash_attn", "false"], r"kivi KV types are read by the fused attention only: drop "
+                                                      r"--flash_attn false"),
+    (["--type_k", "43", "--type_v", "43", "--flash_attn=off"], "drop --flash_attn off"),
+    (["--type_k", "43", "--type_v", "1"], r"a kivi K type needs a kivi V type .*type_k 43 \(kivi2\) and type_v 1"),
+], ids=["kv-type", "type-ids", "kivi-k-f16-v"])
+def test_the_server_refuses_what_the_llama_refuses(args: list[str], message: str) -> None:
+    """--flash_attn false beside a kivi type started the server with flash attention on, where Llama refuses it;
+    a kivi K beside an f16 V was told to pass flash_attn=True."""
+    from pykvq.llama_cpp.server import server_argv
+    with pytest.raises(ValueError, match=message):
+        server_argv([arg.replace("43", str(pykvq.GGML_TYPE_KIVI2)) for arg in args])

@@ -169,6 +169,7 @@ LONG_PROMPT = "word " * 600
     ("sys-without-cnv", "-sys is the system message of a chat: give it with -cnv"),
     ("prompt-folder", "is a folder: give the file that holds the prompt"),
     ("prompt-not-utf8", "latin1.txt is not UTF-8 text (invalid continuation byte at byte 3)"),
+    ("negative-batch", "-b/n_batch must be 1 or more, got -5"),
 ])
 def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tmp_path: Path) -> None:
     model = ["-m", str(smollm2)]
@@ -194,6 +195,7 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tm
         "sys-without-cnv": [*model, "-sys", "Be brief.", "-p", "hi"],
         "prompt-folder": [*model, "-f", str(tmp_path)],
         "prompt-not-utf8": [*model, "-f", str(_latin1(tmp_path))],
+        "negative-batch": [*model, "-b", "-5", "-p", "hi"],
     }[case]
     if case == "ngl-without-gpu" and gpu_offload_supported():
         pytest.skip("this build has a GPU backend")

@@ -152,13 +152,18 @@ def cancel_stream(server: Server, prompt: str) -> None:
         response.readline()
 
 
-def too_long(server: Server, text: str) -> int:
+def too_long(server: Server, text: str, stream: bool = False) -> int:
     """A prompt longer than the context: the status of the refusal."""
+    return refusal(server, {"prompt": text[:N_CTX * 8], "max_tokens": 4, "stream": stream})[0]
+
+
+def refusal(server: Server, body: dict) -> tuple[int, dict]:
+    """The status and JSON body of a request the server must refuse."""
     try:
-        server.post("/v1/completions", {"prompt": text[:N_CTX * 8], "max_tokens": 4})
+        server.post("/v1/completions", body)
     except urllib.error.HTTPError as err:
-        return err.code
-    raise AssertionError("a prompt longer than the context was answered")
+        return err.code, json.load(err)
+    raise AssertionError(f"answered: {body}")
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -188,6 +193,22 @@ def test_the_server_answers_every_request_as_alone(smollm2: Path, hamlet: Path, 
             assert server.proc.poll() is None, log.read_text()[-3000:]
             rss.append(server.rss_bytes())
     assert min(rss[-2:]) - max(rss[1:3]) < RSS_GROWTH_MAX, f"{name}: RSS per round {[r >> 20 for r in rss]} MiB"
+
+
+def test_a_prompt_longer_than_the_context_is_a_400_streamed_too(smollm2: Path, tmp_path: Path) -> None:
+    """The streamed request was answered 200 with an empty body, its error only in the server's log: llama-cpp-python
+    starts a stream's response before its Llama sees the prompt."""
+    args = ["--kv-type", "kivi2", "--n_ctx", "256", "--n_threads", "2"]
+    with served(smollm2, args, tmp_path / "server.log") as server:
+        refused = [refusal(server, {"prompt": "word " * 400, "max_tokens": 4, "stream": stream})
+                   for stream in (False, True)]
+        fits = server.post("/v1/completions", {"prompt": "word " * 100, "max_tokens": 2})
+    assert refused[1] == refused[0]
+    status, body = refused[0]
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert "maximum context length is 256 tokens" in body["error"]["message"]
+    assert "(401 in your prompt" in body["error"]["message"]
+    assert fits["usage"]["completion_tokens"] == 2
 
 
 def test_the_largest_move_counts_the_steps_up_to_where_two_answers_part() -> None:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import codecs
 import os
+import struct
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from pykvq.api.capture import TensorObserver
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+INT32_MAX = 2**31 - 1  # llama_context_params' counts are 32-bit
 LLAMA_LOAD_MODE_NONE = 0  # enum llama_load_mode: read nothing but what is asked
 T = TypeVar("T")
 
@@ -147,6 +150,18 @@ class ContextConfig:
     swa_full: bool = False
     # llama.cpp's eval callback (cb_eval): sees the graph's named tensors as they are computed (pykvq.api.capture)
     observer: TensorObserver | None = None
+
+    def __post_init__(self) -> None:
+        # llama_context_params holds 32-bit counts (a Python int past them is an OverflowError), and llama.cpp takes
+        # some out-of-range ones only to fail later with a message that contradicts the settings
+        for name, flag, least in (("n_ctx", "-c", 0), ("n_batch", "-b", 1), ("n_ubatch", "-ub", 1),
+                                  ("n_threads", "-t", 1), ("n_seq_max", "-np", 1)):
+            value = getattr(self, name)
+            if value < least:
+                meaning = " (0: the model's training context)" if least == 0 else ""
+                raise ValueError(f"{flag}/{name} must be {least} or more{meaning}, got {value}")
+            if value > INT32_MAX:
+                raise ValueError(f"{flag}/{name} must be at most {INT32_MAX}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -288,17 +303,29 @@ def context_params(lib: native.Libraries, config: ContextConfig):
 
 
 class _Handle:
-    """An object libllama allocated: freed by close() or at the end of a with block."""
+    """An object libllama allocated: freed by close() or at the end of a with block. Every use reads the pointer
+    through ``_ptr``, which raises LlamaError once it is freed: llama.cpp would read freed memory."""
 
-    _ptr = None
+    _closed_message: ClassVar[str]
+    _handle = None
+
+    @property
+    def _ptr(self):
+        if self._handle is None:
+            raise LlamaError(self._closed_message)
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
 
     def _free(self) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
-        if self._ptr is not None:
+        if self._handle is not None:
             self._free()
-            self._ptr = None
+            self._handle = None
 
     def __enter__(self):
         return self
@@ -314,7 +341,10 @@ class LayerPlacement(Protocol):
 
 
 class Model(_Handle):
-    """A GGUF model loaded by libllama."""
+    """A GGUF model loaded by libllama. ``close()`` closes the contexts made from it first (they use its weights
+    and vocabulary); a closed model's or context's methods raise LlamaError."""
+
+    _closed_message = "the model is closed: load it again (Model(path)) to use it"
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int | LayerPlacement = 0, rpc: str | None = None,
                  vocab_only: bool = False, metadata_only: bool = False) -> None:
@@ -343,13 +373,22 @@ class Model(_Handle):
         if metadata_only:
             params.no_alloc = True
             params.load_mode = LLAMA_LOAD_MODE_NONE
-        self._ptr = _call(self._lib.llama.llama_model_load_from_file, str(self.path).encode(), params)
-        if self._ptr == self._lib.ffi.NULL:
+        # what the model was loaded without, which no context can run on
+        self._no_weights = "vocab_only" if vocab_only else "metadata_only" if metadata_only else None
+        self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        ptr = _call(self._lib.llama.llama_model_load_from_file, str(self.path).encode(), params)
+        if ptr == self._lib.ffi.NULL:
             raise _fail(f"cannot load model {self.path}")
-        self._vocab = self._lib.llama.llama_model_get_vocab(self._ptr)
+        self._handle = ptr
 
     def _free(self) -> None:
+        for context in list(self._contexts):
+            context.close()
         self._lib.llama.llama_model_free(self._ptr)
+
+    @property
+    def _vocab(self):
+        return self._lib.llama.llama_model_get_vocab(self._ptr)
 
     @property
     def n_layer(self) -> int:
@@ -387,7 +426,16 @@ class Model(_Handle):
                 raise _fail("cannot tokenize the text")
             capacity = -n
 
+    def check_tokens(self, tokens: Iterable[int]) -> None:
+        """ValueError for a token id outside the vocabulary: llama.cpp aborts the process on one."""
+        n_vocab = self.n_vocab
+        for token in tokens:
+            if not 0 <= token < n_vocab:
+                raise ValueError(f"token id {token} is not in the vocabulary of {self.path.name}: it has {n_vocab} "
+                                 f"tokens, ids 0 to {n_vocab - 1}")
+
     def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        self.check_tokens((token,))
         capacity = 32
         while True:
             buf = self._lib.ffi.new("char[]", capacity)
@@ -439,6 +487,7 @@ class Model(_Handle):
             capacity = n
 
     def context(self, config: ContextConfig = ContextConfig()) -> Context:
+        """A context on this model; closing the model closes it too."""
         return Context(self, config)
 
     def generate(self, prompt: str, n_predict: int = 128, sampling: SamplerSettings = SamplerSettings(),
@@ -451,6 +500,41 @@ class Model(_Handle):
 POS_MAX = 2**31 - 1  # llama_pos is an int32_t
 
 
+def _saved_kv_types(state: bytes, whole: bool) -> tuple[str, str] | None:
+    """Layer 0's K and V types as a whole (``whole``) or sequence state records them, after its first stream's
+    cells (llama_kv_cache::state_write): in a kivi cache's KVQ header, else in upstream's per-layer K then V data.
+    None where it holds no cells or does not parse that far."""
+    def read(fmt: str, at: int) -> tuple[int, ...]:
+        return struct.unpack_from(f"<{fmt}", state, at)
+
+    try:
+        # a whole state starts with the architecture's name, a sequence's with its magic and id
+        at = 4 + read("I", 0)[0] if whole else 8
+        (n_stream,), at = read("I", at), at + 4
+        n_cells = 0
+        for _ in range(n_stream):
+            (n_cells,), at = read("I", at), at + 4
+            for _ in range(n_cells):  # position, sequence count, sequence ids
+                at += 8 + 4 * read("iI", at)[1]
+            if n_cells:
+                break
+        if not n_cells:
+            return None
+        if state[at:at + 3] == b"KVQ":  # magic, n_layer, window, n_sink, n_fp16 (8 bytes), n_cells, rotate
+            type_k, type_v = read("ii", at + 32)
+        else:  # v_trans, n_layer, then per layer K's type, row size and rows, then V's
+            n_layer, type_k = read("Ii", at + 4)
+            at += 8
+            for _ in range(n_layer):
+                at += 12 + n_cells * read("Q", at + 4)[0]
+            (type_v,) = read("i", at)
+    except (struct.error, OverflowError):  # a corrupt count ran past the bytes, or past any offset
+        return None
+    # ids read from a corrupt state need not be ggml types at all
+    names = {t.id: t.name for t in native.kv_cache_types()}
+    return (names[type_k], names[type_v]) if type_k in names and type_v in names else None
+
+
 def _check_positions(seq: int, start: int, n_tokens: int) -> None:
     """Refuse tokens whose positions would pass llama_pos (a state may hold a cell at its largest value)."""
     if start + n_tokens - 1 > POS_MAX:
@@ -460,7 +544,10 @@ def _check_positions(seq: int, start: int, n_tokens: int) -> None:
 
 class Context(_Handle):
     """A llama_context: its KV cache and its logits. ``eval``, ``generate_*``, ``truncate`` and the whole-state
-    methods work on sequence 0; with ``n_seq_max`` > 1, ``eval_seqs`` and the ``seq_*`` methods reach the others."""
+    methods work on sequence 0; with ``n_seq_max`` > 1, ``eval_seqs`` and the ``seq_*`` methods reach the others.
+    It lives until its own ``close()`` or its model's, whichever comes first."""
+
+    _closed_message = "the context is closed (closing its model closes it too): create another with Model.context()"
 
     def __init__(self, model: Model, config: ContextConfig) -> None:
         self.model = model
@@ -469,12 +556,16 @@ class Context(_Handle):
         self.n_past = 0
         self.context_full = False  # generation stopped because the context filled up
         self.generation = Timings(0.0, 0, 0.0, 0)  # what generate_tokens evaluated
-        self._ptr = self._create(config)
+        self._handle = self._create(config)
         # one batch for the context's life: generation decodes token by token
         self._batch = self._lib.llama.llama_batch_init(self._lib.llama.llama_n_batch(self._ptr), 0, 1)
+        model._contexts.add(self)
 
     def _create(self, config: ContextConfig):
         lib = self._lib
+        if self.model._no_weights:
+            raise LlamaError(f"cannot create a context: {self.model.path.name} was loaded with "
+                             f"{self.model._no_weights}=True, without weights; load it without that to evaluate")
         if lib.llama.llama_model_has_encoder(self.model._ptr):
             # decoding without llama_encode first aborts the process in llama.cpp
             raise LlamaError(f"cannot create the context: {self.model.path.name} is an encoder-decoder model (T5), "
@@ -512,6 +603,7 @@ class Context(_Handle):
             raise LlamaError(f"{len(tokens)} more tokens do not fit the context: {self.seq_cells(0)} of the "
                              f"{self.n_seq_cells} cells of a sequence are used (raise -c)")
         _check_positions(0, self.n_past, len(tokens))
+        self.model.check_tokens(tokens)
         lib = self._lib
         n_vocab = self.model.n_vocab
         n_batch = lib.llama.llama_n_batch(self._ptr)
@@ -541,13 +633,21 @@ class Context(_Handle):
     def _undo_eval(self, starts: Mapping[int, int], status: int) -> LlamaError:
         """The error of a failed llama_decode, once the batches this evaluation decoded before it are removed
         again (llama.cpp removes those of the failed one): an evaluation that fails adds nothing. Where the cache
-        cannot remove them (a kivi removal past the window's slack), the positions follow what it holds."""
+        cannot remove them (a kivi removal past the window's slack), the positions follow what it holds, and the
+        error says what each sequence kept."""
         error = _fail(f"llama_decode failed with status {status}")
         for seq, start in starts.items():
             self._lib.llama.llama_memory_seq_rm(self._mem, seq, start, -1)
-        sink().take_problems()
+        problems = sink().take_problems()
         self._sync_n_past()
-        return error
+        kept = {seq: n for seq, start in starts.items() if (n := self.seq_len(seq)) > start}
+        if not kept:
+            return error
+        held = ", ".join(f"sequence {seq} keeps {n - starts[seq]} of them ({n} tokens in all)"
+                         for seq, n in kept.items())
+        reason = f" ({problems[0]})" if problems else ""
+        return LlamaError(f"{error}; the tokens decoded before the failure could not be removed again{reason}: "
+                          f"{held}")
 
     def check_fits(self, prompt: Sequence[int]) -> None:
         free = self.n_seq_cells - self.seq_cells(0)
@@ -641,6 +741,8 @@ class Context(_Handle):
         lib = self._lib
         n_vocab = self.model.n_vocab
         n_batch = lib.llama.llama_n_batch(self._ptr)
+        for tokens in feeds.values():
+            self.model.check_tokens(tokens)
         items = []  # (seq, position, token, wants its logits)
         starts = {seq: self.seq_len(seq) for seq in feeds}
         room = self.n_seq_cells
@@ -721,11 +823,12 @@ class Context(_Handle):
         # llama.cpp leaves the sequence as it was when the state holds no cells: it is replaced here in any case
         self._lib.llama.llama_memory_seq_rm(self._mem, self._seq(seq), -1, -1)
         n_read = _call(self._lib.llama.llama_state_seq_set_data, self._ptr, state, len(state), seq)
-        self._check_loaded(n_read, len(state), f"cannot load the state into sequence {seq}",
+        self._check_loaded(n_read, state, False, f"cannot load the state into sequence {seq}",
                            lambda: self._lib.llama.llama_memory_seq_rm(self._mem, seq, -1, -1))
 
-    def _check_loaded(self, n_read: int, size: int, what: str, forget: Callable[[], object]) -> None:
-        """After llama.cpp read ``n_read`` bytes of a state of ``size`` (0: refused)."""
+    def _check_loaded(self, n_read: int, state: bytes, whole: bool, what: str, forget: Callable[[], object]) -> None:
+        """After llama.cpp read ``n_read`` bytes of a whole or sequence ``state`` (0: refused)."""
+        size = len(state)
         if 0 < n_read < size:
             # bytes past the state's end (a corrupt count, states run together): not a state this API wrote, so
             # what llama.cpp took from it goes too, as after any refused load
@@ -733,6 +836,12 @@ class Context(_Handle):
         # a refused load may have cleared the cache or the sequence: the positions follow what it holds
         self._sync_n_past()
         if n_read == 0:
+            kv = self.config.kv
+            saved = _saved_kv_types(state, whole)
+            if saved is not None and saved != (kv.type_k, kv.type_v):
+                # llama.cpp's reason for another type is a field it read differently ("incompatible V transposition")
+                raise _fail(f"{what} (it was saved from a cache of K {saved[0]} / V {saved[1]} in layer 0, this "
+                            f"context was created with K {kv.type_k} / V {kv.type_v})")
             raise _fail(what)
         if n_read != size:
             raise LlamaError(f"{what}: {size - n_read} of its {size} bytes lie past the state's end")
@@ -750,7 +859,7 @@ class Context(_Handle):
     def load_state(self, state: bytes) -> None:
         """Restore a state saved by save_state (a context of the same model and KV settings)."""
         n_read = _call(self._lib.llama.llama_state_set_data, self._ptr, state, len(state))
-        self._check_loaded(n_read, len(state), "cannot load the state",
+        self._check_loaded(n_read, state, True, "cannot load the state",
                            lambda: self._lib.llama.llama_memory_clear(self._mem, True))
 
     def memory(self) -> KvMemory:

@@ -23,6 +23,13 @@ class SamplerSettings:
     seed: int = LLAMA_DEFAULT_SEED
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:
+        # the ranges refuse NaN (it passes no comparison); temp has none, and a NaN one would not even count as
+        # greedy (temp <= 0) but divide every logit into NaN
+        if (not math.isfinite(self.temp) or self.top_k < 0 or not 0.0 <= self.top_p <= 1.0
+                or not 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"bad sampling settings: {self} (temp finite, top-k >= 0, top-p and min-p in [0, 1])")
+
     @property
     def greedy(self) -> bool:
         return self.temp <= 0
@@ -39,8 +46,6 @@ class Sampler:
 
     def __init__(self, settings: SamplerSettings = SamplerSettings(), eog: Sequence[int] = (),
                  n_vocab: int = 0) -> None:
-        if settings.top_k < 0 or not 0.0 <= settings.top_p <= 1.0 or not 0.0 <= settings.min_p <= 1.0:
-            raise ValueError(f"bad sampling settings: {settings} (top-k >= 0, top-p and min-p in [0, 1])")
         if settings.ignore_eos and not (eog and n_vocab > max(eog)):
             raise ValueError("ignore_eos needs the vocabulary's end-of-generation tokens and its size")
         self.settings = settings

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -26,13 +27,15 @@ from types import ModuleType
 from pykvq import kv_types, paths
 from pykvq.api.llama import KvConfig, add_rpc_servers, kvq_params_applied
 from pykvq.bindings import native
-from pykvq.kv_types import Selection
 from pykvq.bindings.log import sink
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the release whose llama.cpp pykvq patches (pykvq/upstream.py)
 LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"
 MTMD_PATH_ENV = "MTMD_CPP_LIB"  # the folder of libmtmd, which the multimodal chat handlers load
 INSTALL_HINT = f'CMAKE_ARGS="-DLLAMA_BUILD=OFF" pip install "llama-cpp-python[server]=={LLAMA_CPP_PYTHON_VERSION}"'
+# pykvq's keyword arguments of Llama, each a KvConfig field with the prefix
+KV_OPTIONS = ("kv_window", "kv_sinks", "kv_rotate", "kv_layers", "kv_rollback", "kv_type_swa", "kv_select", "kv_clip",
+              "kv_dither")
 
 
 class LlamaCppError(RuntimeError):
@@ -93,15 +96,27 @@ def check_kv_type(type_id: int | str | None) -> None:
         raise ValueError(f"unknown KV cache type {type_id!r}; valid: {listed}")
 
 
-def kv_config(kwargs: dict, window: int | None = None, sinks: int | None = None, rotate: bool | str | None = None,
-               layers: str | None = None, rollback: int | None = None, type_swa: str | None = None,
-               select: Selection | None = None, clip: str | None = None, dither: str | None = None) -> KvConfig:
-    """Our view of a Llama's KV settings; the type ints are already checked (check_kv_type)."""
-    def name(type_id: int | None) -> str:
+def kv_config(kwargs: Mapping[str, object]) -> KvConfig:
+    """A Llama's KV settings from its keyword arguments (type_k, type_v and KV_OPTIONS; kv_rollback None: the
+    draft_model's length), checked as creating its context would check them (ValueError): before llama-cpp-python
+    allocates anything."""
+    check_kv_type(kwargs.get("type_k"))
+    check_kv_type(kwargs.get("type_v"))
+
+    def name(type_id: object) -> str:
         return "f16" if type_id is None else kv_types.type_name(type_id)
 
-    return KvConfig(name(kwargs.get("type_k")), name(kwargs.get("type_v")), window, sinks, rotate, layers, rollback,
-                    type_swa, select, clip, dither)
+    options = {option.removeprefix("kv_"): kwargs.get(option) for option in KV_OPTIONS}
+    if options["rollback"] is None:
+        options["rollback"] = draft_length(kwargs.get("draft_model"))
+    kv = KvConfig(name(kwargs.get("type_k")), name(kwargs.get("type_v")), **options)
+    if kv.layers is None and (kv.type_k in kv_types.KIVI_BITS) != (kv.type_v in kv_types.KIVI_BITS):
+        raise ValueError(f"a kivi K type needs a kivi V type and the other way round: type_k {kwargs.get('type_k')} "
+                         f"({kv.type_k}) and type_v {kwargs.get('type_v')} ({kv.type_v}); pass the same kivi type "
+                         "for both (or per-layer types with kv_layers)")
+    with kvq_params_applied(kv):
+        pass  # the window, sinks, rotation, per-layer and sliding-window types are refused here, with the reason
+    return kv
 
 
 def draft_length(draft_model: object) -> int | None:
@@ -109,6 +124,13 @@ def draft_length(draft_model: object) -> int | None:
     num_pred_tokens): the rejected ones are removed again, so a kivi cache's rollback must cover them."""
     length = getattr(draft_model, "num_pred_tokens", None)
     return length if isinstance(length, int) and length > 0 else None
+
+
+def _explained(exc: Exception) -> str:
+    """``exc``'s message with llama.cpp's first error line since the last ``sink().take_problems()``, where it logged
+    one: llama-cpp-python's own messages ("Failed to create llama_context") leave out the cause."""
+    problems = sink().take_problems()
+    return f"{exc}: {problems[0]}" if problems else str(exc)
 
 
 def _share_log() -> None:
@@ -139,31 +161,23 @@ def _llama_class() -> type:
         attention only."""
 
         def __new__(cls, *args, **kwargs) -> Llama:
-            # refused before an instance exists: upstream's __del__ fails on a half-built Llama
-            check_kv_type(kwargs.get("type_k"))
-            check_kv_type(kwargs.get("type_v"))
-            kivi = kv_config(kwargs).is_kivi
-            if kivi and kwargs.get("flash_attn") is False:
+            # every setting is refused before an instance exists: upstream's __del__ fails on a half-built Llama
+            kv = kv_config(kwargs)
+            if kv.is_kivi and kwargs.get("flash_attn") is False:
                 raise ValueError("kivi KV types are read by the fused attention only: pass flash_attn=True")
-            if kivi and kwargs.get("embedding"):
+            if kv.is_kivi and kwargs.get("embedding"):
                 raise ValueError("embedding=True packs up to min(n_batch, 256) texts into one unified KV cache whose "
                                  "cells any text may take; a kivi cache gives each sequence a fixed region of 32-token "
                                  "tiles: embed with an f16 or q8_0 KV cache")
             return super().__new__(cls)
 
-        def __init__(self, *args, kv_window: int | None = None, kv_sinks: int | None = None,
-                     kv_rotate: bool | str | None = None, kv_layers: str | None = None,
-                     kv_rollback: int | None = None,
-                     kv_type_swa: str | None = None, kv_select: Selection | None = None, kv_clip: str | None = None,
-                     kv_dither: str | None = None, **kwargs) -> None:
+        def __init__(self, *args, **kwargs) -> None:
+            kv = kv_config(kwargs)
+            kwargs = {name: value for name, value in kwargs.items() if name not in KV_OPTIONS}
             # llama-cpp-python's rpc_servers (its server's --rpc_servers): upstream now registers them as devices
             rpc_servers = kwargs.pop("rpc_servers", None)
             if rpc_servers:
                 add_rpc_servers(rpc_servers)
-            if kv_rollback is None:
-                kv_rollback = draft_length(kwargs.get("draft_model"))
-            kv = kv_config(kwargs, kv_window, kv_sinks, kv_rotate, kv_layers, kv_rollback, kv_type_swa, kv_select,
-                            kv_clip, kv_dither)
             if kv.is_kivi:
                 kwargs["flash_attn"] = True
             if kv_types.selects(kv.select):
@@ -176,11 +190,8 @@ def _llama_class() -> type:
                 try:
                     super().__init__(*args, **kwargs)
                 except ValueError as exc:
-                    # "Failed to create llama_context" says nothing of the model's kvq.* metadata it could not use:
-                    # llama.cpp's first error line is the cause
-                    if problems := sink().take_problems():
-                        raise ValueError(f"{exc}: {problems[0]}") from exc
-                    raise
+                    # e.g. the model's kvq.* metadata it could not use
+                    raise ValueError(_explained(exc)) from exc
             if llama_cpp.llama_model_has_encoder(self.model):
                 # llama-cpp-python decodes without llama_encode, which aborts the process at the first eval
                 self.close()
@@ -193,12 +204,13 @@ def _llama_class() -> type:
             self.n_tokens = max(0, llama_cpp.llama_memory_seq_pos_max(memory, 0) + 1)
 
         def load_state(self, state) -> None:
+            sink().take_problems()
             try:
                 super().load_state(state)
-            except RuntimeError:
+            except RuntimeError as exc:
                 # a refused load leaves the cache cleared (or the sequence)
                 self._follow_the_cache()
-                raise
+                raise RuntimeError(_explained(exc)) from exc
 
         def eval(self, tokens) -> None:
             # upstream's eval ignores a refused removal (a rejected draft deeper than the kivi ring's slack) and

@@ -11,14 +11,21 @@ layers of every model the server loads. Its models are pykvq.llama_cpp.Llama obj
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
+import inspect
 import logging
 import sys
+from collections.abc import Awaitable, Callable
 
 from pykvq import kv_types
-from pykvq.api.llama import kvq_params_applied
 from pykvq.commands.arguments import rotation
 from pykvq.kv_types import KvSpec, KvTypeError
-from pykvq.llama_cpp import LlamaCppError, kv_config, check_kv_type, load
+from pykvq.llama_cpp import LlamaCppError, kv_config, load
+
+# what llama_cpp.server reads as false for a boolean option (its cli._parse_bool_arg)
+FALSE_VALUES = {"0", "off", "f", "false", "n", "no"}
+
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m pykvq.llama_cpp.server", add_help=False)
@@ -39,13 +46,15 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _option(rest: list[str], name: str) -> str | None:
-    """The value given to ``name`` (``--type_k 43`` or ``--type_k=43``) in llama_cpp.server's arguments."""
+    """The value given to ``name`` (``--type_k 43`` or ``--type_k=43``) in llama_cpp.server's arguments: the last
+    one, as its parser takes it."""
+    value = None
     for i, arg in enumerate(rest):
         if arg.startswith(f"{name}="):
-            return arg.split("=", 1)[1]
-        if arg == name and i + 1 < len(rest):
-            return rest[i + 1]
-    return None
+            value = arg.split("=", 1)[1]
+        elif arg == name and i + 1 < len(rest):
+            value = rest[i + 1]
+    return value
 
 
 def _type_option(rest: list[str], name: str) -> int | None:
@@ -62,8 +71,6 @@ def _type_option(rest: list[str], name: str) -> int | None:
 def server_argv(argv: list[str]) -> tuple[list[str], dict[str, object]]:
     """llama_cpp.server's command line for ours, and the kivi settings (checked) that every Llama it creates takes."""
     ours, rest = _parse(argv)
-    for option in ("--type_k", "--type_v"):
-        check_kv_type(_type_option(rest, option))
     spec = KvSpec.parse(ours.kv_type) if ours.kv_type is not None else None
     if spec is not None:
         type_id = kv_types.type_id(spec.name)
@@ -74,12 +81,51 @@ def server_argv(argv: list[str]) -> tuple[list[str], dict[str, object]]:
     settings = {"kv_window": ours.kv_window, "kv_sinks": ours.kv_sinks, "kv_rotate": rotate, "kv_layers": layers,
                 "kv_rollback": ours.kv_rollback, "kv_type_swa": ours.kv_type_swa, "kv_clip": ours.kv_clip,
                 "kv_dither": ours.kv_dither}
-    kv = kv_config({}, **{name.removeprefix("kv_"): value for name, value in settings.items()})
-    with kvq_params_applied(kv):
-        pass  # refused here, with the reason, before any model loads
-    if (spec is not None and spec.is_kivi) or kv.is_kivi:
+    # refused here, with the reason, before any model loads
+    kv = kv_config({"type_k": _type_option(rest, "--type_k"), "type_v": _type_option(rest, "--type_v"), **settings})
+    if kv.is_kivi:
+        flash_attn = _option(rest, "--flash_attn")
+        if flash_attn is not None and flash_attn.strip().lower() in FALSE_VALUES:
+            raise KvTypeError(f"kivi KV types are read by the fused attention only: drop --flash_attn {flash_attn} "
+                              "(the server turns it on for them)")
         rest += ["--flash_attn", "true"]
     return rest, settings
+
+
+def check_prompt_fits(llama, prompt: str | list[int]) -> None:
+    """llama-cpp-python's own check of a completion's prompt against the context (Llama._create_completion), in its
+    words, which its server answers with a 400 context_length_exceeded; the prompt counted as it counts one without
+    a suffix: BOS (or CLS) and EOS where the model adds them."""
+    n_tokens = len(prompt) if isinstance(prompt, list) else len(llama.tokenize(prompt.encode(), add_bos=True,
+                                                                              special=True))
+    if n_tokens >= llama.n_ctx():
+        raise ValueError(f"Requested tokens ({n_tokens}) exceed context window of {llama.n_ctx()}")
+
+
+def _checking_streamed_prompts(endpoint: Callable[..., Awaitable[object]], app) -> Callable[..., Awaitable[object]]:
+    @functools.wraps(endpoint)
+    async def checked(request, body):
+        response = await endpoint(request=request, body=body)
+        # a streamed answer's Llama runs only once its 200 has gone out: a prompt too long for the context
+        # ended it empty, the error in the server's log. The endpoint has made body.prompt one prompt.
+        if body.stream and body.suffix is None:
+            async with contextlib.asynccontextmanager(app.get_llama_proxy)() as proxy:
+                await app.run_in_threadpool(check_prompt_fits, proxy(body.model), body.prompt)
+        return response
+
+    # FastAPI reads the parameters' types from the signature: the endpoint's module has postponed annotations
+    checked.__signature__ = inspect.signature(endpoint, eval_str=True)
+    return checked
+
+
+def check_streamed_prompts() -> None:
+    """Make llama_cpp.server refuse a streamed completion whose prompt does not fit the context as it refuses one
+    that is not streamed (a 400 rather than a 200 with an empty body); before it creates its app."""
+    from llama_cpp.server import app
+
+    for route in app.router.routes:
+        if getattr(route, "endpoint", None) is app.create_completion:
+            route.endpoint = _checking_streamed_prompts(route.endpoint, app)
 
 
 def serving_llama(settings: dict[str, object]) -> type:
@@ -89,6 +135,10 @@ def serving_llama(settings: dict[str, object]) -> type:
     from pykvq.llama_cpp import Llama
 
     class ServingLlama(Llama):
+        # the settings reach __new__ too, which checks them before an instance exists
+        def __new__(cls, *args, **kwargs) -> ServingLlama:
+            return super().__new__(cls, *args, **{**settings, **kwargs})
+
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **{**settings, **kwargs})
 
@@ -102,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         llama_cpp = load()
         # llama_cpp.server creates its models as llama_cpp.Llama
         llama_cpp.Llama = serving_llama(settings)
+        check_streamed_prompts()
         from llama_cpp.server.__main__ import main as server_main
     except (LlamaCppError, ValueError) as exc:
         print(f"pykvq: error: {exc}", file=sys.stderr)
