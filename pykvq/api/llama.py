@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import codecs
 import os
-import struct
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -500,41 +499,6 @@ class Model(_Handle):
 POS_MAX = 2**31 - 1  # llama_pos is an int32_t
 
 
-def _saved_kv_types(state: bytes, whole: bool) -> tuple[str, str] | None:
-    """Layer 0's K and V types as a whole (``whole``) or sequence state records them, after its first stream's
-    cells (llama_kv_cache::state_write): in a kivi cache's KVQ header, else in upstream's per-layer K then V data.
-    None where it holds no cells or does not parse that far."""
-    def read(fmt: str, at: int) -> tuple[int, ...]:
-        return struct.unpack_from(f"<{fmt}", state, at)
-
-    try:
-        # a whole state starts with the architecture's name, a sequence's with its magic and id
-        at = 4 + read("I", 0)[0] if whole else 8
-        (n_stream,), at = read("I", at), at + 4
-        n_cells = 0
-        for _ in range(n_stream):
-            (n_cells,), at = read("I", at), at + 4
-            for _ in range(n_cells):  # position, sequence count, sequence ids
-                at += 8 + 4 * read("iI", at)[1]
-            if n_cells:
-                break
-        if not n_cells:
-            return None
-        if state[at:at + 3] == b"KVQ":  # magic, n_layer, window, n_sink, n_fp16 (8 bytes), n_cells, rotate
-            type_k, type_v = read("ii", at + 32)
-        else:  # v_trans, n_layer, then per layer K's type, row size and rows, then V's
-            n_layer, type_k = read("Ii", at + 4)
-            at += 8
-            for _ in range(n_layer):
-                at += 12 + n_cells * read("Q", at + 4)[0]
-            (type_v,) = read("i", at)
-    except (struct.error, OverflowError):  # a corrupt count ran past the bytes, or past any offset
-        return None
-    # ids read from a corrupt state need not be ggml types at all
-    names = {t.id: t.name for t in native.kv_cache_types()}
-    return (names[type_k], names[type_v]) if type_k in names and type_v in names else None
-
-
 def _check_positions(seq: int, start: int, n_tokens: int) -> None:
     """Refuse tokens whose positions would pass llama_pos (a state may hold a cell at its largest value)."""
     if start + n_tokens - 1 > POS_MAX:
@@ -823,12 +787,11 @@ class Context(_Handle):
         # llama.cpp leaves the sequence as it was when the state holds no cells: it is replaced here in any case
         self._lib.llama.llama_memory_seq_rm(self._mem, self._seq(seq), -1, -1)
         n_read = _call(self._lib.llama.llama_state_seq_set_data, self._ptr, state, len(state), seq)
-        self._check_loaded(n_read, state, False, f"cannot load the state into sequence {seq}",
+        self._check_loaded(n_read, len(state), f"cannot load the state into sequence {seq}",
                            lambda: self._lib.llama.llama_memory_seq_rm(self._mem, seq, -1, -1))
 
-    def _check_loaded(self, n_read: int, state: bytes, whole: bool, what: str, forget: Callable[[], object]) -> None:
-        """After llama.cpp read ``n_read`` bytes of a whole or sequence ``state`` (0: refused)."""
-        size = len(state)
+    def _check_loaded(self, n_read: int, size: int, what: str, forget: Callable[[], object]) -> None:
+        """After llama.cpp read ``n_read`` bytes of a state of ``size`` (0: refused)."""
         if 0 < n_read < size:
             # bytes past the state's end (a corrupt count, states run together): not a state this API wrote, so
             # what llama.cpp took from it goes too, as after any refused load
@@ -836,12 +799,6 @@ class Context(_Handle):
         # a refused load may have cleared the cache or the sequence: the positions follow what it holds
         self._sync_n_past()
         if n_read == 0:
-            kv = self.config.kv
-            saved = _saved_kv_types(state, whole)
-            if saved is not None and saved != (kv.type_k, kv.type_v):
-                # llama.cpp's reason for another type is a field it read differently ("incompatible V transposition")
-                raise _fail(f"{what} (it was saved from a cache of K {saved[0]} / V {saved[1]} in layer 0, this "
-                            f"context was created with K {kv.type_k} / V {kv.type_v})")
             raise _fail(what)
         if n_read != size:
             raise LlamaError(f"{what}: {size - n_read} of its {size} bytes lie past the state's end")
@@ -859,7 +816,7 @@ class Context(_Handle):
     def load_state(self, state: bytes) -> None:
         """Restore a state saved by save_state (a context of the same model and KV settings)."""
         n_read = _call(self._lib.llama.llama_state_set_data, self._ptr, state, len(state))
-        self._check_loaded(n_read, state, True, "cannot load the state",
+        self._check_loaded(n_read, len(state), "cannot load the state",
                            lambda: self._lib.llama.llama_memory_clear(self._mem, True))
 
     def memory(self) -> KvMemory:
