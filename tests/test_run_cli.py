@@ -149,7 +149,7 @@ LONG_PROMPT = "word " * 600
 
 @pytest.mark.parametrize("case, message", [
     ("missing", "model file not found"),
-    ("folder", "is a folder, not a GGUF file"),
+    ("folder", "model path is a folder, not a file"),
     ("not-gguf", "invalid magic characters"),
     ("truncated", "cannot load model"),
     ("unknown-type", "unknown KV cache type 'kivi3'; valid: f32, f16"),

@@ -26,6 +26,7 @@ from pykvq import kv_types
 from pykvq.api.sampling import Sampler, SamplerSettings
 from pykvq.bindings import devices, native
 from pykvq.bindings.log import sink
+from pykvq.input_files import check_readable_file
 from pykvq.kv_types import KIVI_BITS, Selection, selection_depth
 
 if TYPE_CHECKING:
@@ -352,12 +353,7 @@ class Model(_Handle):
         metadata_only: the hyperparameters and vocabulary, no weights (to check settings against the model's shape
         and tokenize). Neither can make a context."""
         self.path = Path(path)
-        if self.path.is_dir():
-            raise IsADirectoryError(f"model path is a folder, not a GGUF file: {self.path}")
-        if not self.path.is_file():
-            raise FileNotFoundError(f"model file not found: {self.path}")
-        if not os.access(self.path, os.R_OK):
-            raise PermissionError(f"model file is not readable: {self.path}")
+        check_readable_file(self.path, "model")
         if rpc:
             add_rpc_servers(rpc)
         self._lib = native.libs()
