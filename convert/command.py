@@ -1,8 +1,9 @@
 """`pykvq convert`: an HF model to GGUF through llama.cpp's own converter, with calibrated kvq.* metadata.
 
 Conversion, calibration and the metadata happen in a temporary folder beside the output; the output appears
-(renamed into place) only once all of it succeeded, so a failure never leaves a half-written model behind
-and never touches a file the user already had there.
+(renamed into place) only once all of it succeeded, so a failure never leaves a half-written model (nor the folders
+made for -o) behind and never touches a file the user already had there; an -o naming one of the inputs is refused
+before any work (pykvq.output_path).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import tempfile
 from pathlib import Path
 
 from pykvq.convert import hf_converter
-from pykvq.convert.kv_calibration import GROUP, Calibration, CalibrationSettings
+from pykvq.convert.kv_calibration import Calibration, CalibrationSettings
 
-from pykvq import gguf_metadata
-from pykvq.calibration.allocation import BITS, PARTS, allocate, format_allocation
+from pykvq import gguf_metadata, output_path
+from pykvq.calibration.allocation import BITS, PARTS, allocate, budget_argument, format_allocation
+from pykvq.calibration.clip_ratios import fewest_quantized_tokens
 
 log = logging.getLogger("pykvq.convert")
 
@@ -33,8 +35,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"calibration text not found: {args.calibrate}")
     if args.kv_window < 0 or args.kv_sinks < 0 or args.calibrate_tokens < 1:
         raise ValueError("need --kv-window >= 0, --kv-sinks >= 0 and --calibrate-tokens >= 1")
-    if args.output.is_dir():
-        raise ValueError(f"-o {args.output} is a folder: name the GGUF file to write")
+    fewest = fewest_quantized_tokens(args.kv_window, args.kv_sinks)
+    if args.calibrate is not None and args.calibrate_tokens < fewest:
+        raise ValueError(f"--calibrate-tokens {args.calibrate_tokens} with window {args.kv_window} and sinks "
+                         f"{args.kv_sinks} leaves no K or V quantized (it takes {fewest} tokens or more): raise "
+                         "--calibrate-tokens or lower --kv-sinks")
 
 
 # plain English and digits: text any model's vocabulary must tokenize
@@ -56,17 +61,17 @@ def check_vocabulary(gguf: Path) -> None:
                                                "tokenizer files") from err
 
 
-def calibration_tokens(gguf: Path, text: Path, n_tokens: int, window: int) -> tuple[list[int], int]:
+def calibration_tokens(gguf: Path, text: Path, n_tokens: int, window: int, sinks: int) -> tuple[list[int], int]:
     """The first ``n_tokens`` of the text, tokenized as llama.cpp will tokenize for this model, and its layers."""
     from pykvq.api.llama import Model
 
     with Model(gguf) as model:
         tokens = model.tokenize(text.read_text(encoding="utf-8", errors="replace"))[:n_tokens]
         n_layer = model.n_layer
-    needed = window + 2 * GROUP
+    needed = fewest_quantized_tokens(window, sinks)
     if len(tokens) < needed:
-        raise ValueError(f"the calibration text {text} has {len(tokens)} tokens; with window {window} at least "
-                         f"{needed} are needed for any K or V to be quantized")
+        raise ValueError(f"the calibration text {text} has {len(tokens)} tokens; with window {window} and sinks "
+                         f"{sinks} at least {needed} are needed for any K or V to be quantized")
     return tokens, n_layer
 
 
@@ -94,19 +99,22 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)
     model = hf_converter.inspect_folder(args.hf_dir)
     out: Path = args.output
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".pykvq-convert", dir=out.parent))
-    try:
-        raw = work / "converted.gguf"
-        hf_converter.convert(model, raw, args.outtype)
-        check_vocabulary(raw)
-        metadata: dict[str, object] = {gguf_metadata.KEY_WINDOW: args.kv_window,
-                                       gguf_metadata.KEY_SINKS: args.kv_sinks}
-        if args.calibrate is not None:
-            metadata |= calibrate_into(args, model, raw)
-        gguf_metadata.write_copy(raw, out, metadata)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    inputs = [(f"a file of {model.path}", f) for f in model.path.rglob("*")]
+    if args.calibrate is not None:
+        inputs.append(("the calibration text", args.calibrate))
+    with output_path.new_output(out, inputs):
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".pykvq-convert", dir=out.parent))
+        try:
+            raw = work / "converted.gguf"
+            hf_converter.convert(model, raw, args.outtype)
+            check_vocabulary(raw)
+            metadata: dict[str, object] = {gguf_metadata.KEY_WINDOW: args.kv_window,
+                                           gguf_metadata.KEY_SINKS: args.kv_sinks}
+            if args.calibrate is not None:
+                metadata |= calibrate_into(args, model, raw)
+            gguf_metadata.write_copy(raw, out, metadata)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {out}")
     return 0
 
@@ -114,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
 def calibrate_into(args: argparse.Namespace, model: hf_converter.HfModel, raw: Path) -> dict[str, object]:
     from pykvq.convert.kv_calibration import calibrate, default_device
 
-    tokens, n_layer = calibration_tokens(raw, args.calibrate, args.calibrate_tokens, args.kv_window)
+    tokens, n_layer = calibration_tokens(raw, args.calibrate, args.calibrate_tokens, args.kv_window, args.kv_sinks)
     settings = CalibrationSettings(args.kv_window, args.kv_sinks, args.device or default_device())
     log.info("calibrating on %d tokens of %s (%s)", len(tokens), args.calibrate, settings.device)
     calibration = calibrate(model.path, tokens, n_layer, settings)
@@ -141,7 +149,7 @@ def add_convert_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--outtype", choices=hf_converter.OUTTYPES, default="f16",
                    help="weight type of the GGUF (default %(default)s)")
     p.add_argument("--calibrate", type=Path, metavar="TEXT", help="calibration text: measure every layer's K and V")
-    p.add_argument("--kv-budget", type=float, metavar="BITS",
+    p.add_argument("--kv-budget", type=budget_argument, metavar="BITS",
                    help="mean code bits per K/V element for the per-layer types (kivi4 = 4, kivi2 = 2, kivi1 = 1); "
                         "needs --calibrate")
     p.add_argument("--calibrate-tokens", type=int, default=512,

@@ -10,6 +10,7 @@ import ast
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -46,12 +47,17 @@ def supported_architectures() -> list[str]:
     raise ConversionError(f"{source} defines no TEXT_MODEL_MAP: the installed converter is not the pinned one")
 
 
-def _architecture(config: dict) -> str | None:
-    # where upstream's get_model_architecture looks for a text model
+def _architecture(config: dict, config_file: Path) -> str | None:
+    # where upstream's get_model_architecture looks for a text model; it takes the first entry of whatever is there,
+    # "L" of a bare string
     text_config = config.get("text_config") or {}
     for arches in (text_config.get("architectures"), config.get("architectures")):
-        if arches:
-            return str(arches[0])
+        if not arches:
+            continue
+        if not (isinstance(arches, list) and isinstance(arches[0], str)):
+            raise ConversionError(f"{config_file}: \"architectures\" must be a list of class names such as "
+                                  f"[\"LlamaForCausalLM\"], not {json.dumps(arches)}")
+        return arches[0]
     return None
 
 
@@ -69,7 +75,7 @@ def inspect_folder(path: Path) -> HfModel:
         raise ConversionError(f"{config_file} is not valid JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise ConversionError(f"{config_file} does not hold a model configuration (a JSON object)")
-    arch = _architecture(config)
+    arch = _architecture(config, config_file)
     if arch is None:
         raise ConversionError(f"{config_file} names no architecture (\"architectures\": [...])")
     supported = supported_architectures()
@@ -85,27 +91,46 @@ def inspect_folder(path: Path) -> HfModel:
 TRACEBACK = b"Traceback (most recent call last):"
 
 
+def exception_line(traceback: str) -> str | None:
+    """The exception a Python traceback reports (the last one's, when one was raised handling another): the first
+    unindented line after its frames. Not the text's last line: the converter's progress bar redraws itself after
+    the traceback, behind carriage returns."""
+    last = traceback.rfind(TRACEBACK.decode())
+    if last < 0:
+        return None
+    lines = re.split(r"\r\n|\r|\n", traceback[last:])
+    return next((line.strip() for line in lines[1:] if line.strip() and not line[0].isspace()), None)
+
+
 def relay_until_traceback(stream: BinaryIO, out: BinaryIO) -> str:
     """Copy ``stream`` to ``out`` as it comes (progress bars stay live) until a Python traceback starts; return
     the traceback, kept back from the user's terminal."""
     pending = b""
+    ended = True    # whether what was relayed ends its line
+
+    def relay(data: bytes) -> None:
+        nonlocal ended
+        out.write(data)
+        out.flush()
+        ended = data.endswith(b"\n") if data else ended
+
     while chunk := os.read(stream.fileno(), 1 << 16):
         pending += chunk
         start = pending.find(TRACEBACK)
         if start >= 0:
-            out.write(pending[:start])
-            out.flush()
+            relay(pending[:start])
+            if not ended:
+                # a progress bar cut short by the failure: the error that follows starts a line of its own
+                relay(b"\n")
             held = pending[start:]
             while chunk := os.read(stream.fileno(), 1 << 16):
                 held += chunk
             return held.decode(errors="replace")
         # the marker may straddle two reads: keep its length back
         cut = max(0, len(pending) - len(TRACEBACK))
-        out.write(pending[:cut])
-        out.flush()
+        relay(pending[:cut])
         pending = pending[cut:]
-    out.write(pending)
-    out.flush()
+    relay(pending)
     return ""
 
 
@@ -122,8 +147,8 @@ def convert(model: HfModel, out: Path, outtype: str) -> None:
     if traceback:
         log.debug("%s", traceback)
     if proc.returncode != 0:
-        lines = [line for line in traceback.splitlines() if line.strip()]
-        why = f": {lines[-1].strip()}" if lines else "; its messages are above"
+        exception = exception_line(traceback)
+        why = f": {exception}" if exception else "; its messages are above"
         raise ConversionError(f"llama.cpp's converter failed on {model.path} ({model.architecture}), exit code "
                               f"{proc.returncode}{why}")
     if not out.is_file():

@@ -52,6 +52,7 @@ The copy is written next to the output under a temporary name and renamed into p
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -164,8 +165,11 @@ def validate(kvq: dict[str, object], n_layer: int, n_embd_k_total: int) -> None:
             raise GgufError(f"{key} must hold {wanted} values for this model ({n_layer} layers)")
         if wanted is not None and not all(_is_number(x) for x in value):  # type: ignore[union-attr]
             raise GgufError(f"{key} must hold numbers, not {_kind(value)}")
-        if key == KEY_BUDGET and not _is_number(value):
-            raise GgufError(f"{key} must be a number, not {_kind(value)}")
+        # no measurement gives nan or inf, and JSON (pykvq inspect --json) cannot hold them
+        if wanted is not None and not all(math.isfinite(x) for x in value):  # type: ignore[union-attr]
+            raise GgufError(f"{key} holds nan or inf, not measurements: the metadata is corrupt; calibrate again")
+        if key == KEY_BUDGET and not (_is_number(value) and math.isfinite(value)):  # type: ignore[arg-type]
+            raise GgufError(f"{key} must be a finite number, not {_kind(value)}: calibrate again")
         if key == KEY_CALIBRATION_TEXT and not isinstance(value, str):
             raise GgufError(f"{key} must be a string, not {_kind(value)}")
 
@@ -233,6 +237,8 @@ def write_copy(src: Path, dst: Path, metadata: dict[str, object]) -> None:
     os.close(fd)
     tmp = Path(tmp_name)
     try:
+        # its one info line names the temporary file, which the user never sees: the command says what it wrote
+        logging.getLogger(gguf.GGUFWriter.__module__).setLevel(logging.WARNING)
         writer = gguf.GGUFWriter(tmp, arch=arch, endianess=reader.endianess)
         for field in reader.fields.values():
             if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith(("GGUF.", "kvq.")):

@@ -4,15 +4,18 @@ run then uses."""
 from __future__ import annotations
 
 import argparse
+import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pykvq import gguf_metadata, kv_types
-from pykvq.calibration import attention_sensitivity, window_choice
-from pykvq.calibration.allocation import BITS, PARTS
+from pykvq.calibration import attention_sensitivity, clip_ratios, window_choice
+from pykvq.calibration.allocation import BITS, PARTS, budget_argument
 from pykvq.commands import calibrate as calibrate_command
 from pykvq.devtools import random_model
 
@@ -104,7 +107,7 @@ def test_calibrate_takes_the_layers_the_cache_holds(shape: str, kv_layers: list[
     ("same-file", "-o must name a new file"),
     ("no-text", "calibration text file not found"),
     ("short-text", "the calibration text has"),
-    ("not-gguf", "invalid magic characters"),
+    ("not-gguf", "notes.gguf is not a readable GGUF file"),
     ("bad-clip", "'1.5' is not a clip ratio in (0, 1]"),
     ("clip-layers", "the model has 30 layers"),
     ("bad-rotate", "'sometimes' is not on or off"),
@@ -119,6 +122,15 @@ def test_calibrate_takes_the_layers_the_cache_holds(shape: str, kv_layers: list[
     ("retrieval-short", "--retrieval-ctx 100: the pass-key prompts need more than the 128-token fp16 window"),
     ("retrieval-long", "--retrieval-ctx 100000 is longer than the model's training context"),
     ("retrieval-ctx-alone", "--retrieval-ctx sizes the pass-key prompts of --retrieval N"),
+    # each of these was taken, and failed (or measured nothing) only after the whole run
+    ("output-is-text", "is the calibration text"),
+    ("output-is-folder", "is a folder: name the GGUF file to write"),
+    ("output-unwritable", "a new file cannot be written in /proc"),
+    ("sinks-past-probe", "--kv-sinks 99999 with a 128-token window leaves no token of the -c 512 probe quantized"),
+    ("no-tokens", "-c 0: give the number of calibration tokens"),
+    ("no-threads", "-t 0: give 1 thread or more"),
+    ("retrieval-unrefined", "--retrieval judges the refined mixes: give --refine 1 or more"),
+    ("kvq-version", "kvq.* metadata version 99; this pykvq reads versions 1 to 4"),
 ])
 def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     short = tmp_path / "short.txt"
@@ -126,6 +138,10 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, ha
     notes = tmp_path / "notes.gguf"
     notes.write_text("not a model\n" * 20)
     out = str(tmp_path / "out.gguf")
+    mine = tmp_path / "mine.txt"
+    shutil.copy(hamlet, mine)
+    if case == "kvq-version":
+        gguf_metadata.write_copy(smollm2, tmp_path / "future.gguf", {gguf_metadata.KEY_VERSION: 99})
     args = {
         "budget": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-budget", "0.5"],
         "same-file": ["-m", str(smollm2), "-f", str(hamlet), "-o", str(smollm2)],
@@ -149,12 +165,88 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, ha
         "retrieval-long": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--retrieval", "2",
                            "--retrieval-ctx", "100000"],
         "retrieval-ctx-alone": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--retrieval-ctx", "2048"],
+        "output-is-text": ["-m", str(smollm2), "-f", str(mine), "-o", str(tmp_path / "sub" / ".." / mine.name)],
+        "output-is-folder": ["-m", str(smollm2), "-f", str(hamlet), "-o", str(tmp_path)],
+        "output-unwritable": ["-m", str(smollm2), "-f", str(hamlet), "-o", "/proc/out.gguf"],
+        "sinks-past-probe": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-sinks", "99999"],
+        "no-tokens": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "-c", "0"],
+        "no-threads": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "-t", "0"],
+        "retrieval-unrefined": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--refine", "0", "--retrieval", "2",
+                                "--retrieval-ctx", "100000"],
+        "kvq-version": ["-m", str(tmp_path / "future.gguf"), "-f", str(hamlet), "-o", out, "--kv-clip", "none"],
     }[case]
     proc = calibrate(*args, cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("pykvq: error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr
     assert not (tmp_path / "out.gguf").exists()
+    assert mine.read_bytes() == hamlet.read_bytes()
+
+
+CHEAP = ("-c", "128", "--refine", "0", "--kv-window", "16", "--kv-sinks", "0", "--kv-clip", "none", "--kv-rotate",
+         "off", "--kv-dither", "none")
+
+
+def test_a_failed_calibration_removes_the_folders_it_made(smollm2: Path, tmp_path: Path) -> None:
+    short = tmp_path / "short.txt"
+    short.write_text("To be, or not to be.")
+    proc = calibrate("-m", str(smollm2), "-f", str(short), "-o", str(tmp_path / "new" / "sub" / "out.gguf"), *CHEAP,
+                     cwd=tmp_path)
+    assert proc.returncode == 1 and "the calibration text has" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
+
+
+# the model work runs as it is; SIGTERM arrives while the copy is half written (its first tensor), as from a
+# scheduler's kill: cli.main turns it into an exception, and every cleanup on the way out runs
+SIGTERM_WHILE_WRITING = """
+import os, signal, sys
+from pykvq.bindings import gguf_py
+from pykvq.commands import cli
+writer = gguf_py.gguf().GGUFWriter
+write = writer.write_tensor_data
+def interrupted(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return write(self, *args, **kwargs)
+writer.write_tensor_data = interrupted
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_writing_leaves_nothing_behind(hamlet: Path, tmp_path: Path) -> None:
+    model = tmp_path / "tiny.gguf"
+    random_model.write(random_model.SHAPES["tiny"], model)
+    proc = subprocess.run([sys.executable, "-c", SIGTERM_WHILE_WRITING, "calibrate", "-t", "2", *device.TOOL_ARGS,
+                           "-m", str(model), "-f", str(hamlet), "-o", str(tmp_path / "new" / "out.gguf"), *CHEAP],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
+    # without --retrieval no empty pass-key bar; the temporary copy's name is never shown
+    assert "pass-key reference" not in proc.stderr and ".part" not in proc.stderr, proc.stderr[-2000:]
+    # neither the half-written .part copy nor the folder made for it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
+
+
+@pytest.mark.parametrize("command", ["calibrate", "convert"])
+@pytest.mark.parametrize("budget", ["inf", "nan"])
+def test_a_budget_that_is_no_finite_number_is_refused_as_the_arguments_are_read(command: str, budget: str,
+                                                                                tmp_path: Path) -> None:
+    """inf failed with an OverflowError's traceback minutes later, nan with a cryptic error after the whole run."""
+    inputs = ["-m", "model.gguf", "-f", "text.txt"] if command == "calibrate" else ["hf", "--calibrate", "text.txt"]
+    proc = subprocess.run(["pykvq", command, *inputs, "-o", "out.gguf", "--kv-budget", budget], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and f"argument --kv-budget: '{budget}' is not a finite number" in proc.stderr
+    assert budget_argument("2.5") == 2.5
+
+
+@pytest.mark.parametrize("window", [0, 1, 16, 31, 32, 33, 128])
+@pytest.mark.parametrize("sinks", [0, 1, 8, 31, 32, 40])
+def test_the_fewest_tokens_for_a_quantized_key_follow_the_cache_contract(window: int, sinks: int) -> None:
+    fewest = clip_ratios.fewest_quantized_tokens(window, sinks)
+
+    def quantizes(n: int) -> bool:
+        contract = clip_ratios.Contract.of(n, window, sinks)
+        return bool((contract.causal & ~contract.near_k).any())
+
+    assert quantizes(fewest) and not quantizes(fewest - 1)
 
 
 def test_the_probe_repeats_the_text_past_the_sinks_and_weighs_both_halves_alike() -> None:

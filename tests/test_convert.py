@@ -13,6 +13,7 @@ import pytest
 
 from pykvq import KvConfig, gguf_metadata, kv_types
 from pykvq.calibration.allocation import BITS
+from pykvq.convert import hf_converter
 
 import device
 
@@ -163,6 +164,9 @@ def test_inspect_shows_the_metadata_and_the_memory(calibrated: tuple[Path, subpr
     ({gguf_metadata.KEY_LAYERS: "k:*=kivi3"}, "kivi3"),
     ({"kvq.calibration.error_k_kivi2": [0.1, 0.2]}, "must hold 3 values"),
     ({gguf_metadata.KEY_WINDOW: "wide"}, "kvq.window"),
+    # --json wrote it as NaN, which is not JSON
+    ({gguf_metadata.KEY_BUDGET: float("nan")}, "kvq.kv_budget must be a finite number"),
+    ({"kvq.calibration.error_k_kivi2": [0.1, float("inf"), 0.2]}, "holds nan or inf"),
 ])
 def test_inspect_refuses_bad_metadata(tiny_gguf: Path, tmp_path: Path, metadata: dict, needle: str) -> None:
     bad = tmp_path / "bad.gguf"
@@ -175,6 +179,14 @@ def test_inspect_refuses_what_is_not_gguf(tmp_path: Path) -> None:
     junk.write_bytes(b"GGUF" + bytes(20))
     assert_clean_error(pykvq("inspect", str(junk), cwd=tmp_path))
     assert_clean_error(pykvq("inspect", str(tmp_path / "missing.gguf"), cwd=tmp_path), "not found")
+    assert_clean_error(pykvq("inspect", str(tmp_path), cwd=tmp_path), "is a folder: give a GGUF model file")
+
+
+def test_inspect_refuses_a_negative_context(tiny_gguf: Path, tmp_path: Path) -> None:
+    """It printed negative sizes; 0 stays the trained context."""
+    assert_clean_error(pykvq("inspect", "-c", "-5", str(tiny_gguf), cwd=tmp_path), "-c -5: give a context of 1 token")
+    proc = pykvq("inspect", "-c", "0", str(tiny_gguf), cwd=tmp_path)
+    assert proc.returncode == 0 and "for 2048 tokens" in proc.stdout, proc.stderr
 
 
 def fake_hf(folder: Path, config: dict | None, weights: bytes = b"") -> Path:
@@ -197,6 +209,8 @@ def bad_folder(case: str, tmp_path: Path) -> Path:
         fake_hf(folder, None, b"x")
     elif case == "unsupported":
         fake_hf(folder, {"architectures": ["FooForCausalLM"]}, b"x")
+    elif case == "architecture_string":
+        fake_hf(folder, {"architectures": "LlamaForCausalLM"}, b"x")
     else:
         fake_hf(folder, {"architectures": ["LlamaForCausalLM"]})
     return folder
@@ -207,6 +221,7 @@ def bad_folder(case: str, tmp_path: Path) -> Path:
     ("not_a_folder", ["is not a folder"]),
     ("bad_json", ["not valid JSON"]),
     ("unsupported", ["FooForCausalLM is not supported", "LlamaForCausalLM"]),
+    ("architecture_string", ['"architectures" must be a list of class names', '["LlamaForCausalLM"]']),
     ("no_weights", ["holds no weights"]),
 ])
 def test_bad_model_folders(tmp_path: Path, case: str, needles: list[str]) -> None:
@@ -215,11 +230,15 @@ def test_bad_model_folders(tmp_path: Path, case: str, needles: list[str]) -> Non
     assert not out.exists()
 
 
+def copy_folder(source: Path, dest: Path) -> Path:
+    dest.mkdir()
+    for f in source.iterdir():
+        (dest / f.name).write_bytes(f.read_bytes())
+    return dest
+
+
 def test_a_failing_conversion_leaves_nothing_and_keeps_what_was_there(tiny_hf: Path, tmp_path: Path) -> None:
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    for f in tiny_hf.iterdir():
-        (broken / f.name).write_bytes(f.read_bytes())
+    broken = copy_folder(tiny_hf, tmp_path / "broken")
     (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
     out = tmp_path / "model.gguf"
     out.write_bytes(b"the user's own file")
@@ -227,6 +246,51 @@ def test_a_failing_conversion_leaves_nothing_and_keeps_what_was_there(tiny_hf: P
     assert_clean_error(proc, "converter failed")
     assert out.read_bytes() == b"the user's own file"
     assert leftovers(tmp_path) == []
+
+
+def test_weights_cut_short_are_named_by_the_exception_and_the_folders_made_go(tiny_hf: Path, tmp_path: Path) -> None:
+    """The error quoted the progress bar the converter redraws after its traceback; the folders made for -o
+    stayed behind."""
+    cut = copy_folder(tiny_hf, tmp_path / "cut")
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    proc = pykvq("convert", str(cut), "-o", str(tmp_path / "new" / "sub" / "model.gguf"), cwd=tmp_path)
+    assert_clean_error(proc, "converter failed", "ValueError: mmap length is greater than file size")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut"]
+
+
+TRACEBACK_THEN_BAR = (
+    "Traceback (most recent call last):\n"
+    '  File "convert_hf_to_gguf.py", line 10, in <module>\n'
+    "    main()\n"
+    "    ^^^^^^\n"
+    "ValueError: mmap length is greater than file size\n"
+    "\rWriting:  46%|████▌     | 559k/1.15M [00:00<00:00, 2.21Mbyte/s]\r\n")
+
+
+@pytest.mark.parametrize("text, wanted", [
+    (TRACEBACK_THEN_BAR, "ValueError: mmap length is greater than file size"),
+    # one raised while handling another: the last is what failed
+    ("Traceback (most recent call last):\n  File \"a\", line 1\nKeyError: 'x'\n\nDuring handling of the above "
+     "exception, another exception occurred:\n\n" + TRACEBACK_THEN_BAR.replace("ValueError: mmap", "OSError: mmap"),
+     "OSError: mmap length is greater than file size"),
+    ("Writing: 46%\rdone\n", None),
+])
+def test_the_exception_is_read_from_a_traceback(text: str, wanted: str | None) -> None:
+    assert hf_converter.exception_line(text) == wanted
+
+
+@pytest.mark.parametrize("output", ["model.safetensors", "sub/../config.json", "TEXT"])
+def test_the_output_is_never_an_input(tiny_hf: Path, tmp_path: Path, hamlet: Path, output: str) -> None:
+    """-o inside HF_DIR replaced its weights with the GGUF; -o the --calibrate text replaced the text."""
+    hf = copy_folder(tiny_hf, tmp_path / "hf")
+    text = tmp_path / "text.txt"
+    text.write_text(hamlet.read_text(encoding="utf-8"))
+    before = {p: p.read_bytes() for p in [*hf.iterdir(), text]}
+    out = text if output == "TEXT" else hf / output
+    proc = pykvq("convert", str(hf), "-o", str(out), "--calibrate", str(text), cwd=tmp_path)
+    assert_clean_error(proc, "-o must name a new file")
+    assert {p: p.read_bytes() for p in [*hf.iterdir(), text]} == before
 
 
 def test_a_vocabulary_llama_cpp_cannot_tokenize_with_is_refused(tmp_path: Path, hamlet: Path) -> None:
@@ -245,6 +309,7 @@ def test_a_vocabulary_llama_cpp_cannot_tokenize_with_is_refused(tmp_path: Path, 
     (["--kv-budget", "0.5", "--calibrate", "TEXT"], "below what any mix reaches"),
     (["--calibrate", "missing.txt"], "calibration text not found"),
     (["--calibrate", "SHORT"], "at least"),
+    (["--calibrate", "TEXT", "--kv-sinks", "99999"], "with window 128 and sinks 99999 leaves no K or V quantized"),
 ])
 def test_bad_calibration_arguments(tiny_hf: Path, tmp_path: Path, hamlet: Path, args: list[str], needle: str) -> None:
     short = tmp_path / "short.txt"

@@ -18,6 +18,8 @@ one depth block a width up and as many of another block's a width down.
 
 from __future__ import annotations
 
+import argparse
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -31,6 +33,19 @@ REFERENCE = "kivi2"
 
 class BudgetError(ValueError):
     """A budget no mix of kivi4/kivi2/kivi1 can meet."""
+
+
+def budget_argument(text: str) -> float:
+    """The argparse type of --kv-budget (calibrate and convert): a finite number of bits, refused as the arguments
+    are read; inf and nan would otherwise fail only after the measurements, the one in the allocation's arithmetic,
+    the other at the metadata's check."""
+    try:
+        bits = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bits (such as 2 or 2.5)") from None
+    if not math.isfinite(bits):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of bits: give one such as 2 or 2.5")
+    return bits
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,12 @@ class Contract:
         return cls(j <= i, near_v | (j // GROUP >= i // GROUP), near_v)
 
 
+def fewest_quantized_tokens(window: int, sinks: int) -> int:
+    """The fewest tokens from a sequence's start for any K (hence V) to be read quantized under the Contract: the
+    last query must lie a window past a token after the sinks, in a later tile than that token's."""
+    return max(sinks + window + 1, GROUP * -(-(sinks + 1) // GROUP) + 1)
+
+
 def masked_softmax(scores: np.ndarray, causal: np.ndarray) -> np.ndarray:
     scores = np.where(causal, scores, -np.inf)
     p = np.exp(scores - scores.max(-1, keepdims=True))

@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from pykvq import gguf_metadata, kv_types
+from pykvq import gguf_metadata, kv_types, output_path
 from pykvq.calibration import (attention_scale, attention_sensitivity, clip_ratios, dither_choice, retrieval, rotation,
                                window_choice)
-from pykvq.calibration.allocation import (BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, format_allocation,
-                                          refine)
+from pykvq.calibration.allocation import (BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, budget_argument,
+                                          format_allocation, refine)
 from pykvq.calibration.attention_sensitivity import WidthErrors
 from pykvq.calibration.clip_choice import ClipChoice, choose_clip
 from pykvq.calibration.dither_choice import DitherChoice, choose_dither
@@ -166,7 +166,8 @@ class Calibrator:
                        for il in tqdm(self.layers, unit="layer", desc="attention scales")}
         self.retrieval = retrieval or []
         self.retrieval_reference = [self._log_probs(p, KvConfig(layers="none"), last_only=True)
-                                    for p in tqdm(self.retrieval, unit="prompt", desc="pass-key reference")]
+                                    for p in tqdm(self.retrieval, unit="prompt", desc="pass-key reference",
+                                                  disable=not self.retrieval)]
 
     def _log_probs(self, tokens: list[int], kv: KvConfig, observer: TensorObserver | None = None,
                    last_only: bool = False) -> np.ndarray:
@@ -382,15 +383,33 @@ def metadata(allocation: Allocation, clip: str, budget: float, sensitivities: li
 
 
 def run(args: argparse.Namespace) -> int:
+    probe = checked_probe(args)
+    with output_path.new_output(args.output, (("the model", args.model), ("the calibration text", args.file))):
+        calibrate(args, probe)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def checked_probe(args: argparse.Namespace) -> Probe:
+    """The probe the arguments ask for; FileNotFoundError or ValueError, before any model work, for arguments that
+    could not make a calibration (or would be silently ignored by it)."""
     for f, what in ((args.model, "model"), (args.file, "calibration text")):
         if not f.is_file():
             raise FileNotFoundError(f"{what} file not found: {f}")
-    if args.output.resolve() == args.model.resolve():
-        raise ValueError("-o must name a new file: pykvq calibrate writes a copy and never touches the model")
+    # from the header: llama.cpp would refuse a kvq.version it does not read at the first context, with a hint for
+    # run (--kv-clip none) that calibrate cannot take
+    gguf_metadata.read_kvq(args.model)
+    # first: --recall's default and the window's checks are taken from it
+    if args.ctx_size < 1:
+        raise ValueError(f"-c {args.ctx_size}: give the number of calibration tokens (512 by default)")
+    if args.threads < 1:
+        raise ValueError(f"-t {args.threads}: give 1 thread or more")
     if args.refine < 0:
         raise ValueError(f"--refine {args.refine}: the number of mixes to measure is 0 or more")
     if args.retrieval < 0:
         raise ValueError(f"--retrieval {args.retrieval}: the number of pass-key prompts is 0 or more")
+    if args.retrieval and not args.refine:
+        raise ValueError("--retrieval judges the refined mixes: give --refine 1 or more")
     if args.retrieval_ctx is not None and not args.retrieval:
         raise ValueError("--retrieval-ctx sizes the pass-key prompts of --retrieval N: give --retrieval with it")
     if args.kv_budget < min(BITS.values()):
@@ -408,9 +427,20 @@ def run(args: argparse.Namespace) -> int:
                   recall, dither, args.op_offload, args.kv_offload)
     if args.kv_window == "auto":
         probe.window_candidates()
+    fewest = clip_ratios.fewest_quantized_tokens(probe.window, probe.sinks)
+    if args.kv_sinks != "auto" and probe.n_tokens < fewest:
+        raise ValueError(f"--kv-sinks {probe.sinks} with a {probe.window}-token window leaves no token of the "
+                         f"-c {probe.n_tokens} probe quantized (it takes {fewest} or more): lower --kv-sinks or "
+                         "raise -c")
+    return probe
+
+
+def calibrate(args: argparse.Namespace, probe: Probe) -> None:
+    """Measure the model on the text through ``probe``, choose and write the copy (see the module's doc)."""
+    clip, rotate, dither = probe.clip, probe.rotate, probe.dither
     windows = None
     n_gpu_layers = arguments.gpu_layers(args, unset=None if args.fit else 999)
-    retrieval_ctx = (args.retrieval_ctx or RETRIEVAL_CTX) if args.retrieval and args.refine else 0
+    retrieval_ctx = (args.retrieval_ctx or RETRIEVAL_CTX) if args.retrieval else 0
     layers, _ = arguments.fit_to_memory(args, args.model, widest_context(probe, retrieval_ctx), n_gpu_layers)
     with Model(args.model, n_gpu_layers=layers) as model:
         # refused before any measurement, naming the part
@@ -426,7 +456,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"the calibration text has {len(tokens)} tokens; -c asks for {probe.n_tokens}")
         retrieval_probe = None
         prompts = None
-        if args.retrieval and args.refine:
+        if args.retrieval:
             retrieval_probe = retrieval.RetrievalProbe(retrieval_ctx, args.retrieval)
             if retrieval_probe.n_tokens > model.n_ctx_train:
                 raise ValueError(f"--retrieval-ctx {retrieval_probe.n_tokens} is longer than the model's training "
@@ -480,8 +510,6 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_select is not None:
         recorded[gguf_metadata.KEY_SELECT] = kv_types.selection_spec(args.kv_select)
     gguf_metadata.write_copy(args.model, args.output, recorded)
-    print(f"wrote {args.output}")
-    return 0
 
 
 def refuse_what_latent_layers_lack(args: argparse.Namespace, clip: str, rotate: str, dither: str,
@@ -553,7 +581,7 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-m", "--model", type=Path, required=True, help="GGUF model")
     p.add_argument("-f", "--file", type=Path, required=True, help="calibration text")
     p.add_argument("-o", "--output", type=Path, required=True, help="the GGUF copy to write")
-    p.add_argument("--kv-budget", type=float, default=2.0,
+    p.add_argument("--kv-budget", type=budget_argument, default=2.0,
                    help="mean code bits per K/V element (kivi4 = 4, kivi2 = 2, kivi1 = 1; default %(default)s)")
     p.add_argument("-c", "--ctx-size", type=int, default=512, help="calibration tokens (default %(default)s)")
     p.add_argument("--recall", type=int, metavar="N",

@@ -267,8 +267,12 @@ def format_text(info: dict, n_ctx: int, select: dict | None = None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model.is_dir():
+        raise ValueError(f"{args.model} is a folder: give a GGUF model file")
     if not args.model.is_file():
         raise FileNotFoundError(f"model file not found: {args.model}")
+    if args.ctx_size is not None and args.ctx_size < 0:
+        raise ValueError(f"-c {args.ctx_size}: give a context of 1 token or more (0: the trained context)")
     info = collect(args.model)
     n_ctx = args.ctx_size or info["shape"]["n_ctx_train"] or 4096
     model_select = info["kvq"].get(gguf_metadata.KEY_SELECT)
@@ -288,7 +292,7 @@ def add_inspect_command(commands: argparse._SubParsersAction) -> None:
                                         "pykvq's kvq.* metadata, and the KV cache memory per token for every KV "
                                         "type (and the model's own per-layer mix).")
     p.add_argument("model", type=Path, metavar="MODEL", help="GGUF model")
-    p.add_argument("-c", "--ctx-size", type=int, help="context for the totals (default: the trained context)")
+    p.add_argument("-c", "--ctx-size", type=int, help="context for the totals (default, or 0: the trained context)")
     p.add_argument("--kv-select", metavar="HH,RW[,N[,D]]", type=arguments.selection,
                    help="also the memory a prompt of -c tokens holds after MiniKV's prompt selection (kivi types; "
                         "default: the model's kvq.select, if any; off: none)")
