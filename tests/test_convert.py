@@ -179,7 +179,7 @@ def test_inspect_refuses_what_is_not_gguf(tmp_path: Path) -> None:
     junk.write_bytes(b"GGUF" + bytes(20))
     assert_clean_error(pykvq("inspect", str(junk), cwd=tmp_path))
     assert_clean_error(pykvq("inspect", str(tmp_path / "missing.gguf"), cwd=tmp_path), "not found")
-    assert_clean_error(pykvq("inspect", str(tmp_path), cwd=tmp_path), "is a folder: give a GGUF model file")
+    assert_clean_error(pykvq("inspect", str(tmp_path), cwd=tmp_path), "model path is a folder, not a file")
 
 
 def test_inspect_refuses_a_negative_context(tiny_gguf: Path, tmp_path: Path) -> None:

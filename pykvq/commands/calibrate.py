@@ -40,6 +40,7 @@ from pykvq.api.llama import ContextConfig, KvConfig, Model
 from pykvq.bindings import native
 from pykvq.commands import arguments
 from pykvq.commands import inspect as model_info
+from pykvq.input_files import check_readable_file
 
 log = logging.getLogger("pykvq.calibrate")
 
@@ -394,8 +395,7 @@ def checked_probe(args: argparse.Namespace) -> Probe:
     """The probe the arguments ask for; FileNotFoundError or ValueError, before any model work, for arguments that
     could not make a calibration (or would be silently ignored by it)."""
     for f, what in ((args.model, "model"), (args.file, "calibration text")):
-        if not f.is_file():
-            raise FileNotFoundError(f"{what} file not found: {f}")
+        check_readable_file(f, what)
     # from the header: llama.cpp would refuse a kvq.version it does not read at the first context, with a hint for
     # run (--kv-clip none) that calibrate cannot take
     gguf_metadata.read_kvq(args.model)

@@ -17,6 +17,7 @@ import numpy as np
 from pykvq import gguf_metadata, kv_types
 from pykvq.bindings import native
 from pykvq.commands import arguments
+from pykvq.input_files import check_readable_file
 
 FP16_BYTES = 2
 # the architectures whose multi-head latent attention kivi types take (V read from K's tiles); others refuse them
@@ -267,10 +268,7 @@ def format_text(info: dict, n_ctx: int, select: dict | None = None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.model.is_dir():
-        raise ValueError(f"{args.model} is a folder: give a GGUF model file")
-    if not args.model.is_file():
-        raise FileNotFoundError(f"model file not found: {args.model}")
+    check_readable_file(args.model, "model")
     if args.ctx_size is not None and args.ctx_size < 0:
         raise ValueError(f"-c {args.ctx_size}: give a context of 1 token or more (0: the trained context)")
     info = collect(args.model)
