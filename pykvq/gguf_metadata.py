@@ -42,8 +42,9 @@ rest records how they were chosen, for later methods.
     kvq.calibration.k_channel_absmax                 float32[n_layer * n_embd_k_gqa]  per-channel K range,
                                                      layer-major, channels in the HF model's order
 
-Whole numbers may be stored in any GGUF integer type, numbers in any integer or float type; a value of another
-kind (a bool, a string for a number, an array for a scalar, an array of arrays) is refused, by every reader: pykvq's
+Whole numbers may be stored in any GGUF integer type, numbers in any integer or float type, finite (no measurement
+is nan or inf); a value of another kind (a bool, a string for a number, an array for a scalar, an array of arrays)
+is refused, by every reader: pykvq's
 (validate) and the patched llama.cpp's, which sees kvq.version and kvq.kv_layers as text.
 
 The copy is written next to the output under a temporary name and renamed into place only when complete.

@@ -164,11 +164,12 @@ def schema_accepts(key: str, v: Value) -> bool:
     if key in gguf_metadata.WHOLE_NUMBERS:
         return whole and 0 <= v.value <= gguf_metadata.WHOLE_NUMBERS[key]  # type: ignore[operator]
     if key == gguf_metadata.KEY_BUDGET:
-        return whole or v.vtype in FLOAT
+        return whole or (v.vtype in FLOAT and math.isfinite(v.value))  # type: ignore[arg-type]
     if key == "kvq.calibration.text":
         return v.vtype == T.STRING
     wanted = N_EMBD_K_TOTAL if key == gguf_metadata.PER_CHANNEL else N_LAYER
-    return v.vtype == T.ARRAY and v.sub_type in WHOLE | FLOAT and len(v.value) == wanted  # type: ignore[arg-type]
+    return (v.vtype == T.ARRAY and v.sub_type in WHOLE | FLOAT and len(v.value) == wanted  # type: ignore[arg-type]
+            and all(math.isfinite(x) for x in v.value))  # type: ignore[union-attr]
 
 
 def native_text(v: Value) -> str:
