@@ -178,7 +178,42 @@ def test_a_corrupt_type_id_in_a_state_is_named_not_looked_up(model: Model, token
     state[at:at + 4] = bad_id.to_bytes(4, "little", signed=True)
     with context(model, kv) as second, pytest.raises(LlamaError) as refused:
         second.load_state(bytes(state))
-    assert f"layer 0 was saved as type id {bad_id} (none)/kivi2, this cache holds kivi2/kivi2" in str(refused.value)
+    assert "layer 0's record names no KV types: the state is truncated or corrupt" in str(refused.value)
+
+
+def test_a_kivi_state_in_a_cache_of_upstream_types_says_so(model: Model, tokens: list[int]) -> None:
+    """Upstream's reader took the kivi state's magic for its V-transposition flag: "incompatible V transposition"."""
+    with context(model, KvConfig.preset("kivi2")) as first:
+        first.eval(tokens[:100])
+        state = first.save_state()
+    with context(model, KvConfig("q8_0", "q8_0")) as second, pytest.raises(LlamaError) as refused:
+        second.load_state(state)
+    assert "it was saved from a kivi KV cache, this cache holds q8_0/q8_0 in layer 0" in str(refused.value)
+
+
+def test_a_truncated_session_file_is_called_truncated(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
+    """llama_file reads nothing past a file's end and says nothing: the unread layer types were taken as f32
+    ("layer 3 was saved as f32/f32")."""
+    session, text = tmp_path / "session.bin", tmp_path / "prompt.txt"
+    text.write_text(hamlet.read_text(encoding="utf-8")[:1000], encoding="utf-8")
+    args = [*device.TOOL_ARGS, "-m", str(smollm2), "-f", str(text), "-n", "4", "-c", "512", "-b", "512", "-no-cnv",
+            "-t", "2", "-fa", "on", "-ctk", "kivi2", "-ctv", "kivi2", "--prompt-cache", str(session)]
+    llama_tools.run_tool("llama-completion", args)
+    session.write_bytes(session.read_bytes()[:session.stat().st_size // 2])
+    with pytest.raises(llama_tools.ToolError) as refused:
+        llama_tools.run_tool("llama-completion", args)
+    assert "layer" in str(refused.value) and "the state is truncated or corrupt" in str(refused.value)
+
+
+def test_self_extend_is_refused_on_a_kivi_cache(smollm2: Path) -> None:
+    """llama-completion's -gan divides cached positions, which a kivi cache leaves as they are: the run went on
+    silently as without it."""
+    args = [*device.TOOL_ARGS, "-m", str(smollm2), "-p", "Hello", "-n", "8", "-c", "256", "-no-cnv", "-t", "2",
+            "-fa", "on", "-gan", "2", "-gaw", "32"]
+    with pytest.raises(llama_tools.ToolError, match=r"self-extend \(-gan\) moves cached positions"):
+        llama_tools.run_tool("llama-completion", [*args, "-ctk", "kivi2", "-ctv", "kivi2"])
+    upstream_type = llama_tools.run_tool("llama-completion", [*args, "-ctk", "q8_0", "-ctv", "q8_0"])
+    assert "self-extend: n_ctx_train" in upstream_type
 
 
 @pytest.mark.parametrize("kv, removed", [(KvConfig.preset("kivi2", window=100), 20),

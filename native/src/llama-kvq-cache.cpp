@@ -492,7 +492,7 @@ uint32_t llama_kv_cache::kvq_n_droppable(const llama_kv_cells & cells, llama_seq
 static std::string kvq_part_text(bool regions, uint32_t n_part, uint32_t part_cells, bool drops) {
     const std::string cells = std::to_string(part_cells) + " cells";
     const std::string text  = regions ? "a unified kivi cache gives each of its " + std::to_string(n_part) +
-                                        " sequences " + cells + " (n_ctx / n_seq_max)"
+                                        " sequences " + cells + " (n_ctx / n_seq_max in whole 32-cell tiles)"
                                       : "a kivi cache gives each sequence " + cells;
     return drops ? text + ": the window of its sliding-window layers, a ubatch and two rings" : text;
 }
@@ -1026,16 +1026,26 @@ void llama_kv_cache::kvq_state_write_data(llama_io_write_i & io, const cell_rang
 }
 
 // a type id read from a file: named only when it is one (a corrupt file holds anything)
-static std::string kvq_saved_type_name(int32_t id) {
-    if (id < 0 || id >= GGML_TYPE_COUNT || ggml_get_type_traits((ggml_type) id)->blck_size == 0) {
-        return "type id " + std::to_string(id) + " (none)";
-    }
-    return ggml_type_name((ggml_type) id);
+static bool kvq_is_type_id(int32_t id) {
+    return id >= 0 && id < GGML_TYPE_COUNT && ggml_get_type_traits((ggml_type) id)->blck_size != 0;
 }
 
 static bool kvq_state_fail(const std::string & why) {
     LLAMA_LOG_ERROR("kivi KV cache: cannot load this state: %s\n", why.c_str());
     return false;
+}
+
+bool llama_kv_cache::kvq_refuse_kivi_state(uint32_t first_word) const {
+    if (first_word != KVQ_STATE_MAGIC && first_word != KVQ_STATE_MAGIC_V1 && first_word != KVQ_STATE_MAGIC_V2 &&
+        first_word != KVQ_STATE_MAGIC_V3 && first_word != KVQ_STATE_MAGIC_V4) {
+        return false;
+    }
+    // upstream's reader would take the magic for its V-transposition flag ("incompatible V transposition")
+    const std::string held = layers.empty() ? "" : ", this cache holds " +
+        kvq_types_text(layers[0].k->type, kvq_type_v(layers[0])) + " in layer " + std::to_string(layers[0].il);
+    LLAMA_LOG_ERROR("KV cache: cannot load this state: it was saved from a kivi KV cache%s: load it with the KV types "
+                    "it was saved with\n", held.c_str());
+    return true;
 }
 
 bool llama_kv_cache::kvq_state_read_data(llama_io_read_i & io, uint32_t strm, uint32_t cell_count, const slot_info & sinfo) {
@@ -1199,11 +1209,16 @@ bool llama_kv_cache::kvq_state_read_part(llama_io_read_i & io, uint32_t strm, ui
     std::vector<uint32_t> dead(layers.size(), 0);
     for (size_t ikv = 0; ikv < layers.size(); ++ikv) {
         const kv_layer & layer = layers[ikv];
-        int32_t types[4] = { 0, 0, header.rotate, 0 };
+        // past the end of a truncated file llama_file reads nothing and says nothing: the ids no type has stay
+        int32_t types[4] = { -1, -1, header.rotate, 0 };
         io.read(types, n_layer_fields*sizeof(int32_t));
+        if (!kvq_is_type_id(types[0]) || !kvq_is_type_id(types[1])) {
+            return kvq_state_fail("layer " + std::to_string(layer.il) + "'s record names no KV types: the state is "
+                                  "truncated or corrupt");
+        }
         if (types[0] != (int32_t) layer.k->type || types[1] != (int32_t) kvq_type_v(layer)) {
             return kvq_state_fail("layer " + std::to_string(layer.il) + " was saved as " +
-                                  kvq_saved_type_name(types[0]) + "/" + kvq_saved_type_name(types[1]) + ", this cache holds " +
+                                  kvq_types_text((ggml_type) types[0], (ggml_type) types[1]) + ", this cache holds " +
                                   kvq_types_text(layer.k->type, kvq_type_v(layer)));
         }
         if (types[2] != kvq_layer_rotation(layer.il)) {
