@@ -89,9 +89,11 @@ def test_closed_standard_streams_are_one_clear_error(smollm2: Path) -> None:
 def test_a_signal_mid_generation_ends_with_one_line(smollm2: Path, sent: signal.Signals, code: int,
                                                     message: str) -> None:
     """Ctrl-C printed a KeyboardInterrupt traceback; SIGTERM (timeout, kill) skipped every cleanup."""
+    # as from a terminal: an xdist worker ignores SIGINT, and a Python started so keeps ignoring it
     with subprocess.Popen(["pykvq", "run", *device.TOOL_ARGS, "-t", "2", "-m", str(smollm2), "-p", "Once upon a time",
                            "-n", "-1", "-c", "4096", "--ignore-eos"], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:
+                          stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as proc:
         assert proc.stdout is not None and proc.stdout.read(len("Once upon a time") + 8)
         proc.send_signal(sent)
         _, stderr = proc.communicate(timeout=120)
