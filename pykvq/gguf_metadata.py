@@ -44,8 +44,8 @@ rest records how they were chosen, for later methods.
 
 Whole numbers may be stored in any GGUF integer type, numbers in any integer or float type, finite (no measurement
 is nan or inf); a value of another kind (a bool, a string for a number, an array for a scalar, an array of arrays)
-is refused, by every reader: pykvq's
-(validate) and the patched llama.cpp's, which sees kvq.version and kvq.kv_layers as text.
+is refused, by every reader: pykvq's (validate) and the patched llama.cpp's, which sees kvq.version and
+kvq.kv_layers as text.
 
 The copy is written next to the output under a temporary name and renamed into place only when complete.
 """
