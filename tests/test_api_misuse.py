@@ -118,3 +118,10 @@ def test_n_ctx_0_is_the_training_context(model: Model) -> None:
 def test_non_finite_sampling_settings_are_refused(setting: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="bad sampling settings: .*temp finite"):
         SamplerSettings(**setting)
+
+
+@pytest.mark.parametrize("setting", ["rotate", "layers", "type_swa", "clip", "dither"])
+def test_an_empty_kv_spec_is_refused(setting: str) -> None:
+    # the C API reads "" as the model's setting: from Python that is None, and "" an empty variable passed on
+    with pytest.raises(ValueError, match=f"KvConfig {setting}=' ': an empty spec; None lets the model's setting"):
+        KvConfig("kivi2", "kivi2", **{setting: " "})

@@ -106,6 +106,10 @@ def run_raw(smollm2: Path, hamlet: Path, *args: str) -> subprocess.CompletedProc
     (["-ctk", "kivi2", "-ctv", "kivi2", "--kv-rotate", "maybe"], "valid: on, off"),
     (["-ctk", "kivi2", "-ctv", "f16", "-b", str(CTX)], "kivi K type needs a kivi V type"),
     (["-ctk", "kivi2", "-ctv", "kivi2", "-b", str(CTX), "-fa", "off"], "requires flash_attn"),
+    *[(["-ctk", "kivi2", "-ctv", "kivi2", flag, ""], f"an empty value for kivi setting {name}: leave the flag out")
+      for flag, name in [("--kv-layers", "layers"), ("--kv-clip", "clip"), ("--kv-dither", "dither"),
+                         ("--kv-rotate", "rotate"), ("--kv-select", "select"), ("--kv-type-swa", "type_swa"),
+                         ("--kv-window", "window")]],
 ])
 def test_bad_settings_fail_cleanly(args: list[str], message: str, smollm2: Path, hamlet: Path) -> None:
     proc = run_raw(smollm2, hamlet, *args)

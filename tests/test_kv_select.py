@@ -132,6 +132,15 @@ def test_state_after_selection_continues_exactly(model: Model, tokens: list[int]
         device.assert_same_logits(ctx.eval(tokens[N_PROMPT:], all_logits=True), expected)
 
 
+def test_a_refused_removal_after_selection_names_its_positions(model: Model, tokens: list[int]) -> None:
+    # 150 heavy hitters then the 150 recent tokens (positions 450-599) in cells 150-299: position 500 is cell 200
+    with context(model, (0.25, 0.25)) as ctx:
+        ctx.eval(tokens[:N_PROMPT])
+        with pytest.raises(LlamaError, match=r"cannot remove tokens \[200, -1\) \(positions \[500, -1\)\) of 300 "):
+            ctx.seq_rm(0, 500)
+        assert ctx.seq_cells(0) == 300
+
+
 # MiniKV's pyramid at depth 3: the bottom layer keeps 0.25*(2 - 1/3) of the prompt as heavy hitters (250 of 600
 # tokens), the top one 0.25/3 (50), every layer the same 150 recent tokens
 PYRAMID = (0.25, 0.25, 0, 3.0)

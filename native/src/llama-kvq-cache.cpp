@@ -835,7 +835,7 @@ bool llama_kv_cache::kvq_can_copy(llama_seq_id seq_id_src, llama_seq_id seq_id_d
                              "a sequence from its first token (" + std::to_string(pos_min) + "); nothing copied");
     }
     const bool to_end = p1 < 0 || p1 > pos_max;
-    return n == 0 || to_end || kvq_can_remove_stream(n, kvq_cell_at(cells, seq_id_src, p1), -1, seq_id_src);
+    return n == 0 || to_end || kvq_can_remove_stream(cells, seq_id_src, p1, -1);
 }
 
 // seq_cp in a unified kivi cache: the region of dst becomes a copy of src's (cells and data)
@@ -1281,35 +1281,41 @@ bool llama_kv_cache::kvq_can_remove(llama_seq_id seq_id, llama_pos p0, llama_pos
                             __func__, p0, seq, pos_min);
             return false;
         }
-        if (!kvq_can_remove_stream(kvq_n_cells(cells, seq), kvq_cell_at(cells, seq, p0),
-                                   p1 < 0 ? p1 : kvq_cell_at(cells, seq, p1), seq)) {
+        if (!kvq_can_remove_stream(cells, seq, p0, p1)) {
             return false;
         }
     }
     return true;
 }
 
-// the suffix rule for one stream whose sequence ends at cell n
-bool llama_kv_cache::kvq_can_remove_stream(llama_pos n, llama_pos p0, llama_pos p1, llama_seq_id seq_id) const {
-    const bool to_end = p1 < 0 || p1 >= n;
+// the suffix rule for removing positions [p0, p1) of one sequence, judged on the cells that hold them
+bool llama_kv_cache::kvq_can_remove_stream(const llama_kv_cells & cells, llama_seq_id seq_id, llama_pos p0,
+        llama_pos p1) const {
+    const llama_pos n  = kvq_n_cells(cells, seq_id);
+    const llama_pos c0 = kvq_cell_at(cells, seq_id, p0);
+    const llama_pos c1 = p1 < 0 ? p1 : kvq_cell_at(cells, seq_id, p1);
+    const bool to_end = c1 < 0 || c1 >= n;
     // a range past the end removes nothing (llama-cpp-python asks for one before every decode); a whole clear
     // leaves nothing behind
-    if (p0 >= n || (p0 <= 0 && to_end)) {
+    if (c0 >= n || (c0 <= 0 && to_end)) {
         return true;
     }
     // A suffix: sealed tiles before p0 and V rows stay valid, a tile p0 cuts goes back to fp16 (the ring still
     // holds its cells), stale ring slots belong to removed cells. Exact as long as the ring still holds every
     // cell the next query reads in fp16: those the removed cells' slots did not overwrite.
     const llama_pos n_ring = (llama_pos) kvq_n_ring(layers, kvq_params.n_sink);
-    const llama_pos oldest = std::max(kvq_oldest_fp16_cell(p0, kvq_params.window), (llama_pos) kvq_params.n_sink);
+    const llama_pos oldest = std::max(kvq_oldest_fp16_cell(c0, kvq_params.window), (llama_pos) kvq_params.n_sink);
     if (to_end && oldest >= n - n_ring) {
         return true;
     }
+    // a selected prompt or an M-RoPE image leaves positions that are not token counts: name both
+    const std::string positions = c0 == p0 && c1 == p1 ? "" :
+        " (positions [" + std::to_string(p0) + ", " + std::to_string(p1) + "))";
     const llama_pos deepest = std::max<llama_pos>(0, n_ring + 1 - kvq_params.window);
-    LLAMA_LOG_ERROR("%s: kivi KV cache: cannot remove tokens [%d, %d) of %d from sequence %d: only a suffix, and with "
+    LLAMA_LOG_ERROR("%s: kivi KV cache: cannot remove tokens [%d, %d)%s of %d from sequence %d: only a suffix, and with "
                     "window %d only the last %d or fewer tokens (their fp16 window is gone beyond that; --kv-rollback N "
                     "keeps N more) or all of them\n",
-                    __func__, p0, p1, n, seq_id, kvq_params.window, deepest);
+                    __func__, c0, c1, positions.c_str(), n, seq_id, kvq_params.window, deepest);
     return false;
 }
 

@@ -88,6 +88,13 @@ class KvConfig:
     clip: str | None = None
     dither: str | None = None
 
+    def __post_init__(self) -> None:
+        # the C API reads "" as "the model's setting", which None already says: "" is a caller's empty variable
+        for name in ("rotate", "layers", "type_swa", "clip", "dither"):
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.strip():
+                raise ValueError(f"KvConfig {name}={value!r}: an empty spec; None lets the model's setting apply")
+
     @classmethod
     def preset(cls, name: str, **settings) -> KvConfig:
         """K and V of one type, e.g. ``KvConfig.preset("kivi2", window=64)``."""

@@ -37,12 +37,34 @@ def rotation(text: str) -> str:
         return text
 
 
+def spec(text: str) -> str:
+    """A per-layer spec or type name (--kv-layers, --kv-clip, --kv-dither, --kv-type-swa), checked where the cache
+    takes it; an empty one is an unset shell variable, not the default (leaving the flag out is)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty value: leave the flag out for the default")
+    return text
+
+
 def selection(text: str) -> kv_types.Selection:
     """--kv-select's HH,RW[,N[,D]]."""
     try:
         return kv_types.parse_select(text)
     except kv_types.KvTypeError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+# the flags that set only what a kivi layer does, by their argparse names
+KIVI_FLAGS = {"kv_window": "--kv-window", "kv_sinks": "--kv-sinks", "kv_rollback": "--kv-rollback",
+              "kv_rotate": "--kv-rotate", "kv_clip": "--kv-clip", "kv_dither": "--kv-dither"}
+
+
+def warn_unused_kivi_flags(args: argparse.Namespace, types: str) -> None:
+    """A warning naming the kivi flags given for caches of ``types`` that hold no kivi layer: they change nothing,
+    as llama.cpp's tools would take them without a word."""
+    given = [flag for dest, flag in KIVI_FLAGS.items() if getattr(args, dest, None) is not None]
+    if given:
+        log.warning("%s change%s nothing: no layer of %s is kivi", ", ".join(given), "" if len(given) > 1 else "s",
+                    types)
 
 
 def add_device_arguments(p: argparse.ArgumentParser) -> None:

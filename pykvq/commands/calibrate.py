@@ -601,7 +601,7 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                    help="kivi sinks: a count, or auto to choose it on the text among "
                         f"{', '.join(map(str, SINK_CANDIDATES))} (default %(default)s); written as the model's "
                         "kvq.sinks")
-    p.add_argument("--kv-clip", default="auto", metavar="auto|none|SPEC",
+    p.add_argument("--kv-clip", type=arguments.spec, default="auto", metavar="auto|none|SPEC",
                    help="SKVQ's clipping: auto measures, by the cache's KL divergence against f16 KV, no clipping, "
                         "the per-layer K and V ratios among "
                         f"{', '.join(map(str, clip_ratios.RATIOS))} with the least attention-output error on the "
@@ -613,7 +613,7 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                         "against f16 KV, none, every layer, and each layer's K and V rotated where that lowers its "
                         "attention-output error on the text, and keeps the lowest; or give on, off or a --kv-rotate "
                         "spec (default %(default)s); written as the model's kvq.kv_rotate and used while measuring")
-    p.add_argument("--kv-dither", default="auto", metavar="auto|none|SPREAD|SPEC",
+    p.add_argument("--kv-dither", type=arguments.spec, default="auto", metavar="auto|none|SPREAD|SPEC",
                    help="V's dithered rounding: auto measures the finished mix, by the cache's KL divergence against "
                         "f16 KV, with its 1- and 2-bit V layers rounded to nearest and at spreads "
                         f"{', '.join(f'{s:g}' for s in dither_choice.SPREADS[1:])}, and keeps the lowest; or give "

@@ -317,6 +317,9 @@ def run(args: argparse.Namespace) -> int:
     if model_layers_spec:
         log.info("the model's kvq.kv_layers joins the comparison: %s", model_layers_spec)
         specs.extend(parse_specs("", [model_layers_spec]))
+    if args.kv_type_swa not in kv_types.KIVI_BITS and not any(
+            spec.is_kivi or spec.layers for spec in specs if isinstance(spec, kv_types.KvSpec)):
+        arguments.warn_unused_kivi_flags(args, "the runs' caches")
     defaults = native.kvq_default_params()
     window = int(kvq.get(gguf_metadata.KEY_WINDOW, defaults.window) if args.kv_window is None else args.kv_window)
     n_sink = int(kvq.get(gguf_metadata.KEY_SINKS, defaults.n_sink) if args.kv_sinks is None else args.kv_sinks)
@@ -363,7 +366,7 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-types", default="f16,q8_0,q4_0,q4_1,kivi4,kivi2,kivi1",
                    help="comma-separated KV cache types, same for K and V; kivi types may add +rot "
                         "(default: %(default)s)")
-    p.add_argument("--kv-layers", action="append", default=[], metavar="SPEC",
+    p.add_argument("--kv-layers", type=arguments.spec, action="append", default=[], metavar="SPEC",
                    help="also run per-layer types, e.g. 'k:0-15=kivi2,16-=kivi1;v:*=kivi1' (repeatable)")
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=4, help="chunks of the text to evaluate (default: %(default)s)")
@@ -374,17 +377,17 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
                    help="kivi: recent tokens kept in fp16 (default: the model's kvq.window, else 128)")
     p.add_argument("--kv-sinks", type=int,
                    help="kivi: first tokens kept in fp16 for good (default: the model's kvq.sinks, else 0)")
-    p.add_argument("--kv-clip", metavar="SPEC",
+    p.add_argument("--kv-clip", type=arguments.spec, metavar="SPEC",
                    help="kivi runs: SKVQ's per-layer clip ratios, e.g. 'k:*=0.9;v:*=0.85'; 'none' ignores a model's "
                         "kvq.kv_clip (default: the model's kvq.kv_clip, else none)")
     p.add_argument("--kv-rotate", metavar="on|off|SPEC", type=arguments.rotation,
                    help="kivi runs without +rot: Hadamard rotation, on, off or per layer, e.g. 'k:*=on;v:0-3=off' "
                         "(default: the model's kvq.kv_rotate, else off)")
-    p.add_argument("--kv-dither", metavar="SPREAD|SPEC",
+    p.add_argument("--kv-dither", type=arguments.spec, metavar="SPREAD|SPEC",
                    help="kivi runs: V's dithered rounding, a spread in [0, 1] or per layer, e.g. 0.5 or "
                         "'v:0-9=1,10-=0'; 'none' ignores a model's kvq.kv_dither (default: the model's kvq.kv_dither, "
                         "else none)")
-    p.add_argument("--kv-type-swa", metavar="TYPE",
+    p.add_argument("--kv-type-swa", type=arguments.spec, metavar="TYPE",
                    help="every run: K and V type of the sliding-window cache of a model with sliding-window layers "
                         "(Gemma 2/3, gpt-oss), e.g. f16 (default: each run's type)")
     p.add_argument("--kl-divergence", action="store_true",

@@ -60,19 +60,19 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-type", metavar="TYPE", default="f16",
                    help="K and V cache type, e.g. kivi2, kivi4, kivi1, q8_0, q4_0, f16, or AsymKV's asymkv:L_K/L_V "
                         "(default f16)")
-    p.add_argument("--kv-layers", metavar="SPEC",
+    p.add_argument("--kv-layers", type=arguments.spec, metavar="SPEC",
                    help="per-layer K and V types, e.g. 'k:0-15=kivi2,16-=kivi1;v:*=kivi1'; 'none' ignores a model's "
                         "kvq.kv_layers")
-    p.add_argument("--kv-clip", metavar="SPEC",
+    p.add_argument("--kv-clip", type=arguments.spec, metavar="SPEC",
                    help="kivi: SKVQ's clipping, per-layer ratios in (0, 1] that narrow each quantization group's "
                         "range, e.g. 'k:*=0.9;v:*=0.85'; 'none' ignores a model's kvq.kv_clip (default: the model's "
                         "kvq.kv_clip, else none)")
-    p.add_argument("--kv-dither", metavar="SPREAD|SPEC",
+    p.add_argument("--kv-dither", type=arguments.spec, metavar="SPREAD|SPEC",
                    help="kivi: V's dithered rounding, a spread in [0, 1] (0: nearest, 1: stochastic rounding) for "
                         "every layer or per layer, e.g. 0.5 or 'v:0-9=1,10-=0': repeated tokens' V errors then "
                         "average out instead of adding up; 'none' ignores a model's kvq.kv_dither (default: the "
                         "model's kvq.kv_dither, else nearest)")
-    p.add_argument("--kv-type-swa", metavar="TYPE",
+    p.add_argument("--kv-type-swa", type=arguments.spec, metavar="TYPE",
                    help="K and V type of the sliding-window cache of a model with sliding-window layers (Gemma 2/3, "
                         "gpt-oss), e.g. f16 beside a kivi2 global cache (default: as the global layers)")
     p.add_argument("-ctk", "--cache-type-k", metavar="TYPE", help="K cache type (overrides --kv-type)")
@@ -168,6 +168,8 @@ def run_command(args: argparse.Namespace) -> int:
     with Model(path, metadata_only=True) as shape:
         kv = with_model_metadata(kv, path)
         check_layers(kv, shape)
+        if not kv.is_kivi:
+            arguments.warn_unused_kivi_flags(args, f"the K {kv.type_k} / V {kv.type_v} cache")
         if kv.type_swa is not None and not shape.n_swa:
             log.warning("--kv-type-swa %s changes nothing: %s has no sliding-window layers", kv.type_swa, path.name)
         select = kv.select if kv.select is not None else model_selection(path)

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from pykvq import kv_types
-from pykvq.commands.arguments import rotation
+from pykvq.commands.arguments import rotation, spec
 from pykvq.kv_types import KvSpec, KvTypeError
 from pykvq.llama_cpp import LlamaCppError, kv_config, load
 
@@ -37,11 +37,14 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--kv-rotate", type=rotation,
                         help="kivi: Hadamard rotation, on, off or per layer, e.g. k:*=on;v:0-3=off,4-=on (default: the "
                              "model's kvq.kv_rotate, else off)")
-    parser.add_argument("--kv-layers", help="per-layer K/V types, e.g. asymkv:16/0 or k:0-15=kivi2,16-=kivi1;v:*=kivi1")
-    parser.add_argument("--kv-clip", help="kivi: SKVQ's per-layer clip ratios, e.g. k:*=0.9;v:*=0.85")
-    parser.add_argument("--kv-dither", help="kivi: V's dithered rounding, a spread in [0, 1] or per layer, e.g. 0.5 or "
-                                            "v:0-9=1,10-=0 (default: the model's kvq.kv_dither, else nearest)")
-    parser.add_argument("--kv-type-swa", help="K and V type of a Gemma-2/3 or gpt-oss model's sliding-window cache")
+    parser.add_argument("--kv-layers", type=spec,
+                        help="per-layer K/V types, e.g. asymkv:16/0 or k:0-15=kivi2,16-=kivi1;v:*=kivi1")
+    parser.add_argument("--kv-clip", type=spec, help="kivi: SKVQ's per-layer clip ratios, e.g. k:*=0.9;v:*=0.85")
+    parser.add_argument("--kv-dither", type=spec,
+                        help="kivi: V's dithered rounding, a spread in [0, 1] or per layer, e.g. 0.5 or v:0-9=1,10-=0 "
+                             "(default: the model's kvq.kv_dither, else nearest)")
+    parser.add_argument("--kv-type-swa", type=spec,
+                        help="K and V type of a Gemma-2/3 or gpt-oss model's sliding-window cache")
     return parser.parse_known_args(argv)
 
 
