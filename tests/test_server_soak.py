@@ -157,10 +157,10 @@ def too_long(server: Server, text: str, stream: bool = False) -> int:
     return refusal(server, {"prompt": text[:N_CTX * 8], "max_tokens": 4, "stream": stream})[0]
 
 
-def refusal(server: Server, body: dict) -> tuple[int, dict]:
+def refusal(server: Server, body: dict, path: str = "/v1/completions") -> tuple[int, dict]:
     """The status and JSON body of a request the server must refuse."""
     try:
-        server.post("/v1/completions", body)
+        server.post(path, body)
     except urllib.error.HTTPError as err:
         return err.code, json.load(err)
     raise AssertionError(f"answered: {body}")
@@ -195,20 +195,39 @@ def test_the_server_answers_every_request_as_alone(smollm2: Path, hamlet: Path, 
     assert min(rss[-2:]) - max(rss[1:3]) < RSS_GROWTH_MAX, f"{name}: RSS per round {[r >> 20 for r in rss]} MiB"
 
 
+def chat(words: int, stream: bool) -> dict:
+    return {"messages": [{"role": "user", "content": "word " * words}], "max_tokens": 2, "stream": stream}
+
+
+def streamed_chat(server: Server, body: dict) -> list[dict]:
+    request = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        events = [line.removeprefix(b"data: ").strip() for line in response if line.startswith(b"data: ")]
+    return [json.loads(e) for e in events if e != b"[DONE]"]
+
+
 def test_a_prompt_longer_than_the_context_is_a_400_streamed_too(smollm2: Path, tmp_path: Path) -> None:
     """The streamed request was answered 200 with an empty body, its error only in the server's log: llama-cpp-python
-    starts a stream's response before its Llama sees the prompt."""
+    starts a stream's response before its Llama sees the prompt (the chat's, made by the model's chat template)."""
     args = ["--kv-type", "kivi2", "--n_ctx", "256", "--n_threads", "2"]
     with served(smollm2, args, tmp_path / "server.log") as server:
         refused = [refusal(server, {"prompt": "word " * 400, "max_tokens": 4, "stream": stream})
                    for stream in (False, True)]
+        chats = [refusal(server, chat(400, stream), "/v1/chat/completions") for stream in (False, True)]
         fits = server.post("/v1/completions", {"prompt": "word " * 100, "max_tokens": 2})
+        # 230 words fit alone (231 tokens), not in SmolLM2's template with its default system message (261)
+        chats.append(refusal(server, chat(230, True), "/v1/chat/completions"))
+        chat_fits = streamed_chat(server, chat(100, True))
     assert refused[1] == refused[0]
     status, body = refused[0]
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
     assert "maximum context length is 256 tokens" in body["error"]["message"]
     assert "(401 in your prompt" in body["error"]["message"]
     assert fits["usage"]["completion_tokens"] == 2
+    assert chats[1] == chats[0] and chats[0][0] == 400
+    assert chats[0][1]["error"]["code"] == chats[2][1]["error"]["code"] == "context_length_exceeded"
+    assert chat_fits and chat_fits[0]["object"] == "chat.completion.chunk"
 
 
 def test_the_largest_move_counts_the_steps_up_to_where_two_answers_part() -> None:

@@ -105,15 +105,56 @@ def check_prompt_fits(llama, prompt: str | list[int]) -> None:
         raise ValueError(f"Requested tokens ({n_tokens}) exceed context window of {llama.n_ctx()}")
 
 
-def _checking_streamed_prompts(endpoint: Callable[..., Awaitable[object]], app) -> Callable[..., Awaitable[object]]:
+class _Prompt(Exception):  # noqa: N818 (it stops a call where it has what it needs: no error)
+    """What a chat format handed Llama.create_completion."""
+
+    def __init__(self, prompt: str | list[int]) -> None:
+        super().__init__("the chat's prompt")
+        self.prompt = prompt
+
+
+def chat_prompt(llama, body) -> str | list[int] | None:
+    """The prompt the model's chat format makes of a chat request: Llama.create_chat_completion run up to where its
+    format hands the prompt to create_completion, which stops it there. None where a chat handler builds it (a
+    multimodal one evaluates the images first)."""
+    if llama.chat_handler is not None:
+        return None
+
+    def stop(*args, **kwargs):
+        raise _Prompt(kwargs["prompt"] if "prompt" in kwargs else args[0])
+
+    llama.create_completion = stop
+    try:
+        llama.create_chat_completion(messages=body.messages, functions=body.functions,
+                                     function_call=body.function_call, tools=body.tools, tool_choice=body.tool_choice)
+    except _Prompt as given:
+        return given.prompt
+    finally:
+        del llama.create_completion
+    return None
+
+
+def completion_prompt(llama, body) -> str | None:
+    """A completion request's prompt (the endpoint has made body.prompt one prompt); None with a suffix, which
+    llama-cpp-python counts otherwise."""
+    return body.prompt if body.suffix is None else None
+
+
+def _checking_streamed_prompts(endpoint: Callable[..., Awaitable[object]], app,
+                               prompt_of: Callable[..., str | list[int] | None]) -> Callable[..., Awaitable[object]]:
+    def check(llama, body) -> None:
+        prompt = prompt_of(llama, body)
+        if prompt is not None:
+            check_prompt_fits(llama, prompt)
+
     @functools.wraps(endpoint)
     async def checked(request, body):
         response = await endpoint(request=request, body=body)
         # a streamed answer's Llama runs only once its 200 has gone out: a prompt too long for the context
-        # ended it empty, the error in the server's log. The endpoint has made body.prompt one prompt.
-        if body.stream and body.suffix is None:
+        # ended it empty, the error in the server's log
+        if body.stream:
             async with contextlib.asynccontextmanager(app.get_llama_proxy)() as proxy:
-                await app.run_in_threadpool(check_prompt_fits, proxy(body.model), body.prompt)
+                await app.run_in_threadpool(check, proxy(body.model), body)
         return response
 
     # FastAPI reads the parameters' types from the signature: the endpoint's module has postponed annotations
@@ -122,13 +163,16 @@ def _checking_streamed_prompts(endpoint: Callable[..., Awaitable[object]], app) 
 
 
 def check_streamed_prompts() -> None:
-    """Make llama_cpp.server refuse a streamed completion whose prompt does not fit the context as it refuses one
-    that is not streamed (a 400 rather than a 200 with an empty body); before it creates its app."""
+    """Make llama_cpp.server refuse a streamed completion or chat completion whose prompt does not fit the context
+    as it refuses one that is not streamed (a 400 rather than a 200 with an empty body); before it creates its
+    app."""
     from llama_cpp.server import app
 
+    prompts = {app.create_completion: completion_prompt, app.create_chat_completion: chat_prompt}
     for route in app.router.routes:
-        if getattr(route, "endpoint", None) is app.create_completion:
-            route.endpoint = _checking_streamed_prompts(route.endpoint, app)
+        prompt_of = prompts.get(getattr(route, "endpoint", None))
+        if prompt_of is not None:
+            route.endpoint = _checking_streamed_prompts(route.endpoint, app, prompt_of)
 
 
 def serving_llama(settings: dict[str, object]) -> type:
