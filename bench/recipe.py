@@ -1,4 +1,4 @@
-"""The calibrated recipe against upstream's 4-bit KV, run as a user runs it: issue 19's targets in one run per model.
+"""The calibrated recipe against upstream's 4-bit KV, run as a user runs it: its targets (below) in one run per model.
 
     python bench/recipe.py [--model smollm2|qwen2.5-coder-1.5b|gemma3-270m|PATH] [--ctx 2048] [--chunks 4]
 

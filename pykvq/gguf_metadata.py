@@ -27,6 +27,9 @@ rest records how they were chosen, for later methods.
                                                                text from its 9th (the recall span)
     kvq.calibration.window_ctx               uint32            the context length kvq.window was chosen for
                                                                (its fp16 cells priced in code bits there)
+    kvq.calibration.retrieval                uint32            pass-key prompts the refined mixes were also
+                                                               judged on (--retrieval N; 0: none)
+    kvq.calibration.retrieval_ctx            uint32            their length in tokens (0 without them)
     kvq.calibration.sensitivity              string            how the next were found: "attention" (the f16
                                                                run's attention error, scaled by measured mixes)
                                                                or "measured" (each one measured with the cache)

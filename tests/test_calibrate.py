@@ -73,6 +73,11 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     assert clip == "none" or f"clip {clip}" in run.stderr
     assert rotate == "off" or ("rotated" if rotate == "on" else f"rotation {rotate}") in run.stderr
     assert dither == "none" or f"V dither {dither}" in run.stderr
+    # a type given wins over the mix, as --kv-layers does
+    run = subprocess.run(["pykvq", "run", *device.TOOL_ARGS, "-m", str(out), "-p", "Hello", "-n", "4", "-c", "256",
+                          "-t", "2", "--kv-type", "q8_0"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 0 and "KV cache K q8_0, V q8_0" in run.stderr, run.stderr
+    assert "the model's kvq.kv_layers is not used: the command line gives the setting" in run.stderr
 
 
 @pytest.mark.parametrize(("shape", "kv_layers"), [
@@ -90,6 +95,7 @@ def test_calibrate_takes_the_layers_the_cache_holds(shape: str, kv_layers: list[
     proc = calibrate("-m", str(model), "-f", str(hamlet), "-o", str(out), "--kv-budget", "2.5", "-c", "128",
                      "--recall", "16", "--kv-window", "16", "--kv-sinks", "0", "--refine", "4", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "measured for the additive choice" in proc.stdout and "pass-key" not in proc.stdout  # none measured
     meta = gguf_metadata.read_kvq(out)
     types_k, types_v = kv_types.layer_types(meta[gguf_metadata.KEY_LAYERS], n_layer, "kivi2", "kivi2")
     held = [BITS[types[il]] for types in (types_k, types_v) for il in kv_layers]
@@ -104,6 +110,7 @@ def test_calibrate_takes_the_layers_the_cache_holds(shape: str, kv_layers: list[
 
 @pytest.mark.parametrize("case, message", [
     ("budget", "--kv-budget 0.5 is below what any mix reaches"),
+    ("budget-above-kivi4", "--kv-budget 5 is above what any mix spends (4 bits: kivi4 everywhere"),
     ("same-file", "-o must name a new file"),
     ("no-text", "calibration text file not found"),
     ("short-text", "the calibration text has"),
@@ -144,6 +151,7 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, ha
         gguf_metadata.write_copy(smollm2, tmp_path / "future.gguf", {gguf_metadata.KEY_VERSION: 99})
     args = {
         "budget": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-budget", "0.5"],
+        "budget-above-kivi4": ["-m", str(smollm2), "-f", str(hamlet), "-o", out, "--kv-budget", "5"],
         "same-file": ["-m", str(smollm2), "-f", str(hamlet), "-o", str(smollm2)],
         "no-text": ["-m", str(smollm2), "-f", str(tmp_path / "missing.txt"), "-o", out],
         "short-text": ["-m", str(smollm2), "-f", str(short), "-o", out],

@@ -255,6 +255,14 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
         any_kivi = any_kivi || kvq_either_kivi(tk, tv);
     }
     if (!any_kivi) {
+        // a model's kvq.select is for its kivi caches: one of upstream types, asked for by name, keeps prompts whole
+        if (kvq_select_from_model) {
+            LLAMA_LOG_INFO("%s: the model's kvq.select is not used: no layer of this %s cache is kivi\n", __func__,
+                           kvq_types_text(type_k, type_v).c_str());
+            kvq_select_from_model    = false;
+            kvq_params.select_hh     = 0.0f;
+            kvq_params.select_recent = 0.0f;
+        }
         return;
     }
     const std::string types = kvq_types_text(type_k, type_v);

@@ -58,8 +58,9 @@ def _fail(what: str) -> LlamaError:
 class KvConfig:
     """The KV cache of a context: K and V types, and the kivi settings (None: pykvq's defaults). ``layers``:
     per-layer types (``"asymkv:16/0"``, ``"k:0-15=kivi2,16-=kivi1;v:*=kivi1"``); None lets a model's
-    kvq.kv_layers metadata apply, ``"none"`` ignores it. ``rollback``: how many of a sequence's last tokens can
-    be removed exactly (Context.truncate, speculative decoding), at the cost of that many more fp16 cells.
+    kvq.kv_layers metadata apply (whatever type_k and type_v say), ``"none"`` ignores it. ``rollback``: how many
+    of a sequence's last tokens can be removed exactly (Context.truncate, speculative decoding), at the cost of
+    that many more fp16 cells.
     ``type_swa``: K and V type of the sliding-window cache of a model with sliding-window layers (Gemma 2/3,
     gpt-oss); None: type_k / type_v, as for the global layers. ``window`` and ``sinks`` None: the model's
     kvq.window / kvq.sinks, else pykvq's defaults. ``select``: MiniKV's prompt selection, the heavy-hitter and

@@ -195,13 +195,13 @@ class Calibrator:
         kv = self._kv(layers, sinks, clip, rotate, window, dither)
         return mean_kld(self.reference, self._log_probs(self.tokens, kv), self.weights if weights is None else weights)
 
-    def retrieval_kld(self, layers: str, clip: str, dither: str | None = None) -> float:
-        """Mean over the pass-key prompts of the KL divergence against f16 KV at the answer's first token (0.0
+    def retrieval_kld(self, layers: str, clip: str, dither: str | None = None) -> float | None:
+        """Mean over the pass-key prompts of the KL divergence against f16 KV at the answer's first token (None
         without prompts)."""
         kv = self._kv(layers, clip=clip, dither=dither)
         klds = [mean_kld(ref, self._log_probs(p, kv, last_only=True), np.ones(1))
                 for p, ref in zip(self.retrieval, self.retrieval_reference, strict=True)]
-        return float(np.mean(klds)) if klds else 0.0
+        return float(np.mean(klds)) if klds else None
 
     def captured(self, il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Layer il's captured Q, K and V, Q carrying what the layer's attention scale adds to head_dim^-0.5 (which
@@ -320,13 +320,13 @@ class Calibrator:
 
 @dataclass(frozen=True)
 class MixCost:
-    probe: float      # KL divergence on the probe (text and recall span)
-    retrieval: float  # at the pass-key prompts' first answer token (0.0 without them)
+    probe: float             # KL divergence on the probe (text and recall span)
+    retrieval: float | None  # at the pass-key prompts' first answer token (None without them)
 
     @property
     def total(self) -> float:
         """The two weighed alike."""
-        return self.probe + self.retrieval
+        return self.probe + (self.retrieval or 0.0)
 
 
 def choose_sinks(klds: dict[int, float]) -> int:
@@ -414,6 +414,9 @@ def checked_probe(args: argparse.Namespace) -> Probe:
         raise ValueError("--retrieval-ctx sizes the pass-key prompts of --retrieval N: give --retrieval with it")
     if args.kv_budget < min(BITS.values()):
         raise ValueError(f"--kv-budget {args.kv_budget:g} is below what any mix reaches (1 bit: kivi1 everywhere)")
+    if args.kv_budget > max(BITS.values()):
+        raise ValueError(f"--kv-budget {args.kv_budget:g} is above what any mix spends (4 bits: kivi4 everywhere, "
+                         "a budget of 4 or less)")
     if args.kv_window_ctx is not None and args.kv_window_ctx < 1:
         raise ValueError(f"--kv-window-ctx {args.kv_window_ctx}: give the context length the model will run at")
     if args.kv_window_ctx is not None and args.kv_window != "auto":
@@ -531,6 +534,8 @@ def refuse_what_latent_layers_lack(args: argparse.Namespace, clip: str, rotate: 
 
 
 def format_cost(cost: MixCost) -> str:
+    if cost.retrieval is None:
+        return f"{cost.total:.4f}"
     return f"{cost.total:.4f} (probe {cost.probe:.4f} + pass-key answers {cost.retrieval:.4f})"
 
 

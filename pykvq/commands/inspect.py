@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from functools import cached_property
@@ -18,6 +19,8 @@ from pykvq import gguf_metadata, kv_types
 from pykvq.bindings import native
 from pykvq.commands import arguments
 from pykvq.input_files import check_readable_file
+
+log = logging.getLogger("pykvq")
 
 FP16_BYTES = 2
 # the architectures whose multi-head latent attention kivi types take (V read from K's tiles); others refuse them
@@ -182,7 +185,10 @@ def checked_kvq(path: Path, ignored: Collection[str] = ()) -> dict[str, object]:
     """A model's kvq.* metadata, checked against its shape: the one check of `pykvq inspect`, `run` and
     `perplexity`. Keys in ``ignored`` (settings the command line gives instead) are left out, unchecked."""
     fields = gguf_metadata.read_fields(path)
-    kvq = {k: v for k, v in gguf_metadata.kvq_fields(fields, path).items() if k not in ignored}
+    kvq = gguf_metadata.kvq_fields(fields, path)
+    for key in sorted(kvq.keys() & set(ignored)):
+        log.info("the model's %s is not used: the command line gives the setting", key)
+    kvq = {k: v for k, v in kvq.items() if k not in ignored}
     if kvq:
         _validate(kvq, read_shape(fields))
     return kvq

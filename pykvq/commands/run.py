@@ -57,9 +57,9 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
                    help="a full-size cache for sliding-window layers (Gemma 2/3, gpt-oss), as llama.cpp's --swa-full")
     p.add_argument("-fa", "--flash-attn", choices=list(FLASH_ATTN), default="auto",
                    help="flash attention (kivi types always use it)")
-    p.add_argument("--kv-type", metavar="TYPE", default="f16",
+    p.add_argument("--kv-type", metavar="TYPE",
                    help="K and V cache type, e.g. kivi2, kivi4, kivi1, q8_0, q4_0, f16, or AsymKV's asymkv:L_K/L_V "
-                        "(default f16)")
+                        "(default: the model's kvq.kv_layers, else f16)")
     p.add_argument("--kv-layers", type=arguments.spec, metavar="SPEC",
                    help="per-layer K and V types, e.g. 'k:0-15=kivi2,16-=kivi1;v:*=kivi1'; 'none' ignores a model's "
                         "kvq.kv_layers")
@@ -106,7 +106,9 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
 
 
 def kv_config(args: argparse.Namespace) -> KvConfig:
-    preset = KvSpec.parse(args.kv_type)
+    """The cache the flags ask for; types given (--kv-type, -ctk, -ctv) win over a model's kvq.kv_layers, as
+    --kv-layers does: its mix is what runs where no type is given."""
+    preset = KvSpec.parse("f16" if args.kv_type is None else args.kv_type)
     if preset.layers is not None and (args.cache_type_k or args.cache_type_v):
         raise ValueError(f"--kv-type {args.kv_type} gives every layer its K and V type, which -ctk/-ctv would not "
                          "change: give the types per layer with --kv-layers instead")
@@ -114,6 +116,8 @@ def kv_config(args: argparse.Namespace) -> KvConfig:
     type_v = KvSpec.parse(args.cache_type_v).name if args.cache_type_v else preset.name
     rotate = args.kv_rotate if args.kv_rotate is not None else (True if preset.rotate else None)
     layers = args.kv_layers if args.kv_layers is not None else preset.layers
+    if layers is None and (args.kv_type or args.cache_type_k or args.cache_type_v):
+        layers = "none"
     if layers is not None:
         native.check_layer_spec(layers)
     if args.kv_type_swa is not None:
