@@ -158,7 +158,17 @@ def test_an_array_length_past_the_end_is_refused_at_once(small_gguf: bytes, tmp_
     blob[at + 2] = 0x3F
     path = tmp_path / "long-array.gguf"
     path.write_bytes(bytes(blob[:at + 8 + 4 * 30000]))
-    with pytest.raises(gguf_metadata.GgufError, match=r"values of int32 at byte \d+ run past the end of the file"):
+    with pytest.raises(gguf_metadata.GgufError, match=r"int32 values at byte \d+ run past the end of the file"):
+        gguf_metadata.read_kvq(path)
+
+
+@pytest.mark.parametrize("size", [4, 24, 100])
+def test_a_header_cut_short_is_called_so(small_gguf: bytes, tmp_path: Path, size: int) -> None:
+    """A file cut inside its header read a short slice as a wider type: numpy's "When changing to a larger dtype,
+    its size must be a divisor..." was the message."""
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(small_gguf[:size])
+    with pytest.raises(gguf_metadata.GgufError, match="run past the end of the file .*: truncated or corrupt$"):
         gguf_metadata.read_kvq(path)
 
 

@@ -169,7 +169,8 @@ LONG_PROMPT = "word " * 600
     ("asymkv-too-many", "in 'asymkv: L_K = 40': more layers than the model's 30"),
     ("asymkv-with-ctk", "--kv-type asymkv:16/0 gives every layer its K and V type, which -ctk/-ctv would not"),
     ("sys-without-cnv", "-sys is the system message of a chat: give it with -cnv"),
-    ("prompt-folder", "is a folder: give the file that holds the prompt"),
+    ("prompt-folder", "prompt path is a folder, not a file"),
+    ("prompt-missing", "prompt file not found: "),
     ("prompt-not-utf8", "latin1.txt is not UTF-8 text (invalid continuation byte at byte 3)"),
     ("negative-batch", "-b/n_batch must be 1 or more, got -5"),
 ])
@@ -196,6 +197,7 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tm
         "asymkv-with-ctk": [*model, "--kv-type", "asymkv:16/0", "-ctk", "q8_0", "-p", "hi"],
         "sys-without-cnv": [*model, "-sys", "Be brief.", "-p", "hi"],
         "prompt-folder": [*model, "-f", str(tmp_path)],
+        "prompt-missing": [*model, "-f", str(tmp_path / "missing.txt")],
         "prompt-not-utf8": [*model, "-f", str(_latin1(tmp_path))],
         "negative-batch": [*model, "-b", "-5", "-p", "hi"],
     }[case]
@@ -208,6 +210,13 @@ def test_bad_input_is_one_clear_error(case: str, message: str, smollm2: Path, tm
     assert len(errors) == 1 and message in errors[0], proc.stderr
     if case == "prompt-too-long":
         assert proc.stdout == ""
+
+
+def test_an_unknown_flag_shows_its_commands_usage() -> None:
+    proc = subprocess.run(["pykvq", "run", "--kv-windw", "64"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("usage: pykvq run ") and "pykvq run: error: unrecognized arguments: --kv-windw 64" \
+        in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("flag", ["--kv-layers", "--kv-clip", "--kv-dither", "--kv-type-swa"])

@@ -38,11 +38,12 @@ def _reader_type() -> type:
             self._file = mapped.view(np.ndarray)
 
         def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
-            values = super()._get(offset, dtype, count, override_order)
-            if len(values) < int(count):
-                raise ValueError(f"{int(count)} values of {np.dtype(dtype).name} at byte {offset} run past the end "
-                                 f"of the file ({self.data.nbytes} bytes)")
-            return values
+            # checked before the read: a short slice viewed as a wider type is numpy's own error, not this one
+            if offset + np.dtype(dtype).itemsize * int(count) > self.data.nbytes:
+                values = f"{int(count)} {np.dtype(dtype).name} value" + ("" if int(count) == 1 else "s")
+                raise ValueError(f"{values} at byte {offset} run past the end of the file ({self.data.nbytes} bytes): "
+                                 "truncated or corrupt")
+            return super()._get(offset, dtype, count, override_order)
 
         def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list[int], list]:
             if raw_type != array:

@@ -32,7 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_calibrate_command(commands)
     add_convert_command(commands)
     add_inspect_command(commands)
+    for command in commands.choices.values():
+        command.set_defaults(command_parser=command)
     return parser
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, an unknown flag refused with its command's usage (argparse gives the top level's)."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 class Terminated(BaseException):
@@ -45,7 +55,7 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_arguments(argv)
     if sys.stdout is None:
         # a closed stdout: print() would drop every result without a word
         print("pykvq: error: standard output is closed: nothing could be shown or piped", file=sys.stderr)

@@ -27,6 +27,7 @@ from pykvq.api.sampling import LLAMA_DEFAULT_SEED, Sampler, SamplerSettings
 from pykvq.bindings import native
 from pykvq.commands import arguments
 from pykvq.commands import inspect as model_info
+from pykvq.input_files import check_readable_file
 from pykvq.kv_types import KvSpec
 
 log = logging.getLogger("pykvq.run")
@@ -129,8 +130,6 @@ def kv_config(args: argparse.Namespace) -> KvConfig:
 def _prompt_text(args: argparse.Namespace) -> str:
     if args.file is None:
         return args.prompt if args.prompt is not None else ""
-    if args.file.is_dir():
-        raise ValueError(f"-f {args.file} is a folder: give the file that holds the prompt")
     try:
         return args.file.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -166,6 +165,8 @@ def run_command(args: argparse.Namespace) -> int:
         raise ValueError("-sys is the system message of a chat: give it with -cnv")
     if args.conversation and sys.stdin is None and args.prompt is None and args.file is None:
         raise ValueError("-cnv reads its turns from standard input, which is closed: give the first turn with -p")
+    if args.file is not None:
+        check_readable_file(args.file, "prompt")
     path = _model_path(args)
     n_gpu_layers = arguments.gpu_layers(args, unset=None if args.fit else 999)
     # the settings are checked, and the batch sizes chosen, before the weights are placed and loaded
