@@ -358,3 +358,14 @@ def test_the_server_refuses_what_the_llama_refuses(args: list[str], message: str
     from pykvq.llama_cpp.server import server_argv
     with pytest.raises(ValueError, match=message):
         server_argv([arg.replace("43", str(pykvq.GGML_TYPE_KIVI2)) for arg in args])
+
+
+def test_the_server_s_help_lists_pykvq_s_options_then_llama_cpp_server_s() -> None:
+    proc = subprocess.run([sys.executable, "-P", "-m", "pykvq.llama_cpp.server", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ours = [f"--kv-{name}" for name in ("type", "window", "sinks", "rollback", "rotate", "layers", "clip", "dither",
+                                        "type-swa")]
+    assert all(flag in proc.stdout for flag in ours), proc.stdout
+    assert proc.stdout.index("--kv-type-swa") < proc.stdout.index("usage: python -m llama_cpp.server")
+    assert "--n_ctx" in proc.stdout

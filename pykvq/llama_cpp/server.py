@@ -27,8 +27,12 @@ from pykvq.llama_cpp import LlamaCppError, kv_config, load
 FALSE_VALUES = {"0", "off", "f", "false", "n", "no"}
 
 
-def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m pykvq.llama_cpp.server", add_help=False)
+def _parser() -> argparse.ArgumentParser:
+    """pykvq's options; the rest are llama_cpp.server's."""
+    parser = argparse.ArgumentParser(prog="python -m pykvq.llama_cpp.server", add_help=False,
+                                     usage="%(prog)s [pykvq's options] [llama_cpp.server's options]",
+                                     description="llama-cpp-python's OpenAI-compatible server on pykvq's KV cache "
+                                                 "types: pykvq's options below, then llama_cpp.server's.")
     parser.add_argument("--kv-type", help="K and V cache type by name, e.g. kivi2")
     parser.add_argument("--kv-window", type=int, help="kivi: recent tokens kept in fp16 (default 128)")
     parser.add_argument("--kv-sinks", type=int, help="kivi: first tokens kept in fp16 (default 0)")
@@ -45,7 +49,14 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                              "(default: the model's kvq.kv_dither, else nearest)")
     parser.add_argument("--kv-type-swa", type=spec,
                         help="K and V type of a Gemma-2/3 or gpt-oss model's sliding-window cache")
-    return parser.parse_known_args(argv)
+    return parser
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    if "-h" in argv or "--help" in argv:
+        # llama_cpp.server's help follows, and exits
+        print(_parser().format_help())
+    return _parser().parse_known_args(argv)
 
 
 def _option(rest: list[str], name: str) -> str | None:
