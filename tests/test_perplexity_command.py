@@ -29,21 +29,31 @@ def pykvq_perplexity(model: Path, text: Path, *args: str) -> subprocess.Complete
 
 def test_a_failing_type_keeps_its_row_and_the_others_report(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     out = tmp_path / "compare"
-    proc = pykvq_perplexity(smollm2, hamlet, "-t", "2", "--kv-types", "f16,kivi7,kivi2", "--kv-layers", REFUSED,
+    proc = pykvq_perplexity(smollm2, hamlet, "-t", "2", "--kv-types", "f16,kivi2", "--kv-layers", REFUSED,
                             "-o", str(out), *device.TOOL_ARGS)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     rows = {r["kv_type"]: r for r in json.loads(out.with_suffix(".json").read_text())["runs"]}
-    assert list(rows) == ["f16", "kivi7", "kivi2", REFUSED]
+    assert list(rows) == ["f16", "kivi2", REFUSED]
     assert rows["f16"]["failure"] is None and rows["f16"]["delta_pct"] == 0.0
     assert rows["kivi2"]["failure"] is None and rows["kivi2"]["ppl"] > rows["f16"]["ppl"] > 1.0
-    assert "unknown KV cache type 'kivi7'" in rows["kivi7"]["failure"]
     assert "a kivi K type needs a kivi V type" in rows[REFUSED]["failure"]
-    assert all(rows[name]["ppl"] is None for name in ("kivi7", REFUSED))
+    assert rows[REFUSED]["ppl"] is None
     assert out.with_suffix(".png").stat().st_size > 0
     table = proc.stdout.splitlines()
-    assert any(line.startswith("kivi7") and "failed: unknown KV cache type" in line for line in table)
-    assert "2 of 4 KV types failed: kivi7, k:*=kivi2;v:*=f16" in proc.stderr
+    assert any(line.startswith(REFUSED) and "failed: " in line for line in table)
+    assert "1 of 3 KV types failed: k:*=kivi2;v:*=f16" in proc.stderr
+
+
+def test_a_type_that_does_not_parse_is_refused_before_any_run(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
+    """A typo in the last of seven types cost the runs of the six before it."""
+    proc = subprocess.run([sys.executable, "-P", "-m", "pykvq", "perplexity", "-m", str(smollm2), "-f", str(hamlet),
+                           "--kv-types", "f16,kivi7", "--kv-layers", "k:0-3=kivi9"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "perplexity:" not in proc.stderr
+    assert "pykvq: error: kivi7: unknown KV cache type 'kivi7'" in proc.stderr, proc.stderr
+    assert "; k:0-3=kivi9: " in proc.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_gpu_layers_without_a_gpu_are_one_clear_error(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:

@@ -149,8 +149,8 @@ def f16_run(runs: list[Run]) -> Run | None:
     return next((r for r in runs if r.kv_type == "f16" and r.ppl is not None), None)
 
 
-def is_f16(spec: KvSpec | Run) -> bool:
-    return isinstance(spec, KvSpec) and spec.label == "f16"
+def is_f16(spec: KvSpec) -> bool:
+    return spec.label == "f16"
 
 
 def kld_options(settings: Settings, spec: KvSpec, base_file: str) -> tuple[str, ...]:
@@ -161,9 +161,9 @@ def kld_options(settings: Settings, spec: KvSpec, base_file: str) -> tuple[str, 
     return ("--kl-divergence-base", base_file, *(() if is_f16(spec) else ("--kl-divergence",)))
 
 
-def compare(settings: Settings, specs: list[KvSpec | Run], base: Run | None = None) -> list[Run]:
-    """Runs every spec in turn; a ``Run`` among them is a row decided before (a spec that did not parse). ΔPPL is
-    against ``base``, else the f16 run among these. With settings.kl_divergence the f16 run goes first (added if
+def compare(settings: Settings, specs: list[KvSpec], base: Run | None = None) -> list[Run]:
+    """Runs every spec in turn; one that fails is a row saying why. ΔPPL is against ``base``, else the f16 run
+    among these. With settings.kl_divergence the f16 run goes first (added if
     not given) and writes its log-probabilities to a temporary file, which the others are scored against."""
     if settings.kl_divergence:
         specs = [next((s for s in specs if is_f16(s)), None) or KvSpec.parse("f16"),
@@ -173,10 +173,6 @@ def compare(settings: Settings, specs: list[KvSpec | Run], base: Run | None = No
           tempfile.TemporaryDirectory(prefix="pykvq-kld-") as folder):
         kld_base = str(Path(folder) / "f16.kld")
         for spec in specs:
-            if isinstance(spec, Run):
-                runs.append(spec)
-                progress.update(settings.chunks)
-                continue
             if settings.kl_divergence and runs and runs[0].failure is not None:
                 runs.append(Run.failed(spec.label, f"no f16 run to score against: {runs[0].failure}"))
                 progress.update(settings.chunks)
@@ -204,17 +200,19 @@ def run_or_failure(settings: Settings, spec: KvSpec, progress: tqdm, kld_args: t
         return Run.failed(spec.label, str(exc), time.monotonic() - start)
 
 
-def parse_specs(kv_types_text: str, layer_specs: list[str]) -> list[KvSpec | Run]:
-    """The --kv-types and --kv-layers entries; one that does not parse becomes a failed row, so that a typo in one
-    entry does not cost the comparison of the others."""
+def parse_specs(kv_types_text: str, layer_specs: list[str]) -> list[KvSpec]:
+    """The --kv-types and --kv-layers entries; KvTypeError naming every one that does not parse, before any run
+    (a typo in the last type cost the runs of all the others)."""
     given = [(KvSpec.parse, part.strip()) for part in kv_types_text.split(",") if part.strip()]
     given += [(KvSpec.per_layer, text) for text in layer_specs]
-    entries: list[KvSpec | Run] = []
+    entries, refused = [], []
     for parse, text in given:
         try:
             entries.append(parse(text))
         except ValueError as exc:
-            entries.append(Run.failed(text, str(exc)))
+            refused.append(f"{text}: {exc}")
+    if refused:
+        raise kv_types.KvTypeError("; ".join(refused))
     if not entries:
         raise kv_types.KvTypeError("no KV cache type given")
     return entries
@@ -318,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("the model's kvq.kv_layers joins the comparison: %s", model_layers_spec)
         specs.extend(parse_specs("", [model_layers_spec]))
     if args.kv_type_swa not in kv_types.KIVI_BITS and not any(
-            spec.is_kivi or spec.layers for spec in specs if isinstance(spec, kv_types.KvSpec)):
+            spec.is_kivi or spec.layers for spec in specs):
         arguments.warn_unused_kivi_flags(args, "the runs' caches")
     defaults = native.kvq_default_params()
     window = int(kvq.get(gguf_metadata.KEY_WINDOW, defaults.window) if args.kv_window is None else args.kv_window)
