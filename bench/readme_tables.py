@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from collections.abc import Callable
@@ -513,6 +514,7 @@ def render() -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(render())
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from readme_tables import render
@@ -11,6 +12,7 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__).parse_args()
     text = README.read_text()
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
