@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pykvq.bindings import native
 
 KIVI_BITS = {"kivi4": 4, "kivi2": 2, "kivi1": 1}
+# the KV cache types llama.cpp reads without flash attention (V transposed); the others are quantized
+UNQUANTIZED_TYPES = frozenset({"f32", "f16", "bf16"})
 FP16_BITS = 16
 
 

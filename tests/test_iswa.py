@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import KvConfig, KvMemory, LlamaError, Model, llama_tools
+from pykvq import KvConfig, KvMemory, LlamaError, Model, llama_tools, paths
 from pykvq.devtools import random_model
 from pykvq.kv_types import bits_per_element
 
@@ -257,6 +257,45 @@ def test_llama_cpp_python_takes_kv_type_swa(gemma3_path: Path, gemma3: Model, to
         device.assert_same_logits(np.asarray(llm.scores[:100]), ours)
     finally:
         llm.close()
+
+
+def test_a_quantized_sliding_window_cache_is_read_through_flash_attention(gemma3_path: Path, gemma3: Model,
+                                                                          tokens: list[int], hamlet: Path,
+                                                                          tmp_path: Path) -> None:
+    """A q8_0 sliding-window cache beside f16 global layers, flash attention off: llama.cpp checked the context's V
+    type alone and read the q8_0 V transposed, as garbage (llama-cpp-python's default flash_attn=False got there
+    without another argument)."""
+    kv = KvConfig(type_swa="q8_0")
+    on = logits(gemma3, kv, tokens[:100], flash_attn="on")
+    device.assert_same_logits(logits(gemma3, kv, tokens[:100], flash_attn="auto"), on)
+    with pytest.raises(LlamaError, match=r"the sliding-window cache's quantized V \(type_swa q8_0\) is read by flash "
+                                         r"attention only: use -fa on"):
+        logits(gemma3, kv, tokens[:100], flash_attn="off")
+    text = tmp_path / "hamlet-start.txt"
+    text.write_text(hamlet.read_text()[:6000])
+    proc = subprocess.run([str(paths.tool("llama-perplexity")), "-m", str(gemma3_path), "-f", str(text), "-c", "256",
+                           "--chunks", "1", "-t", "2", "-fa", "off", "--kv-type-swa", "q8_0", *device.TOOL_ARGS],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.returncode
+    assert "KV cache layer 0 q8_0/q8_0: a quantized V cache needs flash attention (-fa on)" in proc.stderr
+    if importlib.util.find_spec("llama_cpp") is not None:
+        from pykvq.llama_cpp import Llama
+        llm = Llama(model_path=str(gemma3_path), n_ctx=N_CTX, n_batch=N_CTX, n_threads=2, verbose=False,
+                    logits_all=True, kv_type_swa="q8_0", **device.LLAMA_KWARGS)
+        try:
+            llm.eval(tokens[:100])
+            device.assert_same_logits(np.asarray(llm.scores[:100]), on)
+        finally:
+            llm.close()
+
+
+def test_kv_type_swa_beside_per_layer_types_is_refused(gemma3: Model) -> None:
+    """The per-layer types name the sliding-window layers' types too: --kv-type-swa was dropped without a word,
+    and llama.cpp's log named its type for a cache of the per-layer ones."""
+    kv = KvConfig("kivi2", "kivi2", window=32, layers="k:*=kivi2;v:*=kivi2", type_swa="q8_0")
+    with pytest.raises(LlamaError, match=r"--kv-layers gives the sliding-window layers their types, which "
+                                         r"--kv-type-swa q8_0/q8_0 would not change"):
+        gemma3.context(device.context_config(n_ctx=N_CTX, n_threads=2, kv=kv, flash_attn="on"))
 
 
 def test_per_layer_types_address_the_layers_of_both_caches(gemma3: Model, tokens: list[int]) -> None:

@@ -369,3 +369,11 @@ def test_the_server_s_help_lists_pykvq_s_options_then_llama_cpp_server_s() -> No
     assert all(flag in proc.stdout for flag in ours), proc.stdout
     assert proc.stdout.index("--kv-type-swa") < proc.stdout.index("usage: python -m llama_cpp.server")
     assert "--n_ctx" in proc.stdout
+
+
+@pytest.mark.parametrize("name", ["kv_type", "kv_windw"])
+def test_a_kv_argument_llama_does_not_take_is_refused(smollm2: Path, name: str) -> None:
+    """Upstream's Llama takes any keyword and drops it: kv_type="kivi2" ran an f16 cache without a word."""
+    from pykvq.llama_cpp import Llama
+    with pytest.raises(TypeError, match=f"unexpected keyword arguments {name}: the KV types are type_k and type_v"):
+        Llama(model_path=str(smollm2), **{name: "kivi2"})

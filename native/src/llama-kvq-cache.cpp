@@ -121,6 +121,7 @@ llama_kvq_swa_plan llama_kvq_plan_swa_cache(const llama_model & model, const lla
         ggml_type type_v, const llama_memory_i::layer_filter_cb & filter_swa) {
     llama_kvq_swa_plan plan = { type_k, type_v, false };
     llama_kvq_get_swa_types(&plan.type_k, &plan.type_v);
+    const bool given = plan.type_k != GGML_TYPE_COUNT || plan.type_v != GGML_TYPE_COUNT;
     if (plan.type_k == GGML_TYPE_COUNT) {
         plan.type_k = type_k;
     }
@@ -128,6 +129,11 @@ llama_kvq_swa_plan llama_kvq_plan_swa_cache(const llama_model & model, const lla
         plan.type_v = type_v;
     }
     const kvq_layer_plan swa = kvq_plan_layers(model, hparams.n_layer_all, plan.type_k, plan.type_v);
+    if (given && !swa.spec.empty() && swa.spec != "none") {
+        throw std::runtime_error(swa.source + " gives the sliding-window layers their types, which --kv-type-swa " +
+                                 kvq_types_text(plan.type_k, plan.type_v) + " would not change: give their types "
+                                 "there, or --kv-layers none for --kv-type-swa");
+    }
     for (uint32_t il = 0; il < hparams.n_layer_all; ++il) {
         if (filter_swa(il) && kvq_either_kivi(swa.types.k[il], swa.types.v[il])) {
             plan.kivi = true;
@@ -382,6 +388,12 @@ void llama_kv_cache::kvq_check_latent(uint32_t il) const {
 
 bool llama_kv_cache::kvq_create_layer(ggml_context * ctx, uint32_t il, ggml_type type_k, ggml_type type_v,
         const char * name_tag) {
+    // upstream refuses a quantized V of the context's types without flash attention; a layer's own (--kv-type-swa,
+    // per-layer types) would be read transposed, as garbage
+    if (v_trans && ggml_is_quantized(type_v)) {
+        throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + kvq_types_text(type_k, type_v) +
+                                 ": a quantized V cache needs flash attention (-fa on)");
+    }
     if (!kvq_either_kivi(type_k, type_v)) {
         if (kvq_selects_prompts()) {
             throw std::runtime_error("KV cache layer " + std::to_string(il) + " " + kvq_types_text(type_k, type_v) +

@@ -27,7 +27,7 @@ from pykvq.api.sampling import Sampler, SamplerSettings
 from pykvq.bindings import devices, native
 from pykvq.bindings.log import sink
 from pykvq.input_files import check_readable_file
-from pykvq.kv_types import KIVI_BITS, Selection, selection_depth
+from pykvq.kv_types import KIVI_BITS, UNQUANTIZED_TYPES, Selection, selection_depth
 
 if TYPE_CHECKING:
     from pykvq.api.capture import TensorObserver
@@ -113,6 +113,19 @@ class KvConfig:
         """Whether the cache may hold kivi layers (then it needs flash attention)."""
         return (self.type_k in KIVI_BITS or self.type_v in KIVI_BITS or self.type_swa in KIVI_BITS
                 or self.layers not in (None, "none"))
+
+    @property
+    def needs_flash_attn(self) -> bool:
+        """Whether the cache may hold a quantized V: kivi layers, or a quantized sliding-window cache, which llama.cpp
+        reads through flash attention only."""
+        return self.is_kivi or (self.type_swa is not None and self.type_swa not in UNQUANTIZED_TYPES)
+
+    @property
+    def flash_attn_reason(self) -> str:
+        """Why flash attention is needed, where it is."""
+        if self.is_kivi:
+            return "kivi KV types are read by the fused attention only"
+        return f"the sliding-window cache's quantized V (type_swa {self.type_swa}) is read by flash attention only"
 
     def kvq_params(self) -> native.KvqParams:
         """The C API's settings; a window or sink count left None takes the model's kvq.window / kvq.sinks (pykvq
@@ -282,9 +295,9 @@ def context_params(lib: native.Libraries, config: ContextConfig):
         raise LlamaError(f"-fa must be one of {', '.join(FLASH_ATTN)}, got {config.flash_attn!r}")
     kv = config.kv
     flash_attn = config.flash_attn
-    if kv.is_kivi:
+    if kv.needs_flash_attn:
         if flash_attn == "off":
-            raise LlamaError("kivi KV types are read by the fused attention only: use -fa on (or auto)")
+            raise LlamaError(f"{kv.flash_attn_reason}: use -fa on (or auto)")
         flash_attn = "on"
     params = lib.llama.llama_context_default_params()
     params.n_ctx = config.n_ctx

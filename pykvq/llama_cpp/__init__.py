@@ -17,9 +17,10 @@ The OpenAI-compatible server on the same terms: ``python -m pykvq.llama_cpp.serv
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -96,6 +97,15 @@ def check_kv_type(type_id: int | str | None) -> None:
         raise ValueError(f"unknown KV cache type {type_id!r}; valid: {listed}")
 
 
+def check_kv_options(kwargs: Mapping[str, object], upstream: Collection[str]) -> None:
+    """TypeError for a kv_* keyword argument that is neither pykvq's nor upstream's (kv_overrides): upstream's
+    Llama takes any keyword and drops it, so `kv_type="kivi2"` ran an f16 cache without a word."""
+    unknown = sorted(name for name in kwargs if name.startswith("kv_") and name not in KV_OPTIONS + tuple(upstream))
+    if unknown:
+        raise TypeError(f"Llama() got unexpected keyword arguments {', '.join(unknown)}: the KV types are type_k and "
+                        f"type_v (e.g. pykvq.GGML_TYPE_KIVI2), the kivi settings {', '.join(KV_OPTIONS)}")
+
+
 def kv_config(kwargs: Mapping[str, object]) -> KvConfig:
     """A Llama's KV settings from its keyword arguments (type_k, type_v and KV_OPTIONS; kv_rollback None: the
     draft_model's length), checked as creating its context would check them (ValueError): before llama-cpp-python
@@ -162,9 +172,10 @@ def _llama_class() -> type:
 
         def __new__(cls, *args, **kwargs) -> Llama:
             # every setting is refused before an instance exists: upstream's __del__ fails on a half-built Llama
+            check_kv_options(kwargs, inspect.signature(llama_cpp.Llama.__init__).parameters)
             kv = kv_config(kwargs)
-            if kv.is_kivi and kwargs.get("flash_attn") is False:
-                raise ValueError("kivi KV types are read by the fused attention only: pass flash_attn=True")
+            if kv.needs_flash_attn and kwargs.get("flash_attn") is False:
+                raise ValueError(f"{kv.flash_attn_reason}: pass flash_attn=True")
             if kv.is_kivi and kwargs.get("embedding"):
                 raise ValueError("embedding=True packs up to min(n_batch, 256) texts into one unified KV cache whose "
                                  "cells any text may take; a kivi cache gives each sequence a fixed region of 32-token "
@@ -178,7 +189,7 @@ def _llama_class() -> type:
             rpc_servers = kwargs.pop("rpc_servers", None)
             if rpc_servers:
                 add_rpc_servers(rpc_servers)
-            if kv.is_kivi:
+            if kv.needs_flash_attn:
                 kwargs["flash_attn"] = True
             if kv_types.selects(kv.select):
                 # llama-cpp-python decodes a prompt in n_batch pieces: selection needs it whole

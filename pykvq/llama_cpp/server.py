@@ -97,11 +97,10 @@ def server_argv(argv: list[str]) -> tuple[list[str], dict[str, object]]:
                 "kv_dither": ours.kv_dither}
     # refused here, with the reason, before any model loads
     kv = kv_config({"type_k": _type_option(rest, "--type_k"), "type_v": _type_option(rest, "--type_v"), **settings})
-    if kv.is_kivi:
+    if kv.needs_flash_attn:
         flash_attn = _option(rest, "--flash_attn")
         if flash_attn is not None and flash_attn.strip().lower() in FALSE_VALUES:
-            raise KvTypeError(f"kivi KV types are read by the fused attention only: drop --flash_attn {flash_attn} "
-                              "(the server turns it on for them)")
+            raise KvTypeError(f"{kv.flash_attn_reason}: drop --flash_attn {flash_attn} (the server turns it on)")
         rest += ["--flash_attn", "true"]
     return rest, settings
 
