@@ -136,7 +136,8 @@ LLAMA_API const char * llama_kvq_get_dither(void);   // valid until the next lla
 LLAMA_API bool llama_kvq_resolve_dither(const char * spec, int32_t n_layer, float * spread_v);
 
 // What a context's KV cache holds and costs. bytes: all of its buffers (scales, fp16 window and sinks and
-// alignment included); f16_bytes: what f16 K and V for the same cells and layers would take.
+// alignment included); f16_bytes: what upstream's f16 cache would take for the same layers and context (the same
+// cells, but a sliding-window cache's as upstream sizes it: a kivi one holds more).
 struct llama_kvq_memory_info {
     uint64_t bytes;
     uint64_t f16_bytes;

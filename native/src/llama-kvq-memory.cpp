@@ -9,6 +9,8 @@
 #include "llama-memory.h"
 #include "llama-model.h"
 
+#include <algorithm>
+
 // the KV cache of a hybrid model's memory (Qwen3.5, Nemotron-H, LFM2): its recurrent state is the same whatever
 // the KV types, and no part of what a sequence's cells hold
 static const llama_memory_i * kvq_attention_memory(const llama_memory_i * mem) {
@@ -37,8 +39,22 @@ bool llama_kvq_memory_has_kivi(const llama_memory_i * mem) {
     return kv != nullptr && kv->kvq_active();
 }
 
+// The cells per stream of upstream's sliding-window cache (llama_kv_cache_iswa) where a kivi one holds more: the
+// window and a ubatch, padded; a kivi cache as large as the global one is taken for --swa-full's
+static uint64_t kvq_upstream_swa_cells(const llama_context * ctx, const llama_kv_cache & swa) {
+    const uint32_t n_ctx_seq = llama_n_ctx_seq(ctx);
+    if (!swa.kvq_active() || swa.get_size() >= n_ctx_seq) {
+        return swa.get_size();
+    }
+    const llama_cparams & cparams = ctx->get_cparams();
+    const uint64_t n_swa = llama_get_model(ctx)->hparams.n_swa;
+    return std::min<uint64_t>(n_ctx_seq, GGML_PAD(n_swa*(cparams.kv_unified ? cparams.n_seq_max : 1) + cparams.n_ubatch,
+                                                   256));
+}
+
 // The buffers are what the cache really holds, scales, windows and alignment included; the f16 figure
-// is what upstream's default cache would allocate for the same cells, so that the two compare directly.
+// is what upstream's default cache would allocate for the same layers and context: the same cells, but for a
+// kivi sliding-window cache, which holds more than upstream's (two rings), upstream's own count.
 bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_memory_info * info) {
     if (ctx == nullptr || info == nullptr) {
         return false;
@@ -64,6 +80,9 @@ bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_me
         }
         info->swa_n_cells = (uint64_t) iswa->get_swa()->get_size()*iswa->get_swa()->get_n_stream();
     }
+    const uint64_t f16_swa_cells = iswa != nullptr ?
+        kvq_upstream_swa_cells(ctx, *iswa->get_swa())*iswa->get_swa()->get_n_stream() : 0;
+    uint64_t f16_elements = 0;
     for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
         const bool in_swa = iswa != nullptr && iswa->get_swa()->kvq_holds_layer((int32_t) il);
         // a hybrid's attention cache holds the layers its filter took (all of Falcon-H1's, not Qwen3-Next's
@@ -76,12 +95,14 @@ bool llama_kvq_memory_info(const struct llama_context * ctx, struct llama_kvq_me
         const uint64_t width = hparams.n_embd_k_gqa(il) + (hparams.is_mla() ? 0 : hparams.n_embd_v_gqa(il));
         if (in_swa) {
             info->swa_n_elements += info->swa_n_cells * width;
+            f16_elements         += f16_swa_cells * width;
         } else {
             info->n_elements += n_cells * width;
+            f16_elements     += n_cells * width;
         }
     }
     info->n_elements += info->swa_n_elements;
-    info->f16_bytes = info->n_elements * sizeof(ggml_fp16_t);
+    info->f16_bytes = f16_elements * sizeof(ggml_fp16_t);
     return true;
 }
 
