@@ -718,8 +718,9 @@ static void kvq_query_init(const kvq_attn_args * a, kvq_query * qy, int64_t t, i
     qy->mask_row = (const char *) mask->data + (row / mask->ne[1])*mask->nb[3] + (row % mask->ne[1])*mask->nb[1];
     qy->max      = -INFINITY;
     qy->sum      = 0.0f;
-    // Q in fp16, as upstream's flash attention takes it for f16 K: a window covering the whole context
-    // then reproduces f16 KV, and ΔPPL against f16 measures the quantization alone
+    // Q in fp16, as upstream's flash attention takes it for f16 K: a window covering the whole context then
+    // gives f16 KV's scores, to fp32 rounding (upstream accumulates V in fp16, this kernel in fp32), and ΔPPL
+    // against f16 measures the quantization alone
     kvq_round_fp16_row(q_row, a->k.head_dim, qy->q);
     memset(qy->acc, 0, a->v.head_dim*sizeof(float));
 }
