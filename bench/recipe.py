@@ -145,7 +145,8 @@ def main() -> None:
     # is its mix's
     uniform = ["--kv-types", "kivi2", "--kv-sinks", str(calibration[gguf_metadata.KEY_SINKS]),
                "--kv-window", str(calibration[gguf_metadata.KEY_WINDOW]),
-               "--kv-rotate", str(calibration.get(gguf_metadata.KEY_ROTATE, "off")),
+               # the record holds None where calibrate chose no rotation (and wrote no kvq.kv_rotate)
+               "--kv-rotate", calibration[gguf_metadata.KEY_ROTATE] or "off",
                "--kv-clip", calibration[gguf_metadata.KEY_KIVI2_CLIP]]
     mine = scored(model, uniform, args, args.workdir / f"recipe-{tag}-calibrated-kivi2")
     mine += scored(calibrated, ["--kv-types", "", "--kv-layers", calibration[gguf_metadata.KEY_LAYERS]], args,
