@@ -326,10 +326,11 @@ def test_inspect_and_run_apply_the_schema(base: Base, tmp_path: Path, key: str) 
             assert kv.window == v.value == info["kivi_window"]
         if key == gguf_metadata.KEY_SINKS:
             assert kv.sinks == v.value == info["kivi_sinks"]
+        # an empty spec names nothing: the setting stays unset
         if key == gguf_metadata.KEY_LAYERS:
-            assert kv.layers == v.value
+            assert kv.layers == (v.value or None)
         if key == gguf_metadata.KEY_CLIP:
-            assert kv.clip == v.value
+            assert kv.clip == (v.value or None)
         # what the command line gives is not taken from the model, nor held against it
         given = KvConfig("kivi2", "kivi2", 16, 0, layers="none", clip="none")
         if key in (gguf_metadata.KEY_WINDOW, gguf_metadata.KEY_SINKS, gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_CLIP):
@@ -424,8 +425,10 @@ def test_inspect_and_run_commands(base: Base, tmp_path: Path, key: str, v: Value
     and per-layer types."""
     path = write_variant(base, tmp_path / "variant.gguf", key, v)
     inspect = _pykvq("inspect", str(path), "--json", cwd=tmp_path)
+    # a type given would win over the model's per-layer types
+    kv_type = [] if key == gguf_metadata.KEY_LAYERS else ["--kv-type", "kivi2"]
     run = _pykvq("run", *device.TOOL_ARGS, "-m", str(path), "-p", "hello", "-n", "2", "-c", "64", "-t", "1",
-                 "--kv-type", "kivi2", "--temp", "0", cwd=tmp_path)
+                 *kv_type, "--temp", "0", cwd=tmp_path)
     if not schema_accepts(key, v):
         _clean_error(inspect, f"inspect {key} = {v}")
         _clean_error(run, f"run {key} = {v}")

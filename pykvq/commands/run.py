@@ -231,7 +231,8 @@ def with_model_metadata(kv: KvConfig, model_path: Path) -> KvConfig:
     line gives none: it wins. The rest of its kvq.* metadata is checked as `pykvq inspect` checks it."""
     given = [key for field, key in _METADATA_FIELDS if getattr(kv, field) is not None]
     kvq = model_info.checked_kvq(model_path, ignored=given)
-    from_model = {field: kvq[key] for field, key in _METADATA_FIELDS if key in kvq}
+    # an empty spec names nothing, as the KV cache reads it
+    from_model = {field: kvq[key] for field, key in _METADATA_FIELDS if key in kvq and kvq[key] != ""}
     for field, value in from_model.items():
         log.info("KV %s from the model's kvq.* metadata: %s", field, value)
     return replace(kv, **from_model)

@@ -156,6 +156,8 @@ def _share_log() -> None:
 @cache
 def _llama_class() -> type:
     llama_cpp = load()
+    # upstream's own, read before a server replaces llama_cpp.Llama with a subclass of this one
+    upstream_parameters = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters)
 
     class Llama(llama_cpp.Llama):
         """llama_cpp.Llama on pykvq's libllama; kv_window, kv_sinks and kv_rotate set the kivi layers (defaults: 128, 0,
@@ -172,7 +174,7 @@ def _llama_class() -> type:
 
         def __new__(cls, *args, **kwargs) -> Llama:
             # every setting is refused before an instance exists: upstream's __del__ fails on a half-built Llama
-            check_kv_options(kwargs, inspect.signature(llama_cpp.Llama.__init__).parameters)
+            check_kv_options(kwargs, upstream_parameters)
             kv = kv_config(kwargs)
             if kv.needs_flash_attn and kwargs.get("flash_attn") is False:
                 raise ValueError(f"{kv.flash_attn_reason}: pass flash_attn=True")
