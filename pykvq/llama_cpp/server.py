@@ -53,10 +53,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = _parser()
     if "-h" in argv or "--help" in argv:
         # llama_cpp.server's help follows, and exits
-        print(_parser().format_help())
-    return _parser().parse_known_args(argv)
+        print(parser.format_help())
+    return parser.parse_known_args(argv)
 
 
 def _option(rest: list[str], name: str) -> str | None:
