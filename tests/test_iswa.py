@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import KvConfig, KvMemory, LlamaError, Model, llama_tools, paths
+from pykvq import KvConfig, KvMemory, LlamaError, Model, gguf_metadata, llama_tools, paths
 from pykvq.devtools import random_model
 from pykvq.kv_types import bits_per_element
 
@@ -300,6 +301,44 @@ def test_kv_type_swa_beside_per_layer_types_is_refused(gemma3: Model) -> None:
     with pytest.raises(LlamaError, match=r"--kv-layers gives the sliding-window layers their types, which "
                                          r"--kv-type-swa q8_0/q8_0 would not change"):
         gemma3.context(device.context_config(n_ctx=N_CTX, n_threads=2, kv=kv, flash_attn="on"))
+
+
+def pykvq_perplexity(model: Path, text: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-P", "-m", "pykvq", "perplexity", "-m", str(model), "-f", str(text),
+                           "-c", "128", "--chunks", "1", "-t", "2", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def test_perplexity_refuses_kv_type_swa_beside_per_layer_rows_before_any_run(gemma3_path: Path, hamlet: Path,
+                                                                              tmp_path: Path) -> None:
+    """The per-layer row failed after the rows before it had run."""
+    proc = pykvq_perplexity(gemma3_path, hamlet, tmp_path, "--kv-types", "f16,kivi2,asymkv:2/0",
+                            "--kv-type-swa", "q8_0")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert ("pykvq: error: --kv-type-swa q8_0 beside per-layer types (asymkv:2/0): those give the sliding-window "
+            "layers their types") in proc.stderr, proc.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_perplexity_leaves_the_model_s_mix_out_under_kv_type_swa(gemma3_path: Path, hamlet: Path,
+                                                                 tmp_path: Path) -> None:
+    calibrated = tmp_path / "calibrated.gguf"
+    gguf_metadata.write_copy(gemma3_path, calibrated, {gguf_metadata.KEY_LAYERS: "k:*=kivi2;v:*=kivi1"})
+    out = tmp_path / "run"
+    proc = pykvq_perplexity(calibrated, hamlet, tmp_path, "--kv-types", "kivi2", "--kv-type-swa", "q8_0",
+                            "-o", str(out), *device.TOOL_ARGS)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "the model's kvq.kv_layers is left out of the comparison" in proc.stderr
+    runs = json.loads(out.with_suffix(".json").read_text())["runs"]
+    assert [r["kv_type"] for r in runs] == ["kivi2"] and runs[0]["failure"] is None
+
+
+def test_perplexity_says_kv_type_swa_changes_nothing_without_sliding_window_layers(smollm2: Path, hamlet: Path,
+                                                                                    tmp_path: Path) -> None:
+    proc = pykvq_perplexity(smollm2, hamlet, tmp_path, "--kv-types", "q8_0", "--kv-type-swa", "q4_0",
+                            "-o", str(tmp_path / "run"), *device.TOOL_ARGS)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"--kv-type-swa q4_0 changes nothing: {smollm2.name} has no sliding-window layers" in proc.stderr
 
 
 def test_per_layer_types_address_the_layers_of_both_caches(gemma3: Model, tokens: list[int]) -> None:

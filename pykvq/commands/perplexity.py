@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from pykvq import gguf_metadata, kv_types, llama_tools, paths
 from pykvq.api.fit import DEFAULT_MARGIN_MIB
+from pykvq.api.llama import Model
 from pykvq.bindings import native
 from pykvq.commands import arguments
 from pykvq.commands import inspect as model_info
@@ -138,8 +139,6 @@ def run_one(settings: Settings, spec: KvSpec, progress: tqdm, kld_args: tuple[st
 
 @cache
 def model_layers(model: Path) -> int:
-    from pykvq.api.llama import Model
-
     with Model(model, metadata_only=True) as m:
         return m.n_layer
 
@@ -216,6 +215,26 @@ def parse_specs(kv_types_text: str, layer_specs: list[str]) -> list[KvSpec]:
     if not entries:
         raise kv_types.KvTypeError("no KV cache type given")
     return entries
+
+
+def sliding_window_model(model: Path) -> bool:
+    """Whether the model has sliding-window layers, whose cache --kv-type-swa types (from its hyperparameters)."""
+    with Model(model, metadata_only=True) as shape:
+        return shape.n_swa > 0
+
+
+def check_swa_type(type_swa: str, specs: list[KvSpec], model: Path) -> None:
+    """KvTypeError, before any run, for --kv-type-swa beside per-layer rows on a model with sliding-window layers
+    (those rows name the sliding-window layers' types; the cache refuses both); a warning where it changes
+    nothing."""
+    if not sliding_window_model(model):
+        log.warning("--kv-type-swa %s changes nothing: %s has no sliding-window layers", type_swa, model.name)
+        return
+    per_layer = [spec.label for spec in specs if spec.layers]
+    if per_layer:
+        raise kv_types.KvTypeError(f"--kv-type-swa {type_swa} beside per-layer types ({', '.join(per_layer)}): "
+                                   "those give the sliding-window layers their types; compare them in a run "
+                                   "without --kv-type-swa")
 
 
 def format_table(runs: list[Run]) -> str:
@@ -312,7 +331,10 @@ def run(args: argparse.Namespace) -> int:
     given = [key for key, value in overrides if value is not None]
     kvq = model_info.checked_kvq(args.model, ignored=given)
     model_layers_spec = kvq.get(gguf_metadata.KEY_LAYERS)
-    if model_layers_spec:
+    if model_layers_spec and args.kv_type_swa is not None and sliding_window_model(args.model):
+        log.info("the model's kvq.kv_layers is left out of the comparison: its per-layer types name the "
+                 "sliding-window layers' types, which --kv-type-swa %s would not change", args.kv_type_swa)
+    elif model_layers_spec:
         log.info("the model's kvq.kv_layers joins the comparison: %s", model_layers_spec)
         specs.extend(parse_specs("", [model_layers_spec]))
     if args.kv_type_swa not in kv_types.KIVI_BITS and not any(
@@ -328,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
     outputs = output_files(args.output)
     if args.kv_type_swa is not None:
         kv_types.type_id(args.kv_type_swa)  # an unknown name is refused before any run, with the valid ones
+        check_swa_type(args.kv_type_swa, specs, args.model)
     n_layer = model_info.read_shape(gguf_metadata.read_fields(args.model)).n_layer
     clip = str(kvq.get(gguf_metadata.KEY_CLIP, "none") if args.kv_clip is None else args.kv_clip)
     if clip != "none":
