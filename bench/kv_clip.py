@@ -42,7 +42,7 @@ def calibrate(model_path: Path, n_tokens: int, window: int, threads: int) -> dic
         choice = calibrator.clip_choice()
     return {"text": "macbeth_gut.txt[20000:]", "n_tokens": n_tokens, "window": window,
             "sinks_kld": {str(n): x for n, x in sinks_kld.items()}, "sinks": choose_sinks(sinks_kld),
-            "per_layer": choice.per_layer_spec, "klds": choice.klds, "clip": choice.spec}
+            "per_layer": choice.per_layer_spec, "turns": choice.turns, "clip": choice.spec}
 
 
 def scored_rows(settings: perplexity.Settings, clips: list[str], sinks: int) -> list[dict]:

@@ -362,13 +362,16 @@ def kv_clip_record_table(record: dict) -> str:
 
 
 def clip_search_words(c: dict) -> str:
-    """What pykvq calibrate's clip step measured on the calibration text, in a record of either form: per part
-    (clip_choice) or, before it, two candidates for both parts at once."""
-    if "klds" in c:
-        by_part = "; ".join(f"{part.upper()} " + ", ".join(f"{label} {kld:.4f}" for label, kld in klds.items())
-                            for part, klds in c["klds"].items())
+    """What pykvq calibrate's clip step measured on the calibration text, in a record of any form: turns of the
+    parts (clip_choice), one turn per part before that ("klds"), or, before it, two candidates for both parts at
+    once."""
+    if "turns" in c or "klds" in c:
+        turns = c["turns"] if "turns" in c else list(c["klds"].items())
+        by_turn = "; ".join(f"{part.upper()} " + ", ".join(f"{label} {kld:.4f}" for label, kld in klds.items())
+                            for part, klds in turns)
         return (f"pykvq calibrate's clip choice on {c['n_tokens']} tokens of Macbeth, KL divergence against f16 KV "
-                f"per part, V's with K unclipped, then K's ({by_part}) -> {clip_words(c['clip'])}")
+                f"per part, V's with K unclipped, then each part's with the other's in place ({by_turn}) -> "
+                f"{clip_words(c['clip'])}")
     uniform_kld = min(c["uniform_kld"]["k"].values())
     return (f"pykvq calibrate's two clip candidates on {c['n_tokens']} tokens of Macbeth, KL divergence against f16 "
             f"KV {c['kld_unclipped']:.4f} unclipped, {c['kld_per_layer']:.4f} with per-layer ratios (least "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pykvq.calibration.clip_choice import PER_LAYER, ClipChoice, choose_clip
+from pykvq.calibration.clip_choice import MAX_TURNS, PER_LAYER, ClipChoice, choose_clip
 from pykvq.calibration.clip_ratios import RATIOS
 
 N_LAYER = 3
@@ -18,6 +18,10 @@ def scripted(kld_of, calls: list | None = None):  # noqa: ANN001, ANN201
     return measure
 
 
+def first_turn(choice: ClipChoice, part: str) -> dict[str, float]:
+    return next(klds for p, klds in choice.turns if p == part)
+
+
 def test_each_part_keeps_its_own_best_candidate() -> None:
     """The Qwen case: K's per-layer ratios help, V's hurt, one ratio for V helps a little. Choosing between "both
     per layer" and "one ratio per part" would lose one of the two; per part, both gains are kept."""
@@ -30,38 +34,74 @@ def test_each_part_keeps_its_own_best_candidate() -> None:
     choice = choose_clip(scripted(kld), PER_LAYER_RATIOS)
     assert choice.chosen == {"k": PER_LAYER_RATIOS["k"], "v": [0.9] * N_LAYER}
     assert choice.spec == "k:0=1,1=0.85,2=0.9;v:0-2=0.9"
-    assert min(choice.klds["k"], key=choice.klds["k"].__getitem__) == PER_LAYER
-    assert choice.klds["v"][PER_LAYER] > choice.klds["v"]["1"]
+    k_klds, v_klds = first_turn(choice, "k"), first_turn(choice, "v")
+    assert min(k_klds, key=k_klds.__getitem__) == PER_LAYER
+    assert v_klds[PER_LAYER] > v_klds["1"]
 
 
 def test_v_is_chosen_first_with_k_unclipped_then_k_with_v_in_place() -> None:
     calls: list[dict[str, list[float]]] = []
-    choose_clip(scripted(lambda r: abs(r["v"][0] - 0.9) + abs(r["k"][0] - 0.95), calls), PER_LAYER_RATIOS)
+    choice = choose_clip(scripted(lambda r: abs(r["v"][0] - 0.9) + abs(r["k"][0] - 0.95), calls), PER_LAYER_RATIOS)
     v_calls = [c for c in calls if c["k"] == [1.0] * N_LAYER]
     assert calls[:len(v_calls)] == v_calls
-    assert all(c["v"] == [0.9] * N_LAYER for c in calls[len(v_calls):])
+    k_calls = calls[len(v_calls):len(v_calls) + len(choice.turns[1][1]) - 1]  # its unclipped candidate: V's choice
+    assert all(c["v"] == [0.9] * N_LAYER for c in k_calls)
+    # V again with K's choice in place changes nothing: done
+    assert [part for part, _ in choice.turns] == ["v", "k", "v"]
+    assert all(c["k"] == [0.95] * N_LAYER for c in calls[len(v_calls) + len(k_calls):])
+    assert choice.chosen == {"k": [0.95] * N_LAYER, "v": [0.9] * N_LAYER}
+
+
+def test_a_part_is_chosen_again_with_the_other_s_choice_in_place() -> None:
+    """SmolLM2's case: V at 0.95 measures worse than unclipped while K is unclipped, better once K is at 0.95; one
+    turn per part kept V unclipped."""
+    def kld(ratios: dict[str, list[float]]) -> float:
+        k, v = ratios["k"][0], ratios["v"][0]
+        clipped_v_cost = 0.004 if k == 1.0 else -0.008
+        return 0.0955 - (0.002 if k == 0.95 else 0.0) + (clipped_v_cost if v == 0.95 else 0.0) + \
+            (0.05 if min(k, v) < 0.95 or ratios["v"] == PER_LAYER_RATIOS["v"] else 0.0)
+
+    choice = choose_clip(scripted(kld), PER_LAYER_RATIOS)
+    assert choice.chosen == {"k": [0.95] * N_LAYER, "v": [0.95] * N_LAYER}
+    assert choice.spec == "k:0-2=0.95;v:0-2=0.95"
+    assert [part for part, _ in choice.turns] == ["v", "k", "v", "k"]
+
+
+def test_the_turns_end_at_their_cap_and_a_later_tie_keeps_the_current_choice() -> None:
+    # the lower the better, within 0.05 of each other: each turn takes its part a step below the other's
+    choice = choose_clip(scripted(lambda r: r["k"][0] + r["v"][0] + (abs(r["k"][0] - r["v"][0]) > 0.051)),
+                         PER_LAYER_RATIOS)
+    assert len(choice.turns) == MAX_TURNS
+    assert choice.chosen == {"k": [0.8] * N_LAYER, "v": [0.85] * N_LAYER}
+    calls: list[dict[str, list[float]]] = []
+    # V at 0.95 ties unclipped once K is clipped: V keeps its unclipped choice
+    tie = choose_clip(scripted(lambda r: 0.1 - (0.01 if r["k"][0] == 0.95 else 0.0)
+                               + (0.01 if r["v"][0] < 1.0 and r["k"][0] == 1.0 else 0.0)
+                               + (0.05 if min(r["k"][0], r["v"][0]) < 0.95 else 0.0), calls), PER_LAYER_RATIOS)
+    assert tie.chosen == {"k": [0.95] * N_LAYER, "v": [1.0] * N_LAYER}
+    assert [part for part, _ in tie.turns] == ["v", "k", "v"]
 
 
 def test_the_ratio_search_stops_past_the_best_and_ties_stay_unclipped() -> None:
     choice = choose_clip(scripted(lambda r: (r["k"][-1] - 0.8) ** 2 + (r["v"][-1] - 0.85) ** 2), PER_LAYER_RATIOS)
     # each part stops at the first ratio that measures worse than the best so far; per-layer measured last
-    assert list(choice.klds["v"]) == ["1", "0.95", "0.9", "0.85", "0.8", PER_LAYER]
-    assert list(choice.klds["k"]) == ["1", "0.95", "0.9", "0.85", "0.8", "0.75", PER_LAYER]
+    assert list(first_turn(choice, "v")) == ["1", "0.95", "0.9", "0.85", "0.8", PER_LAYER]
+    assert list(first_turn(choice, "k")) == ["1", "0.95", "0.9", "0.85", "0.8", "0.75", PER_LAYER]
     assert choice.chosen == {"k": [0.8] * N_LAYER, "v": [0.85] * N_LAYER}
     flat = choose_clip(scripted(lambda r: 0.5), PER_LAYER_RATIOS)
     # nothing measures worse, so every ratio is measured, and unclipped stays
-    assert flat.spec == "none" and list(flat.klds["v"]) == [f"{r:g}" for r in RATIOS] + [PER_LAYER]
+    assert flat.spec == "none" and list(first_turn(flat, "v")) == [f"{r:g}" for r in RATIOS] + [PER_LAYER]
 
 
 def test_per_layer_ratios_already_measured_as_one_ratio_are_not_measured_again() -> None:
     calls: list[dict[str, list[float]]] = []
     uniform = {"k": [1.0] * N_LAYER, "v": [0.95] * N_LAYER}
     choice = choose_clip(scripted(lambda r: r["v"][0], calls), uniform)
-    assert PER_LAYER not in choice.klds["k"] and PER_LAYER not in choice.klds["v"]
+    assert all(PER_LAYER not in klds for _, klds in choice.turns)
     assert len(calls) == len({str(c) for c in calls})
 
 
 def test_the_specs_spell_the_chosen_and_the_per_layer_ratios() -> None:
-    choice = ClipChoice({"k": [1.0, 1.0], "v": [0.9, 0.9]}, {"k": [0.9, 1.0], "v": [1.0, 1.0]}, {})
+    choice = ClipChoice({"k": [1.0, 1.0], "v": [0.9, 0.9]}, {"k": [0.9, 1.0], "v": [1.0, 1.0]}, [])
     assert choice.spec == "v:0-1=0.9"
     assert choice.per_layer_spec == "k:0=0.9,1=1"

@@ -540,9 +540,10 @@ def format_cost(cost: MixCost) -> str:
 
 
 def format_clip_choice(choice: ClipChoice) -> str:
-    by_part = "; ".join(f"{part.upper()} " + ", ".join(f"{label}: {kld:.4f}" for label, kld in klds.items())
-                        for part, klds in choice.klds.items())
-    return f"kivi2 everywhere, KL divergence against f16 KV by clip ratio (V's with K unclipped, then K's): {by_part}"
+    turns = "; ".join(f"{part.upper()} " + ", ".join(f"{label}: {kld:.4f}" for label, kld in klds.items())
+                      for part, klds in choice.turns)
+    return ("kivi2 everywhere, KL divergence against f16 KV by clip ratio (V's with K unclipped, then each part's "
+            f"with the other's choice in place): {turns}")
 
 
 def format_dither_choice(choice: DitherChoice) -> str:
