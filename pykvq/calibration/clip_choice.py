@@ -9,7 +9,7 @@ own: V first with K unclipped, then K with V's choice in place, among unclipped,
 from 1 down until one measures worse than the best ratio so far: the divergence falls as clipping spares the
 groups' bulk a coarser step, then rises as it cuts their extremes) and the per-layer ratios. The lowest measured
 wins; a tie keeps the earlier candidate, unclipped first. The two interact: on SmolLM2, V at 0.95 measured worse
-than unclipped V with K unclipped, better with K at 0.95 (and Hamlet's PPL agreed: +3.32% for K alone, +2.65% for
+than unclipped V with K unclipped, better with K at 0.95 (and Hamlet's PPL agreed: +3.32% for K alone, +2.66% for
 both), so the parts take turns, each with the other's latest choice in place, until a turn changes nothing (a later
 turn changes a part only for a strictly lower divergence), at most MAX_TURNS.
 """
