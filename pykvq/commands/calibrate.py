@@ -611,7 +611,8 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                    help="SKVQ's clipping: auto measures, by the cache's KL divergence against f16 KV, no clipping, "
                         "the per-layer K and V ratios among "
                         f"{', '.join(map(str, clip_ratios.RATIOS))} with the least attention-output error on the "
-                        "text, and one ratio per part searched by that KL divergence, and keeps the lowest; or give a "
+                        "text, and one ratio per part searched by that KL divergence, and keeps the lowest, V and K "
+                        "taking turns, each with the other's choice in place, until a turn changes nothing; or give a "
                         "--kv-clip spec or none (default %(default)s); written as the model's kvq.kv_clip and used "
                         "while measuring")
     p.add_argument("--kv-rotate", default="auto", metavar="auto|on|off|SPEC", type=rotation_choice,

@@ -217,6 +217,7 @@ def parse_specs(kv_types_text: str, layer_specs: list[str]) -> list[KvSpec]:
     return entries
 
 
+@cache
 def sliding_window_model(model: Path) -> bool:
     """Whether the model has sliding-window layers, whose cache --kv-type-swa types (from its hyperparameters)."""
     with Model(model, metadata_only=True) as shape:
