@@ -67,6 +67,11 @@ def warn_unused_kivi_flags(args: argparse.Namespace, types: str) -> None:
                     types)
 
 
+def warn_unused_swa_type(type_swa: str, model: Path) -> None:
+    """A warning for --kv-type-swa on a model without sliding-window layers: it changes nothing there."""
+    log.warning("--kv-type-swa %s changes nothing: %s has no sliding-window layers", type_swa, model.name)
+
+
 def add_device_arguments(p: argparse.ArgumentParser) -> None:
     """-ngl, --rpc, --op-offload and -nkvo, as llama.cpp's tools take them."""
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=None,

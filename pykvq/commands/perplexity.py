@@ -229,7 +229,7 @@ def check_swa_type(type_swa: str, specs: list[KvSpec], model: Path) -> None:
     (those rows name the sliding-window layers' types; the cache refuses both); a warning where it changes
     nothing."""
     if not sliding_window_model(model):
-        log.warning("--kv-type-swa %s changes nothing: %s has no sliding-window layers", type_swa, model.name)
+        arguments.warn_unused_swa_type(type_swa, model)
         return
     per_layer = [spec.label for spec in specs if spec.layers]
     if per_layer:

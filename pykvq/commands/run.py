@@ -176,7 +176,7 @@ def run_command(args: argparse.Namespace) -> int:
         if not kv.is_kivi:
             arguments.warn_unused_kivi_flags(args, f"the K {kv.type_k} / V {kv.type_v} cache")
         if kv.type_swa is not None and not shape.n_swa:
-            log.warning("--kv-type-swa %s changes nothing: %s has no sliding-window layers", kv.type_swa, path.name)
+            arguments.warn_unused_swa_type(kv.type_swa, path)
         select = kv.select if kv.select is not None else model_selection(path)
         n_batch, n_ubatch = _batch_sizes(args, shape, kv, select)
     config = ContextConfig(args.ctx_size, n_batch, n_ubatch, args.threads, args.flash_attn, kv,
