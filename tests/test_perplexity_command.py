@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from pykvq import KvConfig, Model
+from pykvq.commands import perplexity
 from pykvq.api.llama import gpu_offload_supported
 
 import device
@@ -143,6 +144,18 @@ def test_a_dotted_output_prefix_is_kept_whole(smollm2: Path, hamlet: Path, tmp_p
                             *device.TOOL_ARGS)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.f16.json", "run.f16.png"]
+
+
+@pytest.mark.parametrize(("given", "json_name", "png_name"), [
+    ("run.json", "run.json", "run.png"),
+    ("run.png", "run.json", "run.png"),
+    ("run.kivi2", "run.kivi2.json", "run.kivi2.png"),
+])
+def test_an_output_named_with_its_suffix_is_not_doubled(tmp_path: Path, given: str, json_name: str,
+                                                         png_name: str) -> None:
+    """-o run.json wrote run.json.json and run.json.png."""
+    outputs = perplexity.output_files(str(tmp_path / given))
+    assert (outputs.json, outputs.png) == (tmp_path / json_name, tmp_path / png_name)
 
 
 @pytest.mark.parametrize(("args", "message"), [

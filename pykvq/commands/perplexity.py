@@ -304,9 +304,12 @@ class OutputFiles:
 
 def output_files(prefix: str) -> OutputFiles:
     """PREFIX.json and PREFIX.png, the prefix kept whole (a dot in it is no suffix to replace: `-o run.kivi2` and
-    `-o run.q4_0` must not both write run.json), checked before any run so that hours of runs are not lost to a
-    folder that is not there."""
+    `-o run.q4_0` must not both write run.json) but for a .json or .png the user gave as one of the two names
+    (`-o run.json` writes run.json, not run.json.json), checked before any run so that hours of runs are not lost
+    to a folder that is not there."""
     base = Path(prefix)
+    if base.suffix.lower() in (".json", ".png"):
+        base = base.with_suffix("")
     if not base.name or base.is_dir():
         raise ValueError(f"-o {prefix}: give a file prefix (PREFIX.json and PREFIX.png are written), not a folder")
     if not base.parent.is_dir():
@@ -417,5 +420,6 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
                         "llama-perplexity --kl-divergence does (the f16 run goes first; its log-probabilities, "
                         "n_ctx/2 x vocabulary x 2 bytes a chunk, wait in a temporary file)")
     p.add_argument("-o", "--output", default="pykvq-perplexity",
-                   help="output prefix: writes PREFIX.json and PREFIX.png (default: %(default)s)")
+                   help="output prefix: writes PREFIX.json and PREFIX.png (a .json or .png given names one of "
+                        "them; default: %(default)s)")
     p.set_defaults(handler=run)
