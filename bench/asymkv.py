@@ -56,8 +56,8 @@ def allocator_specs(model_path: Path, budgets: list[float], n_tokens: int, windo
                               "refine": n_refine},
               "sensitivities": [asdict(s) for s in sensitivities],
               "allocations": {str(b): a.spec() for b, a in allocations.items()},
-              "refined": {str(b): {"spec": r.allocation.spec(), "kld_additive": r.start_measured,
-                                   "kld_refined": r.measured} for b, r in refinements.items()}}
+              "refined": {str(b): {"spec": r.allocation.spec(), "kld_additive": r.start_measured.total,
+                                   "kld_refined": r.measured.total} for b, r in refinements.items()}}
     return ([KvSpec.per_layer(a.spec()) for a in allocations.values()],
             [KvSpec.per_layer(r.allocation.spec()) for r in refinements.values()], record)
 

@@ -44,6 +44,8 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     # the refined mixes are judged on the probe and a pass-key prompt too
     assert meta["kvq.calibration.retrieval"] == 1 and meta["kvq.calibration.retrieval_ctx"] == 160
     assert "+ pass-key answers" in proc.stdout
+    # the mixes kept within kivi2 everywhere's divergence on the text (the budget affords it)
+    assert "a mix's prose divergence kept within kivi2 everywhere's" in proc.stdout
     assert all(len(meta[f"kvq.calibration.kld_{p}_{w}"]) == N_LAYER for p in "kv" for w in ("kivi4", "kivi1"))
     assert meta["kvq.calibration.sensitivity"] == "attention"
     # the window given is the one measured at, and the copy's

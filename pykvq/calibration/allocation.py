@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any, Generic, Protocol, TypeVar
 
 BITS = {"kivi4": 4, "kivi2": 2, "kivi1": 1}
 PARTS = ("k", "v")
@@ -135,11 +136,20 @@ def allocate(sensitivities: list[Sensitivity], n_layer: int, budget_bits: float)
     return Allocation(types, n_layer, predicted)
 
 
+class Cost(Protocol):
+    """A measured cost: lower is better (a float, or calibrate's MixCost)."""
+
+    def __lt__(self, other: Any, /) -> bool: ...
+
+
+CostT = TypeVar("CostT", bound=Cost)
+
+
 @dataclass(frozen=True)
-class Refinement:
+class Refinement(Generic[CostT]):
     allocation: Allocation
-    measured: float         # the refined mix's measured cost
-    start_measured: float   # the additive optimum's
+    measured: CostT         # the refined mix's measured cost
+    start_measured: CostT   # the start's
     evaluations: int        # mixes measured, the start included
 
 
@@ -217,8 +227,8 @@ def _block_moves(types: dict[tuple[str, int], str], layers: list[int],
 
 
 def refine(start: Allocation, sensitivities: list[Sensitivity], budget_bits: float,
-           measure: Callable[[Allocation], float], max_evaluations: int,
-           on_measure: Callable[[], None] = lambda: None) -> Refinement:
+           measure: Callable[[Allocation], CostT], max_evaluations: int,
+           on_measure: Callable[[], None] = lambda: None) -> Refinement[CostT]:
     """Measured steps from ``start`` (see the module's docstring); ``measure`` gives a mix's cost as a whole."""
     cost = {(s.part, s.layer): s.cost for s in sensitivities}
     capacity = _capacity(budget_bits, len(start.types))

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic
 
 from pykvq import kv_types
-from pykvq.calibration.allocation import BITS
+from pykvq.calibration.allocation import BITS, CostT
 
 SPREADS = (0.0, 0.5, 1.0)
 # the widest V code that is dithered
@@ -28,15 +29,15 @@ def dither_spec(types_v: list[str], spread: float) -> str:
 
 
 @dataclass(frozen=True)
-class DitherChoice:
+class DitherChoice(Generic[CostT]):
     """Each candidate spec's measured cost, and the one chosen."""
 
-    costs: dict[str, float]
+    costs: dict[str, CostT]
     chosen: str
 
 
-def choose_dither(types_v: list[str], measure: Callable[[str], float],
-                  progress: Callable[[], object] | None = None) -> DitherChoice:
+def choose_dither(types_v: list[str], measure: Callable[[str], CostT],
+                  progress: Callable[[], object] | None = None) -> DitherChoice[CostT]:
     """The candidate spreads' specs for a mix's V types, each measured; ties keep the earlier (smaller) spread."""
     costs: dict[str, float] = {}
     for spread in SPREADS:

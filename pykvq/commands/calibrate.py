@@ -1,8 +1,8 @@
 """`pykvq calibrate`: choose the kivi sinks count, the rotation, SKVQ's clip ratios and the fp16 window, find each
 layer's K and V sensitivity on a text (from the f16 run's attention, or measured one tensor at a time), choose
-per-layer widths for a budget, refine them by measuring mixes, choose V's dithered rounding for the finished mix, and
-write them into a copy of the model as kvq.* metadata. The choices from measurements live in pykvq.calibration; the
-model runs here.
+per-layer widths for a budget, refine them by measuring mixes (pykvq.calibration.mix_cost ranks them), choose V's
+dithered rounding for the finished mix, and write them into a copy of the model as kvq.* metadata. The choices from
+measurements live in pykvq.calibration; the model runs here.
 
 Every choice is judged by the KL divergence against f16 KV of a probe: the text's first tokens, then (the recall
 span) a stretch of the text from its start repeated, so that those tokens are predicted by copying from further
@@ -34,6 +34,7 @@ from pykvq.calibration.allocation import (BITS, PARTS, Allocation, Refinement, S
 from pykvq.calibration.attention_sensitivity import WidthErrors
 from pykvq.calibration.clip_choice import ClipChoice, choose_clip
 from pykvq.calibration.dither_choice import DitherChoice, choose_dither
+from pykvq.calibration.mix_cost import MixCost
 from pykvq.calibration.window_choice import WindowChoice
 from pykvq.api.capture import AttentionCapture, TensorObserver
 from pykvq.api.llama import ContextConfig, KvConfig, Model
@@ -113,6 +114,11 @@ class Probe:
         if not self.recall:
             return np.full(n_text, 1.0 / n_text)
         return np.concatenate([np.full(n_text, 0.5 / n_text), np.full(self.recall, 0.5 / self.recall)])
+
+    def prose_weights(self) -> np.ndarray:
+        """Each probe token's weight in the text's own mean divergence (the recall span's tokens weigh nothing)."""
+        n_text = self.n_tokens - self.recall
+        return np.concatenate([np.full(n_text, 1.0 / n_text), np.zeros(self.recall)])
 
 
 def widest_context(probe: Probe, retrieval_ctx: int) -> ContextConfig:
@@ -278,18 +284,24 @@ class Calibrator:
         layers, clip = self._mix(types, widths)
         return self.kld(layers, clip=clip)
 
-    def mix_cost(self, types: dict[tuple[str, int], str], widths: list[WidthErrors],
-                 dither: str | None = None) -> MixCost:
-        """What the refinement weighs: a mix's KL divergence on the probe and at the pass-key answers, with the
-        probe's V dither or ``dither``."""
+    def mix_cost(self, types: dict[tuple[str, int], str], widths: list[WidthErrors], dither: str | None = None,
+                 prose_limit: float | None = None) -> MixCost:
+        """What the refinement weighs (pykvq.calibration.mix_cost): a mix's KL divergence on the probe, on its text
+        alone and at the pass-key answers, with the probe's V dither or ``dither``."""
         layers, clip = self._mix(types, widths)
-        return MixCost(self.kld(layers, clip=clip, dither=dither), self.retrieval_kld(layers, clip, dither))
+        log_probs = self._log_probs(self.tokens, self._kv(layers, clip=clip, dither=dither))
+        return MixCost(mean_kld(self.reference, log_probs, self.weights),
+                       mean_kld(self.reference, log_probs, self.probe.prose_weights()),
+                       self.retrieval_kld(layers, clip, dither), prose_limit)
 
-    def dither_choice(self, types: dict[tuple[str, int], str], widths: list[WidthErrors]) -> DitherChoice:
-        """The finished mix's cost with its low-bit V layers at each candidate spread (dither_choice)."""
+    def dither_choice(self, types: dict[tuple[str, int], str], widths: list[WidthErrors],
+                      prose_limit: float | None) -> DitherChoice[MixCost]:
+        """The finished mix's cost with its low-bit V layers at each candidate spread (dither_choice), ranked as the
+        mixes are (within ``prose_limit`` first)."""
         types_v = [types.get(("v", il), REFERENCE) for il in range(self.model.n_layer)]
         with tqdm(total=len(dither_choice.SPREADS), unit="run", desc="V dither") as progress:
-            return choose_dither(types_v, lambda spec: self.mix_cost(types, widths, spec).total, progress.update)
+            return choose_dither(types_v, lambda spec: self.mix_cost(types, widths, spec, prose_limit),
+                                 progress.update)
 
     def attention_sensitivities(self, widths: list[WidthErrors]) -> list[Sensitivity]:
         """The attention errors in KL divergence: each part's scale from one measured mix, that part kivi2 and the
@@ -318,34 +330,34 @@ class Calibrator:
         return out
 
 
-@dataclass(frozen=True)
-class MixCost:
-    probe: float             # KL divergence on the probe (text and recall span)
-    retrieval: float | None  # at the pass-key prompts' first answer token (None without them)
-
-    @property
-    def total(self) -> float:
-        """The two weighed alike."""
-        return self.probe + (self.retrieval or 0.0)
-
-
 def choose_sinks(klds: dict[int, float]) -> int:
     """The fewest sinks whose KL divergence is within SINKS_TOLERANCE of the best."""
     best = min(klds.values())
     return min(n for n, kld in klds.items() if kld <= best * (1 + SINKS_TOLERANCE))
 
 
-def refined(calibrator: Calibrator, start: Allocation, sensitivities: list[Sensitivity], budget: float,
-            max_evaluations: int, widths: list[WidthErrors]) -> tuple[Refinement, dict[str, MixCost]]:
-    """The additive choice, then up to ``max_evaluations`` mixes measured from it (allocation.refine), by their
-    MixCost total; every measured mix's cost by its --kv-layers spec."""
+def refined(calibrator: Calibrator, additive: Allocation, sensitivities: list[Sensitivity], budget: float,
+            max_evaluations: int, widths: list[WidthErrors]) -> tuple[Refinement[MixCost], dict[str, MixCost]]:
+    """Up to ``max_evaluations`` mixes measured (allocation.refine) from the better of the additive choice and, where
+    the budget affords it, kivi2 everywhere, whose prose divergence is then the limit (pykvq.calibration.mix_cost);
+    every measured mix's cost by its --kv-layers spec."""
     costs: dict[str, MixCost] = {}
+    limit = None
 
-    def measure(allocation: Allocation) -> float:
-        cost = costs[allocation.spec()] = calibrator.mix_cost(allocation.types, widths)
-        return cost.total
+    def measure(allocation: Allocation) -> MixCost:
+        spec = allocation.spec()
+        if spec not in costs:
+            costs[spec] = calibrator.mix_cost(allocation.types, widths, prose_limit=limit)
+        return costs[spec]
 
-    with tqdm(total=1 + max_evaluations, unit="mix", desc="refine") as progress:
+    start = additive
+    with tqdm(total=2 + max_evaluations, unit="mix", desc="refine") as progress:
+        if budget >= BITS[REFERENCE]:
+            everywhere = Allocation(dict.fromkeys(additive.types, REFERENCE), additive.n_layer, 0.0)
+            limit = measure(everywhere).prose
+            costs[everywhere.spec()] = replace(costs[everywhere.spec()], prose_limit=limit)
+            progress.update()
+            start = min(additive, everywhere, key=measure)
         return refine(start, sensitivities, budget, measure, 1 + max_evaluations, progress.update), costs
 
 
@@ -496,16 +508,16 @@ def calibrate(args: argparse.Namespace, probe: Probe) -> None:
         additive = allocate(sensitivities, model.n_layer, args.kv_budget)
         result, costs = refined(calibrator, additive, sensitivities, args.kv_budget, args.refine, widths)
         if args.kv_dither == "auto" and not latent:
-            dithers = calibrator.dither_choice(result.allocation.types, widths)
+            dithers = calibrator.dither_choice(result.allocation.types, widths, result.measured.prose_limit)
             probe = replace(probe, dither=dithers.chosen)
             print(format_dither_choice(dithers) + f" -> --kv-dither '{probe.dither}'")
     allocation = result.allocation
     clip = attention_sensitivity.clip_spec(widths, allocation.types, allocation.n_layer)
     print(format_allocation(allocation))
     print(f"mean code bits {allocation.mean_bits:.3f} (budget {args.kv_budget:g}); KL divergence against f16 KV: "
-          f"{format_cost(costs[additive.spec()])} measured for the additive choice (predicted "
-          f"{additive.predicted_cost:+.4f} from kivi2 everywhere), {format_cost(costs[allocation.spec()])} after "
-          f"{result.evaluations - 1} measured mixes")
+          f"{costs[additive.spec()]} measured for the additive choice (predicted {additive.predicted_cost:+.4f} from "
+          f"kivi2 everywhere), {costs[allocation.spec()]} after {result.evaluations - 1} measured mixes"
+          + format_prose_limit(result.measured.prose_limit))
     print(f"--kv-layers '{allocation.spec()}'")
     print(f"--kv-clip '{clip}' (each tensor at its width's ratio)")
     recorded = metadata(allocation, clip, args.kv_budget, sensitivities, args.sensitivity, args.file, probe,
@@ -533,10 +545,10 @@ def refuse_what_latent_layers_lack(args: argparse.Namespace, clip: str, rotate: 
                          "not have (its V is its K's first channels, read from K's tiles); leave it out")
 
 
-def format_cost(cost: MixCost) -> str:
-    if cost.retrieval is None:
-        return f"{cost.total:.4f}"
-    return f"{cost.total:.4f} (probe {cost.probe:.4f} + pass-key answers {cost.retrieval:.4f})"
+def format_prose_limit(limit: float | None) -> str:
+    if limit is None:
+        return ""
+    return f"; a mix's prose divergence kept within kivi2 everywhere's {limit:.4f}"
 
 
 def format_clip_choice(choice: ClipChoice) -> str:
@@ -546,8 +558,8 @@ def format_clip_choice(choice: ClipChoice) -> str:
             f"with the other's choice in place): {turns}")
 
 
-def format_dither_choice(choice: DitherChoice) -> str:
-    return "the mix's cost by V dither: " + ", ".join(f"{spec}: {cost:.4f}" for spec, cost in choice.costs.items())
+def format_dither_choice(choice: DitherChoice[MixCost]) -> str:
+    return "the mix's cost by V dither: " + ", ".join(f"{spec}: {cost}" for spec, cost in choice.costs.items())
 
 
 def format_window_choice(choice: WindowChoice, n_tokens: int) -> str:
@@ -579,8 +591,10 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                     "(priced at what its memory would buy as code bits), finds how much each layer's K and V at 4 "
                     "and at 1 bits, kivi2 elsewhere, changes the output's KL divergence (from the f16 run's "
                     "attention, or measured), picks the widths with the least total for the budget, refines them by "
-                    "measuring mixes, chooses V's dithered rounding for the result, and writes them as kvq.kv_layers, "
-                    "kvq.kv_clip, kvq.kv_rotate, kvq.kv_dither, kvq.window and kvq.sinks into a copy of the model, "
+                    "measuring mixes (where the budget affords kivi2 everywhere, none whose divergence on the text "
+                    "alone exceeds its), chooses V's dithered rounding for the result, and writes them as "
+                    "kvq.kv_layers, kvq.kv_clip, kvq.kv_rotate, kvq.kv_dither, kvq.window and kvq.sinks into a copy of "
+                    "the model, "
                     "which run then uses. Every KL divergence is taken over the text's first tokens and a recall span "
                     "(--recall) that repeats its start, so that reading distant tokens exactly counts as much as the "
                     "prose.")
