@@ -467,13 +467,20 @@ def dither_words(calibration: dict) -> str:
     return ", V rounded to nearest (no dither spread measured lower)" if measured else ""
 
 
+def mix_words(calibration: dict) -> str:
+    """The mix, and the prose limit it was refined under where the record's calibrate had one."""
+    limited = any("prose divergence kept within kivi2 everywhere's" in line for line in calibration.get("summary", []))
+    return "the mix below (its divergence on the text within kivi2 everywhere's)" if limited else "the mix below"
+
+
 def recipe_record_table(record: dict) -> str:
     c = record["calibration"]
+    sinks = c["kvq.sinks"]
     lines = [f"The calibrated recipe against upstream's 4-bit KV ({record['model']}, {record['text']}, n_ctx "
              f"{record['n_ctx']}, {record['chunks']} chunks; `pykvq calibrate` on {c['n_tokens']} tokens of Macbeth "
-             f"{recall_words(c)}in {c['seconds'] / 60:.1f} min on {c['threads']} threads chose {c['kvq.sinks']} sinks, "
-             f"{window_words(c)}"
-             f"{rotation_words(c)}{clip_words(c['kvq.kv_clip'])}{dither_words(c)} and the mix below; "
+             f"{recall_words(c)}in {c['seconds'] / 60:.1f} min on {c['threads']} threads chose {sinks} "
+             f"sink{'' if sinks == 1 else 's'}, {window_words(c)}"
+             f"{rotation_words(c)}{clip_words(c['kvq.kv_clip'])}{dither_words(c)} and {mix_words(c)}; "
              "bench/recipe.py):", "",
              "| KV cache | code bits | K, V bpe | PPL | ± | Δ% vs f16 |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in record["rows"]:
