@@ -39,7 +39,7 @@ class DitherChoice(Generic[CostT]):
 def choose_dither(types_v: list[str], measure: Callable[[str], CostT],
                   progress: Callable[[], object] | None = None) -> DitherChoice[CostT]:
     """The candidate spreads' specs for a mix's V types, each measured; ties keep the earlier (smaller) spread."""
-    costs: dict[str, float] = {}
+    costs: dict[str, CostT] = {}
     for spread in SPREADS:
         spec = dither_spec(types_v, spread)
         if spec not in costs:
