@@ -351,11 +351,13 @@ def refined(calibrator: Calibrator, additive: Allocation, sensitivities: list[Se
         return costs[spec]
 
     start = additive
-    with tqdm(total=2 + max_evaluations, unit="mix", desc="refine") as progress:
-        if budget >= BITS[REFERENCE]:
+    limited = budget >= BITS[REFERENCE]
+    with tqdm(total=1 + limited + max_evaluations, unit="mix", desc="refine") as progress:
+        if limited:
             everywhere = Allocation(dict.fromkeys(additive.types, REFERENCE), additive.n_layer, 0.0)
-            limit = measure(everywhere).prose
-            costs[everywhere.spec()] = replace(costs[everywhere.spec()], prose_limit=limit)
+            reference = calibrator.mix_cost(everywhere.types, widths)
+            limit = reference.prose
+            costs[everywhere.spec()] = replace(reference, prose_limit=limit)
             progress.update()
             start = min(additive, everywhere, key=measure)
         return refine(start, sensitivities, budget, measure, 1 + max_evaluations, progress.update), costs
