@@ -468,9 +468,19 @@ def dither_words(calibration: dict) -> str:
 
 
 def mix_words(calibration: dict) -> str:
-    """The mix, and the prose limit it was refined under where the record's calibrate had one."""
+    """The mix, the prose limit it was refined under where the record's calibrate had one, and what the held-out
+    check chose where one ran."""
     limited = any("prose divergence kept within kivi2 everywhere's" in line for line in calibration.get("summary", []))
-    return "the mix below (its divergence on the text within kivi2 everywhere's)" if limited else "the mix below"
+    words = "the mix below (its divergence on the text within kivi2 everywhere's)" if limited else "the mix below"
+    held_out = calibration.get("kvq.calibration.held_out")
+    if not held_out:
+        return words
+    mix, everywhere = calibration["kvq.calibration.held_out_kld"]
+    if mix > everywhere:
+        return (f"kivi2 everywhere as its mix (the refined mix's KL divergence on {held_out} held-out tokens of "
+                f"Macbeth, {mix:.4f}, was over kivi2 everywhere's {everywhere:.4f})")
+    return (f"the mix below (its divergence on the text within kivi2 everywhere's on the probe, and on {held_out} "
+            f"held-out tokens of Macbeth: {mix:.4f} against {everywhere:.4f})")
 
 
 def recipe_record_table(record: dict) -> str:

@@ -73,7 +73,8 @@ def calibrate(model: Path, n_tokens: int, window: str | None, n_ctx: int, retrie
                                                 gguf_metadata.KEY_ROTATE, gguf_metadata.KEY_DITHER,
                                                 gguf_metadata.KEY_KIVI2_CLIP, gguf_metadata.KEY_SENSITIVITY,
                                                 gguf_metadata.KEY_RECALL, "kvq.calibration.retrieval",
-                                                "kvq.calibration.retrieval_ctx")}}
+                                                "kvq.calibration.retrieval_ctx", "kvq.calibration.held_out",
+                                                "kvq.calibration.held_out_kld")}}
     return out, record
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pykvq import gguf_metadata, kv_types
-from pykvq.calibration import attention_sensitivity, clip_ratios, window_choice
+from pykvq.calibration import attention_sensitivity, clip_ratios, held_out, window_choice
 from pykvq.calibration.allocation import BITS, PARTS, budget_argument
 from pykvq.commands import calibrate as calibrate_command
 from pykvq.devtools import random_model
@@ -27,6 +27,19 @@ N_LAYER = 30
 def calibrate(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(["pykvq", "calibrate", "-t", "2", *device.TOOL_ARGS, *args], capture_output=True, text=True,
                           cwd=cwd, timeout=900)
+
+
+def assert_the_held_out_check_decided(meta: dict, stdout: str, n_tokens: int, n_layer: int = N_LAYER) -> None:
+    """The refined mix was checked on n_tokens of held-out text unless it was kivi2 everywhere, and the copy holds
+    the one of the two that measured lower there."""
+    types_k, types_v = kv_types.layer_types(meta[gguf_metadata.KEY_LAYERS], n_layer, "kivi2", "kivi2")
+    uniform = set(types_k + types_v) == {"kivi2"}
+    if meta["kvq.calibration.held_out"] == 0:
+        assert uniform and "held-out" not in stdout
+        return
+    assert meta["kvq.calibration.held_out"] == n_tokens and f"on {n_tokens} held-out tokens" in stdout
+    mix, everywhere = meta["kvq.calibration.held_out_kld"]
+    assert (mix > everywhere) == uniform == ("kivi2 everywhere taken instead" in stdout)
 
 
 @pytest.mark.slow
@@ -46,6 +59,7 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     assert "+ pass-key answers" in proc.stdout
     # the mixes kept within kivi2 everywhere's divergence on the text (the budget affords it)
     assert "a mix's prose divergence kept within kivi2 everywhere's" in proc.stdout
+    assert_the_held_out_check_decided(meta, proc.stdout, 64 * held_out.CHUNKS)
     assert all(len(meta[f"kvq.calibration.kld_{p}_{w}"]) == N_LAYER for p in "kv" for w in ("kivi4", "kivi1"))
     assert meta["kvq.calibration.sensitivity"] == "attention"
     # the window given is the one measured at, and the copy's
@@ -102,6 +116,7 @@ def test_calibrate_takes_the_layers_the_cache_holds(shape: str, kv_layers: list[
     types_k, types_v = kv_types.layer_types(meta[gguf_metadata.KEY_LAYERS], n_layer, "kivi2", "kivi2")
     held = [BITS[types[il]] for types in (types_k, types_v) for il in kv_layers]
     assert sum(held) / len(held) <= 2.5 and max(held) == 4
+    assert_the_held_out_check_decided(meta, proc.stdout, 128 * held_out.CHUNKS, n_layer)
     assert all(types_k[il] == types_v[il] == "kivi2" for il in range(n_layer) if il not in kv_layers)
     for name in (f"kvq.calibration.kld_{p}_{w}" for p in "kv" for w in ("kivi4", "kivi1")):
         assert len(meta[name]) == n_layer and all(meta[name][il] == 0.0 for il in range(n_layer) if il not in kv_layers)

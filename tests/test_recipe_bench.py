@@ -60,3 +60,24 @@ def test_the_table_says_which_v_dither_was_chosen_or_that_none_was_measured() ->
                                                                                       "summary": measured})
     old = table(**{"summary": ["mean code bits 2.000 (budget 2)"]})
     assert "dither" not in old and "nearest" not in old
+
+
+def test_the_table_says_what_the_held_out_check_chose() -> None:
+    limited = ["mean code bits 2.000 (budget 2); ...; a mix's prose divergence kept within kivi2 everywhere's 0.0096"]
+    scored = rows(q4_0=5.5, q4_1=2.8, mix=5.0, uniform=3.0)
+
+    def table(**calibration: object) -> str:
+        c = {"n_tokens": 512, "seconds": 60.0, "threads": 2, "kvq.sinks": 8, "kvq.window": 128,
+             "kvq.kv_clip": "k:*=0.9", "summary": limited, **calibration}
+        return recipe_record_table({"model": "m", "text": "t", "n_ctx": 2048, "chunks": 4, "rows": scored,
+                                    "targets": recipe.judged(scored), "calibration": c})
+
+    assert "and kivi2 everywhere as its mix (the refined mix's KL divergence on 2048 held-out tokens of Macbeth, " \
+           "0.0125, was over kivi2 everywhere's 0.0115)" in table(**{"kvq.calibration.held_out": 2048,
+                                                                      "kvq.calibration.held_out_kld": [0.0125, 0.0115]})
+    assert "the mix below (its divergence on the text within kivi2 everywhere's on the probe, and on 2048 held-out " \
+           "tokens of Macbeth: 0.0100 against 0.0115)" in table(**{"kvq.calibration.held_out": 2048,
+                                                                    "kvq.calibration.held_out_kld": [0.01, 0.0115]})
+    # records from before the check, and calibrations that ran none
+    for c in ({}, {"kvq.calibration.held_out": 0}):
+        assert "the mix below (its divergence on the text within kivi2 everywhere's);" in table(**c)

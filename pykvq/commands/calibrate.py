@@ -1,7 +1,8 @@
 """`pykvq calibrate`: choose the kivi sinks count, the rotation, SKVQ's clip ratios and the fp16 window, find each
 layer's K and V sensitivity on a text (from the f16 run's attention, or measured one tensor at a time), choose
-per-layer widths for a budget, refine them by measuring mixes (pykvq.calibration.mix_cost ranks them), choose V's
-dithered rounding for the finished mix, and write them into a copy of the model as kvq.* metadata. The choices from
+per-layer widths for a budget, refine them by measuring mixes (pykvq.calibration.mix_cost ranks them), check the
+refined mix against kivi2 everywhere on held-out text (pykvq.calibration.held_out), choose V's dithered rounding for
+the finished mix, and write them into a copy of the model as kvq.* metadata. The choices from
 measurements live in pykvq.calibration; the model runs here.
 
 Every choice is judged by the KL divergence against f16 KV of a probe: the text's first tokens, then (the recall
@@ -27,13 +28,14 @@ import numpy as np
 from tqdm import tqdm
 
 from pykvq import gguf_metadata, kv_types, output_path
-from pykvq.calibration import (attention_scale, attention_sensitivity, clip_ratios, dither_choice, retrieval, rotation,
-                               window_choice)
+from pykvq.calibration import (attention_scale, attention_sensitivity, clip_ratios, dither_choice, held_out, retrieval,
+                               rotation, window_choice)
 from pykvq.calibration.allocation import (BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, budget_argument,
                                           format_allocation, refine)
 from pykvq.calibration.attention_sensitivity import WidthErrors
 from pykvq.calibration.clip_choice import ClipChoice, choose_clip
 from pykvq.calibration.dither_choice import DitherChoice, choose_dither
+from pykvq.calibration.held_out import HeldOutCheck
 from pykvq.calibration.mix_cost import MixCost
 from pykvq.calibration.window_choice import WindowChoice
 from pykvq.api.capture import AttentionCapture, TensorObserver
@@ -294,6 +296,22 @@ class Calibrator:
                        mean_kld(self.reference, log_probs, self.probe.prose_weights()),
                        self.retrieval_kld(layers, clip, dither), prose_limit)
 
+    def held_out_klds(self, stretches: list[list[int]], mixes: list[dict[tuple[str, int], str]],
+                      widths: list[WidthErrors]) -> list[float]:
+        """Each mix's KL divergence against f16 KV over the stretches (each one context, every token alike), each
+        tensor clipped at its width's ratio."""
+        totals = np.zeros(len(mixes))
+        with tqdm(total=len(stretches) * (1 + len(mixes)), unit="run", desc="held-out check") as progress:
+            for tokens in stretches:
+                reference = self._log_probs(tokens, KvConfig(layers="none"))
+                progress.update()
+                weights = np.full(len(tokens), 1.0 / len(tokens))
+                for i, types in enumerate(mixes):
+                    layers, clip = self._mix(types, widths)
+                    totals[i] += mean_kld(reference, self._log_probs(tokens, self._kv(layers, clip=clip)), weights)
+                    progress.update()
+        return [float(t) for t in totals / len(stretches)]
+
     def dither_choice(self, types: dict[tuple[str, int], str], widths: list[WidthErrors],
                       prose_limit: float | None) -> DitherChoice[MixCost]:
         """The finished mix's cost with its low-bit V layers at each candidate spread (dither_choice), ranked as the
@@ -354,7 +372,7 @@ def refined(calibrator: Calibrator, additive: Allocation, sensitivities: list[Se
     limited = budget >= BITS[REFERENCE]
     with tqdm(total=1 + limited + max_evaluations, unit="mix", desc="refine") as progress:
         if limited:
-            everywhere = Allocation(dict.fromkeys(additive.types, REFERENCE), additive.n_layer, 0.0)
+            everywhere = kivi2_everywhere(additive)
             reference = calibrator.mix_cost(everywhere.types, widths)
             limit = reference.prose
             costs[everywhere.spec()] = replace(reference, prose_limit=limit)
@@ -363,9 +381,35 @@ def refined(calibrator: Calibrator, additive: Allocation, sensitivities: list[Se
         return refine(start, sensitivities, budget, measure, 1 + max_evaluations, progress.update), costs
 
 
+def kivi2_everywhere(allocation: Allocation) -> Allocation:
+    """kivi2 in every tensor the allocation holds."""
+    return Allocation(dict.fromkeys(allocation.types, REFERENCE), allocation.n_layer, 0.0)
+
+
+def checked_mix(calibrator: Calibrator, text: list[int], result: Refinement[MixCost],
+                widths: list[WidthErrors]) -> tuple[Allocation, HeldOutCheck | None]:
+    """The refined mix, or kivi2 everywhere where it is lower over the text's stretches of the probe's length after the
+    probe's text (pykvq.calibration.held_out); the check, None where none ran: without a prose limit (kivi2 everywhere
+    over the budget), when the mix is kivi2 everywhere, or when the text ends before the first stretch."""
+    allocation = result.allocation
+    everywhere = kivi2_everywhere(allocation)
+    if result.measured.prose_limit is None or allocation.spec() == everywhere.spec():
+        return allocation, None
+    probe = calibrator.probe
+    stretches = held_out.stretches(text, probe.n_tokens - probe.recall, probe.n_tokens)
+    if not stretches:
+        print(f"the text holds no {probe.n_tokens} tokens after the probe's: the refined mix is not checked on "
+              "held-out text (a longer text gets the check)")
+        return allocation, None
+    mix, kivi2 = calibrator.held_out_klds(stretches, [allocation.types, everywhere.types], widths)
+    check = HeldOutCheck(len(stretches) * probe.n_tokens, mix, kivi2)
+    print(check)
+    return (allocation if check.keeps_mix else everywhere), check
+
+
 def metadata(allocation: Allocation, clip: str, budget: float, sensitivities: list[Sensitivity], source: str,
              text: Path, probe: Probe, window: WindowChoice | None,
-             retrieval_probe: retrieval.RetrievalProbe | None) -> dict[str, object]:
+             retrieval_probe: retrieval.RetrievalProbe | None, check: HeldOutCheck | None) -> dict[str, object]:
     record: dict[str, object] = {
         **gguf_metadata.allocation_fields(allocation.spec(), budget),
         gguf_metadata.KEY_SENSITIVITY: source,
@@ -376,10 +420,13 @@ def metadata(allocation: Allocation, clip: str, budget: float, sensitivities: li
         "kvq.calibration.retrieval_ctx": retrieval_probe.n_tokens if retrieval_probe else 0,
         "kvq.calibration.window": probe.window,
         "kvq.calibration.sinks": probe.sinks,
+        "kvq.calibration.held_out": check.n_tokens if check else 0,
         gguf_metadata.KEY_KIVI2_CLIP: probe.clip,
         gguf_metadata.KEY_SINKS: probe.sinks,
         gguf_metadata.KEY_WINDOW: probe.window,
     }
+    if check is not None:
+        record["kvq.calibration.held_out_kld"] = [check.mix, check.everywhere]
     if window is not None:
         record[gguf_metadata.KEY_WINDOW_CTX] = window.target_ctx
     if clip != "none":
@@ -509,21 +556,22 @@ def calibrate(args: argparse.Namespace, probe: Probe) -> None:
             sensitivities = calibrator.measured_sensitivities(widths)
         additive = allocate(sensitivities, model.n_layer, args.kv_budget)
         result, costs = refined(calibrator, additive, sensitivities, args.kv_budget, args.refine, widths)
+        allocation, check = checked_mix(calibrator, tokens, result, widths)
         if args.kv_dither == "auto" and not latent:
-            dithers = calibrator.dither_choice(result.allocation.types, widths, result.measured.prose_limit)
+            dithers = calibrator.dither_choice(allocation.types, widths, result.measured.prose_limit)
             probe = replace(probe, dither=dithers.chosen)
             print(format_dither_choice(dithers) + f" -> --kv-dither '{probe.dither}'")
-    allocation = result.allocation
     clip = attention_sensitivity.clip_spec(widths, allocation.types, allocation.n_layer)
     print(format_allocation(allocation))
     print(f"mean code bits {allocation.mean_bits:.3f} (budget {args.kv_budget:g}); KL divergence against f16 KV: "
           f"{costs[additive.spec()]} measured for the additive choice (predicted {additive.predicted_cost:+.4f} from "
-          f"kivi2 everywhere), {costs[allocation.spec()]} after {result.evaluations - 1} measured mixes"
-          + format_prose_limit(result.measured.prose_limit))
+          f"kivi2 everywhere), {result.measured} after {result.evaluations - 1} measured mixes"
+          + format_prose_limit(result.measured.prose_limit)
+          + ("; kivi2 everywhere after the held-out check" if check and not check.keeps_mix else ""))
     print(f"--kv-layers '{allocation.spec()}'")
     print(f"--kv-clip '{clip}' (each tensor at its width's ratio)")
     recorded = metadata(allocation, clip, args.kv_budget, sensitivities, args.sensitivity, args.file, probe,
-                        windows, retrieval_probe)
+                        windows, retrieval_probe, check)
     if args.kv_select is not None:
         recorded[gguf_metadata.KEY_SELECT] = kv_types.selection_spec(args.kv_select)
     gguf_metadata.write_copy(args.model, args.output, recorded)
