@@ -642,7 +642,9 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
                     "and at 1 bits, kivi2 elsewhere, changes the output's KL divergence (from the f16 run's "
                     "attention, or measured), picks the widths with the least total for the budget, refines them by "
                     "measuring mixes (where the budget affords kivi2 everywhere, none whose divergence on the text "
-                    "alone exceeds its), chooses V's dithered rounding for the result, and writes them as "
+                    "alone exceeds its; the refined mix then kept only where it measures within kivi2 everywhere "
+                    "on up to four stretches of the text that follow the probe's), chooses V's dithered rounding for "
+                    "the result, and writes them as "
                     "kvq.kv_layers, kvq.kv_clip, kvq.kv_rotate, kvq.kv_dither, kvq.window and kvq.sinks into a copy of "
                     "the model, "
                     "which run then uses. Every KL divergence is taken over the text's first tokens and a recall span "
@@ -653,7 +655,9 @@ def add_calibrate_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", type=Path, required=True, help="the GGUF copy to write")
     p.add_argument("--kv-budget", type=budget_argument, default=2.0,
                    help="mean code bits per K/V element (kivi4 = 4, kivi2 = 2, kivi1 = 1; default %(default)s)")
-    p.add_argument("-c", "--ctx-size", type=int, default=512, help="calibration tokens (default %(default)s)")
+    p.add_argument("-c", "--ctx-size", type=int, default=512,
+                   help="calibration tokens (default %(default)s); the held-out check reads up to four times as many "
+                        "of the text after them")
     p.add_argument("--recall", type=int, metavar="N",
                    help="the last N of the -c tokens repeat the text from past its first "
                         f"{RECALL_START} tokens (where sinks would be), so that each choice is also judged on "
