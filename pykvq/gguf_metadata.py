@@ -38,6 +38,9 @@ rest records how they were chosen, for later methods.
     kvq.calibration.kivi2_clip               string            the clip ratios chosen for kivi2 everywhere (the
                                                                --kv-clip form): kvq.kv_clip takes each tensor's
                                                                ratio at its width in kvq.kv_layers
+    kvq.calibration.kivi4_clip, kivi1_clip   string            each tensor's ratio at 4 and at 1 bits; with
+                                                               kivi2_clip read by the cache where its types are
+                                                               not kvq.kv_layers (pykvq.width_clips)
   written by pykvq convert --calibrate (the HF model in torch, one layer quantized at a time):
     kvq.calibration.error_{k,v}_{kivi4,kivi2,kivi1}  float32[n_layer]  relative squared error of the layer's
                                                      attention output with its K or V at that width
@@ -84,6 +87,9 @@ KEY_BUDGET = "kvq.kv_budget"
 KEY_CALIBRATION_TEXT = "kvq.calibration.text"
 KEY_SENSITIVITY = "kvq.calibration.sensitivity"
 KEY_KIVI2_CLIP = "kvq.calibration.kivi2_clip"
+# each width's clip ratios in every tensor (pykvq.width_clips)
+WIDTH_CLIP_KEYS = {"kivi4": "kvq.calibration.kivi4_clip", "kivi2": KEY_KIVI2_CLIP,
+                   "kivi1": "kvq.calibration.kivi1_clip"}
 KEY_RECALL = "kvq.calibration.recall"
 KEY_WINDOW_CTX = "kvq.calibration.window_ctx"
 
@@ -205,8 +211,8 @@ def validate_settings(kvq: dict[str, object], n_layer: int) -> None:
                                 "type needs a kivi V type and the other way round")
     from pykvq.bindings import native
 
-    for key, resolve in ((KEY_CLIP, native.resolve_clip), (KEY_ROTATE, native.resolve_rotation),
-                         (KEY_DITHER, native.resolve_dither)):
+    for key, resolve in ((KEY_CLIP, native.resolve_clip), *((k, native.resolve_clip) for k in WIDTH_CLIP_KEYS.values()),
+                         (KEY_ROTATE, native.resolve_rotation), (KEY_DITHER, native.resolve_dither)):
         spec = kvq.get(key)
         if spec is None:
             continue

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import gguf_metadata, kv_types
+from pykvq import gguf_metadata, kv_types, width_clips
+from pykvq.bindings import native
 from pykvq.calibration import attention_sensitivity, clip_ratios, held_out, window_choice
 from pykvq.calibration.allocation import BITS, PARTS, budget_argument
 from pykvq.commands import calibrate as calibrate_command
@@ -71,6 +72,9 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     assert f"-> --kv-clip '{meta['kvq.calibration.kivi2_clip']}'" in proc.stdout
     clip = meta.get(gguf_metadata.KEY_CLIP, "none")
     assert f"--kv-clip '{clip}' (each tensor at its width's ratio)" in proc.stdout
+    # each width's ratios, from which a cache of other types takes its tensors' (and the mix's give its kvq.kv_clip)
+    types = kv_types.layer_types(meta[gguf_metadata.KEY_LAYERS], N_LAYER, "kivi2", "kivi2")
+    assert native.resolve_clip(width_clips.clip_by_width(meta, *types), N_LAYER) == native.resolve_clip(clip, N_LAYER)
     # the rotation measured lowest among none, all and per layer (left out when none)
     rotate = meta.get(gguf_metadata.KEY_ROTATE, "off")
     assert f"-> --kv-rotate '{rotate}'" in proc.stdout and "off: " in proc.stdout and "on: " in proc.stdout

@@ -14,6 +14,7 @@ import pytest
 from pykvq import KvConfig, gguf_metadata, kv_types
 from pykvq.calibration.allocation import BITS
 from pykvq.convert import hf_converter
+from pykvq.commands import inspect as model_info
 
 import device
 
@@ -99,10 +100,11 @@ def test_converted_model_has_default_kv_metadata(tiny_gguf: Path) -> None:
 def test_run_takes_window_and_sinks_from_the_model(tiny_gguf: Path) -> None:
     from pykvq.commands.run import with_model_metadata
 
-    assert with_model_metadata(KvConfig("kivi2", "kivi2"), tiny_gguf) == KvConfig("kivi2", "kivi2", 48, 2)
+    n_layer = model_info.read_shape(gguf_metadata.read_fields(tiny_gguf)).n_layer
+    assert with_model_metadata(KvConfig("kivi2", "kivi2"), tiny_gguf, n_layer) == KvConfig("kivi2", "kivi2", 48, 2)
     # the command line wins
     given = KvConfig("kivi2", "kivi2", 16, 0, layers="none")
-    assert with_model_metadata(given, tiny_gguf) == given
+    assert with_model_metadata(given, tiny_gguf, n_layer) == given
 
 
 def test_calibrated_metadata(calibrated: tuple[Path, subprocess.CompletedProcess]) -> None:

@@ -82,15 +82,17 @@ GENERIC = [
 ]
 
 PER_LAYER_KEYS = ("kvq.calibration.kld_k_kivi4", "kvq.calibration.error_v_kivi1", "kvq.calibration.v_rms")
+# clip ratios the cache reads: kvq.kv_clip, and each width's (pykvq.width_clips)
+CLIP_KEYS = (gguf_metadata.KEY_CLIP, *gguf_metadata.WIDTH_CLIP_KEYS.values())
 # what each key takes besides the generic values: the valid ones, and the edges of valid
 EXTRA = {
     gguf_metadata.KEY_VERSION: [Value(T.UINT32, 2), Value(T.UINT32, 3), Value(T.UINT8, 1), Value(T.INT16, 2)],
     gguf_metadata.KEY_LAYERS: [Value(T.STRING, s) for s in (
         "asymkv:1/0", "k:*=kivi4;v:0=kivi1,1-=kivi2", "k:0=f16,1-=kivi2;v:0=f16,1-=kivi2", "k:0-5=kivi2;v:*=kivi2",
         "k:*=kivi3", "asymkv:1/0\x00junk", "none", "k:*=kivi2;v:*=q8_0")],
-    gguf_metadata.KEY_CLIP: [Value(T.STRING, s) for s in (
+    **{key: [Value(T.STRING, s) for s in (
         "k:*=0.9;v:*=0.8", "v:0=1,1-=0.5", "k:*=0.85\x00junk", "none", "k:*=1.5", "k:*=0", "k:0=0.9", "asymkv:1/0",
-        "k:*=kivi2")],
+        "k:*=kivi2")] for key in CLIP_KEYS},
     gguf_metadata.KEY_WINDOW: [Value(T.UINT32, 7), Value(T.INT64, 64), Value(T.UINT32, INT32_MAX + 1)],
     gguf_metadata.KEY_SINKS: [Value(T.UINT32, 4), Value(T.INT8, 0)],
     gguf_metadata.KEY_BUDGET: [Value(T.FLOAT32, 2.5)],
@@ -99,14 +101,14 @@ EXTRA = {
     **{key: [Value(T.ARRAY, [0.1, 0.2, 0.3], T.FLOAT32)] for key in PER_LAYER_KEYS},
     gguf_metadata.PER_CHANNEL: [Value(T.ARRAY, [0.25] * N_EMBD_K_TOTAL, T.FLOAT32)],
 }
-KEYS = [gguf_metadata.KEY_VERSION, gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_CLIP, gguf_metadata.KEY_WINDOW,
+KEYS = [gguf_metadata.KEY_VERSION, gguf_metadata.KEY_LAYERS, *CLIP_KEYS, gguf_metadata.KEY_WINDOW,
         gguf_metadata.KEY_SINKS,
         gguf_metadata.KEY_BUDGET, "kvq.calibration.text", "kvq.calibration.n_tokens", "kvq.calibration.window",
         "kvq.calibration.sinks", *PER_LAYER_KEYS, gguf_metadata.PER_CHANNEL]
 VARIANTS = [(key, value) for key in KEYS for value in GENERIC + EXTRA.get(key, [])]
 # the keys llama.cpp reads (the value types through its GGUF loader)
 NATIVE_KEYS = (gguf_metadata.KEY_VERSION, gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_WINDOW,
-               gguf_metadata.KEY_SINKS, gguf_metadata.KEY_CLIP)
+               gguf_metadata.KEY_SINKS, *CLIP_KEYS)
 
 
 # --- the oracles: the schema (gguf_metadata's docstring) and llama.cpp's text view of it
@@ -159,7 +161,7 @@ def schema_accepts(key: str, v: Value) -> bool:
         return whole and v.value in gguf_metadata.READ_VERSIONS
     if key == gguf_metadata.KEY_LAYERS:
         return v.vtype == T.STRING and spec_parses(v.value.split("\x00")[0])  # type: ignore[union-attr]
-    if key == gguf_metadata.KEY_CLIP:
+    if key in CLIP_KEYS:
         return v.vtype == T.STRING and clip_parses(v.value.split("\x00")[0])  # type: ignore[union-attr]
     if key in gguf_metadata.WHOLE_NUMBERS:
         return whole and 0 <= v.value <= gguf_metadata.WHOLE_NUMBERS[key]  # type: ignore[operator]
@@ -214,9 +216,11 @@ def native_settings(key: str, v: Value) -> Native:
         return Native(window=native_count(key, native_text(v)))
     if key == gguf_metadata.KEY_SINKS:
         return Native(sinks=native_count(key, native_text(v)))
-    if key == gguf_metadata.KEY_CLIP and native_text(v) not in ("", "none"):
+    # a kivi2 cache of no per-layer types from the model reads kvq.kv_clip, or its width's ratios where the model
+    # has them; the other widths' it never reads
+    if key in (gguf_metadata.KEY_CLIP, gguf_metadata.KEY_KIVI2_CLIP) and native_text(v) not in ("", "none"):
         if not clip_parses(native_text(v)):
-            raise ValueError("kv_clip")
+            raise ValueError(key)
         return Native(clip=native_text(v))
     if key != gguf_metadata.KEY_LAYERS or native_text(v) in ("", "none"):
         return Native()
@@ -318,10 +322,10 @@ def test_inspect_and_run_apply_the_schema(base: Base, tmp_path: Path, key: str) 
             assert not expected, f"{key} = {v}: inspect refused a valid value: {exc}"
             assert "\n" not in str(exc)
             with pytest.raises(gguf_metadata.GgufError):
-                with_model_metadata(KvConfig.preset("kivi2"), path)
+                with_model_metadata(KvConfig.preset("kivi2"), path, N_LAYER)
             continue
         assert expected, f"{key} = {v}: inspect accepted {info['kvq'].get(key)!r}"
-        kv = with_model_metadata(KvConfig.preset("kivi2"), path)
+        kv = with_model_metadata(KvConfig.preset("kivi2"), path, N_LAYER)
         if key == gguf_metadata.KEY_WINDOW:
             assert kv.window == v.value == info["kivi_window"]
         if key == gguf_metadata.KEY_SINKS:
@@ -333,8 +337,8 @@ def test_inspect_and_run_apply_the_schema(base: Base, tmp_path: Path, key: str) 
             assert kv.clip == (v.value or None)
         # what the command line gives is not taken from the model, nor held against it
         given = KvConfig("kivi2", "kivi2", 16, 0, layers="none", clip="none")
-        if key in (gguf_metadata.KEY_WINDOW, gguf_metadata.KEY_SINKS, gguf_metadata.KEY_LAYERS, gguf_metadata.KEY_CLIP):
-            assert with_model_metadata(given, path) == given
+        if key in (gguf_metadata.KEY_WINDOW, gguf_metadata.KEY_SINKS, gguf_metadata.KEY_LAYERS, *CLIP_KEYS):
+            assert with_model_metadata(given, path, N_LAYER) == given
 
 
 @cache

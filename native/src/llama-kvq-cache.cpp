@@ -89,13 +89,15 @@ static kvq_spec_source kvq_spec_for(const llama_model & model, const std::string
 // type_k/type_v everywhere
 struct kvq_layer_plan {
     llama_kvq_layer_types types;
-    std::string           spec;     // "" or "none": type_k/type_v everywhere
-    std::string           source;   // where the spec came from, for messages
+    std::string           spec;         // "" or "none": type_k/type_v everywhere
+    std::string           source;       // where the spec came from, for messages
+    bool                  from_model;   // the types are the model's kvq.kv_layers
 };
 
 static kvq_layer_plan kvq_plan_layers(const llama_model & model, uint32_t n_layer, ggml_type type_k, ggml_type type_v) {
     const kvq_spec_source given = kvq_spec_for(model, llama_kvq_layer_spec(), "kvq.kv_layers", "--kv-layers");
-    kvq_layer_plan plan = { {}, given.spec, given.source };
+    const bool from_model = llama_kvq_layer_spec().empty() && !given.spec.empty() && given.spec != "none";
+    kvq_layer_plan plan = { {}, given.spec, given.source, from_model };
     try {
         plan.types = llama_kvq_resolve_layer_spec(plan.spec, (int32_t) n_layer, type_k, type_v);
     } catch (const std::invalid_argument & err) {
@@ -115,6 +117,59 @@ static auto kvq_plan_setting(const llama_model & model, const std::string & give
     } catch (const std::invalid_argument & err) {
         throw std::runtime_error(given.source + ": " + err.what());
     }
+}
+
+// pykvq calibrate's clip ratios at each width: the model's kvq.kv_clip gives each tensor its ratio at its width in
+// kvq.kv_layers, so a cache whose types come from elsewhere (--kv-layers, type_k/type_v) would clip a tensor at the
+// ratio of a width it does not run at (1-bit V's 0.7 at 2 bits, 2-bit K's 0.9 at 4)
+static const struct {
+    ggml_type    type;
+    const char * key;
+} kvq_width_clip_keys[] = {
+    { GGML_TYPE_KIVI4, "kvq.calibration.kivi4_clip" },
+    { GGML_TYPE_KIVI2, "kvq.calibration.kivi2_clip" },
+    { GGML_TYPE_KIVI1, "kvq.calibration.kivi1_clip" },
+};
+
+// Each tensor's clip ratio at the width it runs at, from the model's ratios per width; false (clips untouched) where
+// a kivi width in use has none. `spec` names the keys read, for the cache's description.
+static bool kvq_clips_by_width(const llama_model & model, const std::vector<ggml_type> & types_k,
+                               const std::vector<ggml_type> & types_v, int32_t n_layer, llama_kvq_layer_clips & clips,
+                               std::string & spec) {
+    llama_kvq_layer_clips out = { std::vector<float>(n_layer, 1.0f), std::vector<float>(n_layer, 1.0f) };
+    std::string keys;
+    for (const auto & width : kvq_width_clip_keys) {
+        const bool used = std::find(types_k.begin(), types_k.end(), width.type) != types_k.end() ||
+                          std::find(types_v.begin(), types_v.end(), width.type) != types_v.end();
+        if (!used) {
+            continue;
+        }
+        const std::string width_spec = kvq_model_spec(model, width.key, "--kv-clip");
+        if (width_spec.empty()) {
+            return false;
+        }
+        llama_kvq_layer_clips ratios;
+        try {
+            ratios = llama_kvq_resolve_clip_spec(width_spec, n_layer);
+        } catch (const std::invalid_argument & err) {
+            throw std::runtime_error(std::string("the model's ") + width.key + ": " + err.what());
+        }
+        for (int32_t il = 0; il < n_layer; ++il) {
+            if (types_k[il] == width.type) {
+                out.k[il] = ratios.k[il];
+            }
+            if (types_v[il] == width.type) {
+                out.v[il] = ratios.v[il];
+            }
+        }
+        keys += (keys.empty() ? "the model's " : ", ") + std::string(width.key);
+    }
+    if (keys.empty()) {
+        return false;
+    }
+    clips = std::move(out);
+    spec  = keys + " at each tensor's width";
+    return true;
 }
 
 llama_kvq_swa_plan llama_kvq_plan_swa_cache(const llama_model & model, const llama_hparams & hparams, ggml_type type_k,
@@ -237,9 +292,14 @@ void llama_kv_cache::kvq_init(const llama_model & model, ggml_type type_k, ggml_
     kvq_types_k = std::move(plan.types.k);
     kvq_types_v = std::move(plan.types.v);
     const int32_t n_layer = (int32_t) hparams.n_layer_all;
+    // --kv-clip, else (types not the model's kvq.kv_layers) the model's ratios per width, else its kvq.kv_clip
     std::string clip_spec;
-    kvq_clips = kvq_plan_setting(model, llama_kvq_clip_spec(), "kvq.kv_clip", "--kv-clip", clip_spec,
-            [n_layer](const std::string & s) { return llama_kvq_resolve_clip_spec(s, n_layer); });
+    const bool by_width = llama_kvq_clip_spec().empty() && !plan.from_model &&
+                          kvq_clips_by_width(model, kvq_types_k, kvq_types_v, n_layer, kvq_clips, clip_spec);
+    if (!by_width) {
+        kvq_clips = kvq_plan_setting(model, llama_kvq_clip_spec(), "kvq.kv_clip", "--kv-clip", clip_spec,
+                [n_layer](const std::string & s) { return llama_kvq_resolve_clip_spec(s, n_layer); });
+    }
     std::string rotation_spec;
     kvq_rotation = kvq_plan_setting(model, llama_kvq_rotation_spec(), "kvq.kv_rotate", "--kv-rotate", rotation_spec,
             [n_layer, this](const std::string & s) { return llama_kvq_resolve_rotation_spec(s, n_layer, kvq_params.rotate); });

@@ -41,7 +41,9 @@ class Settings:
     window: int
     n_sink: int
     type_swa: str | None = None
-    clip: str = "none"      # SKVQ's per-layer clip ratios of every kivi run (the --kv-clip form)
+    # SKVQ's per-layer clip ratios of every kivi run (the --kv-clip form); None: the model's, each run's own (its
+    # ratios at the run's widths where it has them, pykvq.width_clips, else its kvq.kv_clip), as the cache takes them
+    clip: str | None = None
     rotate: str = "off"     # the Hadamard rotation of every kivi run but the +rot ones (the --kv-rotate form)
     dither: str = "none"    # V's dithered rounding of every kivi run (the --kv-dither form)
     n_gpu_layers: int | None = None  # None: llama-perplexity's default, as many layers as fit
@@ -91,8 +93,9 @@ def tool_args(settings: Settings, spec: KvSpec, kld_args: tuple[str, ...] = ()) 
         args += ["--rpc", settings.rpc]
     if spec.is_kivi:
         args += ["--kv-window", str(settings.window), "--kv-sinks", str(settings.n_sink),
-                 "--kv-rotate", "on" if spec.rotate else settings.rotate, "--kv-clip", settings.clip,
-                 "--kv-dither", settings.dither]
+                 "--kv-rotate", "on" if spec.rotate else settings.rotate, "--kv-dither", settings.dither]
+        if settings.clip is not None:
+            args += ["--kv-clip", settings.clip]
     if settings.type_swa is not None:
         args += ["--kv-type-swa", settings.type_swa]
     # "none": the runs compare the named types, whatever per-layer types the model's metadata suggests
@@ -356,11 +359,15 @@ def run(args: argparse.Namespace) -> int:
         kv_types.type_id(args.kv_type_swa)  # an unknown name is refused before any run, with the valid ones
         check_swa_type(args.kv_type_swa, specs, args.model)
     n_layer = model_info.read_shape(gguf_metadata.read_fields(args.model)).n_layer
-    clip = str(kvq.get(gguf_metadata.KEY_CLIP, "none") if args.kv_clip is None else args.kv_clip)
-    if clip != "none":
+    clip = args.kv_clip
+    if clip not in (None, "none"):
         # refused before any run, naming the part
         native.resolve_clip(clip, n_layer)
         log.info("kivi runs clip with %s", clip)
+    elif clip is None and any(key in kvq for key in gguf_metadata.WIDTH_CLIP_KEYS.values()):
+        log.info("kivi runs clip each tensor at its width's ratio from the model's kvq.calibration.kivi*_clip")
+    elif clip is None and gguf_metadata.KEY_CLIP in kvq:
+        log.info("kivi runs clip with the model's kvq.kv_clip %s", kvq[gguf_metadata.KEY_CLIP])
     rotate = str(kvq.get(gguf_metadata.KEY_ROTATE, "off")) if args.kv_rotate is None else args.kv_rotate
     native.resolve_rotation(rotate, n_layer)
     if rotate != "off":

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
-from pykvq import assets, gguf_metadata, kv_types
+from pykvq import assets, gguf_metadata, kv_types, width_clips
 from pykvq.api.llama import (
     FLASH_ATTN,
     ChatMessage,
@@ -171,7 +171,7 @@ def run_command(args: argparse.Namespace) -> int:
     n_gpu_layers = arguments.gpu_layers(args, unset=None if args.fit else 999)
     # the settings are checked, and the batch sizes chosen, before the weights are placed and loaded
     with Model(path, metadata_only=True) as shape:
-        kv = with_model_metadata(kv, path)
+        kv = with_model_metadata(kv, path, shape.n_layer)
         check_layers(kv, shape)
         if not kv.is_kivi:
             arguments.warn_unused_kivi_flags(args, f"the K {kv.type_k} / V {kv.type_v} cache")
@@ -226,13 +226,22 @@ _METADATA_FIELDS = (("layers", gguf_metadata.KEY_LAYERS), ("window", gguf_metada
                     ("rotate", gguf_metadata.KEY_ROTATE), ("dither", gguf_metadata.KEY_DITHER))
 
 
-def with_model_metadata(kv: KvConfig, model_path: Path) -> KvConfig:
+def with_model_metadata(kv: KvConfig, model_path: Path, n_layer: int) -> KvConfig:
     """The model's kvq.* defaults (per-layer types, window, sinks, clip ratios, rotation, V dither) where the command
-    line gives none: it wins. The rest of its kvq.* metadata is checked as `pykvq inspect` checks it."""
+    line gives none: it wins. Where it gives the types but no clip, the model's ratios at each tensor's width
+    (pykvq.width_clips) where it has them. The rest of its kvq.* metadata is checked as `pykvq inspect` checks it."""
     given = [key for field, key in _METADATA_FIELDS if getattr(kv, field) is not None]
     kvq = model_info.checked_kvq(model_path, ignored=given)
     # an empty spec names nothing, as the KV cache reads it
     from_model = {field: kvq[key] for field, key in _METADATA_FIELDS if key in kvq and kvq[key] != ""}
+    # as the cache does (kvq_clips_by_width): where the types are not the model's kvq.kv_layers
+    if kv.clip is None and (kv.layers is not None or not kvq.get(gguf_metadata.KEY_LAYERS)):
+        types = kv_types.layer_types(kv.layers or "none", n_layer, kv.type_k, kv.type_v)
+        by_width = width_clips.clip_by_width(kvq, *types)
+        if by_width is not None:
+            log.info("the model's kvq.kv_clip is its kvq.kv_layers' ratios: each tensor takes its width's instead "
+                     "(kvq.calibration.kivi*_clip)")
+            from_model["clip"] = by_width
     for field, value in from_model.items():
         log.info("KV %s from the model's kvq.* metadata: %s", field, value)
     return replace(kv, **from_model)
