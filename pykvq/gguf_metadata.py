@@ -41,6 +41,10 @@ rest records how they were chosen, for later methods.
     kvq.calibration.kivi4_clip, kivi1_clip   string            each tensor's ratio at 4 and at 1 bits; with
                                                                kivi2_clip read by the cache where its types are
                                                                not kvq.kv_layers (pykvq.width_clips)
+    kvq.calibration.held_out                 uint32            held-out tokens the refined mix was checked on
+                                                               against kivi2 everywhere (0: none)
+    kvq.calibration.held_out_kld             float32[2]        the mix's and kivi2 everywhere's KL divergence
+                                                               there (pykvq.calibration.held_out)
   written by pykvq convert --calibrate (the HF model in torch, one layer quantized at a time):
     kvq.calibration.error_{k,v}_{kivi4,kivi2,kivi1}  float32[n_layer]  relative squared error of the layer's
                                                      attention output with its K or V at that width
