@@ -100,7 +100,7 @@ KEY_WINDOW_CTX = "kvq.calibration.window_ctx"
 # whole-number keys and their largest value: the settings reach llama.cpp's int32 fields
 WHOLE_NUMBERS = {KEY_WINDOW: INT32_MAX, KEY_SINKS: INT32_MAX, "kvq.calibration.window": INT32_MAX,
                  "kvq.calibration.sinks": INT32_MAX, "kvq.calibration.n_tokens": 2**32 - 1,
-                 KEY_RECALL: 2**32 - 1, KEY_WINDOW_CTX: 2**32 - 1}
+                 KEY_RECALL: 2**32 - 1, KEY_WINDOW_CTX: 2**32 - 1, "kvq.calibration.held_out": 2**32 - 1}
 
 
 # copies smaller than this are quick enough not to need a progress bar
