@@ -407,7 +407,7 @@ def checked_mix(calibrator: Calibrator, text: list[int], result: Refinement[MixC
     return (allocation if check.keeps_mix else everywhere), check
 
 
-def width_clips(widths: list[WidthErrors], layers: list[int], n_layer: int) -> dict[str, str]:
+def per_width_clip_fields(widths: list[WidthErrors], layers: list[int], n_layer: int) -> dict[str, str]:
     """kvq.calibration.kivi4_clip and kivi1_clip: every tensor the cache holds at that width's ratio, which a cache
     whose types are not the copy's takes (pykvq.width_clips)."""
     return {key: attention_sensitivity.clip_spec(widths, uniform_types(layers, k=name, v=name), n_layer)
@@ -579,7 +579,7 @@ def calibrate(args: argparse.Namespace, probe: Probe) -> None:
     print(f"--kv-clip '{clip}' (each tensor at its width's ratio)")
     recorded = metadata(allocation, clip, args.kv_budget, sensitivities, args.sensitivity, args.file, probe,
                         windows, retrieval_probe, check)
-    recorded.update(width_clips(widths, calibrator.layers, allocation.n_layer))
+    recorded.update(per_width_clip_fields(widths, calibrator.layers, allocation.n_layer))
     if args.kv_select is not None:
         recorded[gguf_metadata.KEY_SELECT] = kv_types.selection_spec(args.kv_select)
     gguf_metadata.write_copy(args.model, args.output, recorded)
