@@ -14,6 +14,7 @@ import pytest
 
 from pykvq import gguf_metadata, llama_tools, width_clips
 from pykvq.api.llama import KvConfig, Model
+from pykvq.commands import perplexity
 
 import device
 
@@ -99,8 +100,6 @@ def test_perplexity_runs_each_type_at_its_widths_ratios(smollm2: Path, hamlet: P
                            *common, "--kv-types", "kivi2", "-o", str(tmp_path / "runs")],
                           capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    from pykvq.commands import perplexity
-
     _, runs = perplexity.load_json(tmp_path / "runs.json")
     got = {r.kv_type: r.ppl for r in runs}
 

@@ -365,7 +365,8 @@ def run(args: argparse.Namespace) -> int:
         native.resolve_clip(clip, n_layer)
         log.info("kivi runs clip with %s", clip)
     elif clip is None and any(key in kvq for key in gguf_metadata.WIDTH_CLIP_KEYS.values()):
-        log.info("kivi runs clip each tensor at its width's ratio from the model's kvq.calibration.kivi*_clip")
+        log.info("kivi runs clip each tensor at its width's ratio from the model's kvq.calibration.kivi*_clip where it "
+                 "has that width's, else with its kvq.kv_clip")
     elif clip is None and gguf_metadata.KEY_CLIP in kvq:
         log.info("kivi runs clip with the model's kvq.kv_clip %s", kvq[gguf_metadata.KEY_CLIP])
     rotate = str(kvq.get(gguf_metadata.KEY_ROTATE, "off")) if args.kv_rotate is None else args.kv_rotate
