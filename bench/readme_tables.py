@@ -509,8 +509,36 @@ def recipe_record_table(record: dict) -> str:
     return "\n".join(lines)
 
 
+GLANCE_COLUMNS = ("q4_0", "q4_1", "kivi2", "calibrated kivi2", "calibrated mix")
+
+
+def glance_cell(row: dict) -> str:
+    """A recipe row's perplexity change and its bits per element (K and V averaged); a collapse in whole percent."""
+    delta = row["delta_pct"]
+    change = f"{delta:+.2f}%" if abs(delta) < 100 else f"{delta:+.0f}% (collapsed)"
+    return f"{change} at {(row['bpe_k'] + row['bpe_v']) / 2:.2f}"
+
+
+def glance_table(paths: list[Path]) -> str:
+    """One line per model from its recipe record: the comparison a user makes first, before the tables behind it."""
+    lines = ["At a glance: perplexity against f16 KV at n_ctx 2048 (Hamlet, 4 chunks; bits per element, K and V "
+             "averaged, at that context), upstream's 4-bit KV beside kivi2 as it comes and as `pykvq calibrate` "
+             "leaves a model (bench/recipe.py; each model's table below says what calibrate chose):", "",
+             "| model | f16 PPL | " + " | ".join(GLANCE_COLUMNS) + " |",
+             "| --- | ---: | " + " | ".join("---:" for _ in GLANCE_COLUMNS) + " |"]
+    for path in paths:
+        record = json.loads(path.read_text())
+        rows = {r["label"]: r for r in record["rows"]}
+        cells = [glance_cell(rows[label]) if label in rows else "" for label in GLANCE_COLUMNS]
+        lines.append(f"| {Path(record['model']).stem} | {rows['f16']['ppl']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def render() -> str:
-    parts = [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-c*.json"), key=lambda p: len(p.name))]
+    # each model's current recipe (recipe-<model>-c<n_ctx>.json; other suffixes are studies)
+    recipes = sorted(p for p in RESULTS.glob("recipe-*.json") if re.search(r"-c\d+$", p.stem))
+    parts = [glance_table(recipes)] + [recipe_table(p) for p in recipes]
+    parts += [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-c*.json"), key=lambda p: len(p.name))]
     parts += [perplexity_table(p) for p in sorted(RESULTS.glob("perplexity-gemma3-c*.json"))]
     parts += [asymkv_table(p) for p in sorted(RESULTS.glob("asymkv-c*.json"))]
     parts += [decode_table(p) for p in sorted(RESULTS.glob("decode-speed-*.json"))]
@@ -529,7 +557,7 @@ def render() -> str:
     parts += [scale_format_table(p) for p in sorted(RESULTS.glob("scale-format*.json"))]
     parts += [minikv_table(p) for p in sorted(RESULTS.glob("minikv-*.json"))]
     parts += [kv_clip_table(p) for p in sorted(RESULTS.glob("kv-clip-*.json"))]
-    parts += [recipe_table(p) for p in sorted(RESULTS.glob("recipe-*.json"))]
+    parts += [recipe_table(p) for p in sorted(RESULTS.glob("recipe-*.json")) if p not in recipes]
     return "\n\n".join(parts)
 
 
