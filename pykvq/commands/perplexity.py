@@ -320,6 +320,20 @@ def output_files(prefix: str) -> OutputFiles:
     return OutputFiles(base.with_name(base.name + ".json"), base.with_name(base.name + ".png"))
 
 
+def join_model_layers(specs: list[KvSpec], model_layers_spec: str, model: Path) -> None:
+    """The model's kvq.kv_layers as one more run, unless it is one type everywhere that a run already compares (a
+    calibrated copy whose mix fell back to kivi2 everywhere: the same cache, so the same figures, at a run's cost)."""
+    n_layer = model_info.read_shape(gguf_metadata.read_fields(model)).n_layer
+    types_k, types_v = kv_types.layer_types(model_layers_spec, n_layer, "kivi2", "kivi2")
+    if len(set(types_k + types_v)) == 1 and any(
+            spec.name == types_k[0] and not spec.rotate and not spec.layers for spec in specs):
+        log.info("the model's kvq.kv_layers (%s) is %s everywhere, already in the comparison", model_layers_spec,
+                 types_k[0])
+        return
+    log.info("the model's kvq.kv_layers joins the comparison: %s", model_layers_spec)
+    specs.extend(parse_specs("", [model_layers_spec]))
+
+
 def load_json(path: Path) -> tuple[Settings, list[Run]]:
     record = json.loads(path.read_text())
     raw = record["settings"]
@@ -342,8 +356,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("the model's kvq.kv_layers is left out of the comparison: its per-layer types name the "
                  "sliding-window layers' types, which --kv-type-swa %s would not change", args.kv_type_swa)
     elif model_layers_spec:
-        log.info("the model's kvq.kv_layers joins the comparison: %s", model_layers_spec)
-        specs.extend(parse_specs("", [model_layers_spec]))
+        join_model_layers(specs, model_layers_spec, args.model)
     if args.kv_type_swa not in kv_types.KIVI_BITS and not any(
             spec.is_kivi or spec.layers for spec in specs):
         arguments.warn_unused_kivi_flags(args, "the runs' caches")
