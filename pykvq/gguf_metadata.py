@@ -154,7 +154,8 @@ def _is_whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
+def is_number(value: object) -> bool:
+    """An int or float, not a bool (a subclass of int)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -177,12 +178,12 @@ def validate(kvq: dict[str, object], n_layer: int, n_embd_k_total: int) -> None:
         wanted = n_embd_k_total if key == PER_CHANNEL else n_layer if key.startswith(PER_LAYER_PREFIXES) else None
         if wanted is not None and (not isinstance(value, list) or len(value) != wanted):
             raise GgufError(f"{key} must hold {wanted} values for this model ({n_layer} layers)")
-        if wanted is not None and not all(_is_number(x) for x in value):  # type: ignore[union-attr]
+        if wanted is not None and not all(is_number(x) for x in value):  # type: ignore[union-attr]
             raise GgufError(f"{key} must hold numbers, not {_kind(value)}")
         # no measurement gives nan or inf, and JSON (pykvq inspect --json) cannot hold them
         if wanted is not None and not all(math.isfinite(x) for x in value):  # type: ignore[union-attr]
             raise GgufError(f"{key} holds nan or inf, not measurements: the metadata is corrupt; calibrate again")
-        if key == KEY_BUDGET and not (_is_number(value) and math.isfinite(value)):  # type: ignore[arg-type]
+        if key == KEY_BUDGET and not (is_number(value) and math.isfinite(value)):  # type: ignore[arg-type]
             raise GgufError(f"{key} must be a finite number, not {_kind(value)}: calibrate again")
         if key == KEY_CALIBRATION_TEXT and not isinstance(value, str):
             raise GgufError(f"{key} must be a string, not {_kind(value)}")

@@ -125,3 +125,18 @@ def test_an_empty_kv_spec_is_refused(setting: str) -> None:
     # the C API reads "" as the model's setting: from Python that is None, and "" an empty variable passed on
     with pytest.raises(ValueError, match=f"KvConfig {setting}=' ': an empty spec; None lets the model's setting"):
         KvConfig("kivi2", "kivi2", **{setting: " "})
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"clip": 0.9}, r'KvConfig clip=0.9: give a spec string such as "k:\*=0.9'),
+    ({"layers": 2}, "KvConfig layers=2: give a spec string or None")])
+def test_a_kv_spec_that_is_not_a_string_is_refused(setting: dict[str, object], message: str) -> None:
+    # a number reached the C API's string handling at context creation: AttributeError 'float' ... 'encode'
+    with pytest.raises(TypeError, match=message):
+        KvConfig("kivi2", "kivi2", **setting)
+
+
+@pytest.mark.parametrize(("dither", "spec"), [(0.5, "0.5"), (1, "1"), (0, "0"), (0.25, "0.25")])
+def test_a_dither_spread_may_be_a_number(dither: float, spec: str) -> None:
+    # 0 too: a spread of 0 rounds to nearest, where `or ""` would have let the model's kvq.kv_dither apply
+    assert KvConfig("kivi1", "kivi1", dither=dither).dither == spec

@@ -93,6 +93,38 @@ def test_per_layer_types_reach_the_cache(smollm2: Path, model: Model) -> None:
         assert info.bytes < ctx.memory().bytes
 
 
+def test_a_calibrated_copy_loads_with_its_own_types(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
+    """A copy's kvq.kv_layers (pykvq calibrate, convert) applies where no kv_layers is given, and is kivi: without
+    flash_attn=True the Llama and the server failed at context creation ("KV cache f16/f16: kivi types need flash
+    attention"); llama-cpp-python's default leaves it off."""
+    from pykvq import gguf_metadata
+    from pykvq.llama_cpp import Llama
+    from pykvq.llama_cpp.server import server_argv
+    copy = tmp_path / "copy.gguf"
+    gguf_metadata.write_copy(smollm2, copy, {gguf_metadata.KEY_LAYERS: "k:*=kivi4;v:*=kivi2"})
+    llm = Llama(model_path=str(copy), n_ctx=1024, n_threads=2, verbose=False, logits_all=True, kv_window=32,
+                **device.LLAMA_KWARGS)
+    with device.load_model(copy) as model:
+        tokens = model.tokenize(hamlet.read_text()[30000:32000])[:300]
+        llm.eval(tokens)
+        config = device.context_config(n_ctx=1024, n_batch=512, n_threads=2, kv=KvConfig(window=32))
+        with model.context(config) as ctx:
+            np.testing.assert_array_equal(np.asarray(llm.scores[:len(tokens)]), ctx.eval(tokens, all_logits=True))
+    llm.close()
+    assert server_argv(["--model", str(copy)])[0][-2:] == ["--flash_attn", "true"]
+    assert "--flash_attn" not in server_argv(["--model", str(smollm2)])[0]
+    with pytest.raises(ValueError, match=r"the model's kvq.kv_layers \(k:\*=kivi4;v:\*=kivi2\) are read by the "
+                                         r"fused attention only: pass flash_attn=True"):
+        Llama(model_path=str(copy), flash_attn=False, verbose=False)
+
+
+def test_a_dither_spread_may_be_a_number(smollm2: Path) -> None:
+    from pykvq.llama_cpp import Llama
+    llm = Llama(model_path=str(smollm2), n_ctx=256, verbose=False, type_k=pykvq.GGML_TYPE_KIVI1,
+                type_v=pykvq.GGML_TYPE_KIVI1, kv_dither=0.5, **device.LLAMA_KWARGS)
+    llm.close()
+
+
 def test_unknown_type_int_is_refused(smollm2: Path) -> None:
     from pykvq.llama_cpp import Llama
     with pytest.raises(ValueError, match=r"unknown KV cache type 99; valid: .*43 \(kivi2\)"):

@@ -138,20 +138,22 @@ def test_kl_divergence_scores_every_type_against_the_f16_run(smollm2: Path, haml
         assert r["kld"] is None
 
 
-@pytest.mark.parametrize(("kv_types", "rows"), [("f16,kivi2", ["f16", "kivi2"]),
-                                                  ("f16,kivi4", ["f16", "kivi4", "k:*=kivi2;v:*=kivi2"])])
-def test_a_copy_s_one_type_everywhere_runs_once(smollm2: Path, hamlet: Path, tmp_path: Path, kv_types: str,
+@pytest.mark.parametrize(("given", "rows"), [(["f16,kivi2"], ["f16", "kivi2"]),
+                                              (["f16,kivi4"], ["f16", "kivi4", "k:*=kivi2;v:*=kivi2"]),
+                                              (["f16,kivi4", "--kv-layers", "none"], ["f16", "kivi4"])])
+def test_a_copy_s_one_type_everywhere_runs_once(smollm2: Path, hamlet: Path, tmp_path: Path, given: list[str],
                                                 rows: list[str]) -> None:
     """A calibrated copy whose mix is kivi2 everywhere (calibrate's held-out fallback) ran the same cache twice
-    beside --kv-types kivi2; it still joins where no run compares its type."""
+    beside --kv-types kivi2; it still joins where no run compares its type, and not under --kv-layers none (which
+    was refused as a per-layer spec that names no layer)."""
     copy = tmp_path / "copy.gguf"
     gguf_metadata.write_copy(smollm2, copy, {gguf_metadata.KEY_LAYERS: "k:*=kivi2;v:*=kivi2"})
     out = tmp_path / "compare"
-    proc = pykvq_perplexity(copy, hamlet, "-t", "2", "--kv-types", kv_types, "-o", str(out), *device.TOOL_ARGS)
+    proc = pykvq_perplexity(copy, hamlet, "-t", "2", "--kv-types", *given, "-o", str(out), *device.TOOL_ARGS)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [r["kv_type"] for r in json.loads(out.with_suffix(".json").read_text())["runs"]] == rows
     already = "the model's kvq.kv_layers (k:*=kivi2;v:*=kivi2) is kivi2 everywhere, already in the comparison"
-    assert (already in proc.stderr) == (len(rows) == 2)
+    assert (already in proc.stderr) == (given == ["f16,kivi2"])
 
 
 def test_a_dotted_output_prefix_is_kept_whole(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
-from pykvq import kv_types
+from pykvq import gguf_metadata, kv_types
 from pykvq.api.sampling import Sampler, SamplerSettings
 from pykvq.bindings import devices, native
 from pykvq.bindings.log import sink
@@ -74,8 +74,9 @@ class KvConfig:
     lets a model's kvq.kv_clip metadata apply, ``"none"`` ignores it. ``rotate``: upstream's Hadamard rotation of the
     kivi layers, True/False for all, or per layer in the ``layers`` form with on/off (``"k:*=on;v:0-3=off,4-=on"``);
     None lets a model's kvq.kv_rotate apply, else off. ``dither``: V's dithered rounding, a spread in [0, 1] for every
-    layer (``"0.5"``; 1: stochastic rounding) or per layer with a v: part only (``"v:0-9=1,10-=0"``), which keeps
-    repeated tokens' V errors from adding up; None lets a model's kvq.kv_dither apply, ``"none"`` rounds to nearest."""
+    layer (``0.5`` or ``"0.5"``; 1: stochastic rounding) or per layer with a v: part only (``"v:0-9=1,10-=0"``),
+    which keeps repeated tokens' V errors from adding up; None lets a model's kvq.kv_dither apply, ``"none"`` rounds
+    to nearest."""
 
     type_k: str = "f16"
     type_v: str = "f16"
@@ -87,9 +88,17 @@ class KvConfig:
     type_swa: str | None = None
     select: Selection | None = None
     clip: str | None = None
-    dither: str | None = None
+    dither: str | float | None = None
 
     def __post_init__(self) -> None:
+        if gguf_metadata.is_number(self.dither):
+            # one spread for every layer, as the C API's spec writes it (a float reached its string handling)
+            object.__setattr__(self, "dither", f"{self.dither:g}")
+        for name in ("layers", "type_swa", "clip", "dither"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                example = {"clip": ' such as "k:*=0.9;v:*=0.85"'}.get(name, "")
+                raise TypeError(f"KvConfig {name}={value!r}: give a spec string{example} or None")
         # the C API reads "" as "the model's setting", which None already says: "" is a caller's empty variable
         for name in ("rotate", "layers", "type_swa", "clip", "dither"):
             value = getattr(self, name)

@@ -342,7 +342,8 @@ def load_json(path: Path) -> tuple[Settings, list[Run]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    specs = parse_specs(args.kv_types, args.kv_layers)
+    # --kv-layers none: no per-layer run, and none from the model's kvq.kv_layers
+    specs = parse_specs(args.kv_types, [spec for spec in args.kv_layers if spec.strip() != "none"])
     for f, what in ((args.model, "model"), (args.file, "text")):
         check_readable_file(f, what)
     # the model's kvq.* metadata: its window and sinks are the defaults, its per-layer types one more run
@@ -413,7 +414,8 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
                    help="comma-separated KV cache types, same for K and V; kivi types may add +rot "
                         "(default: %(default)s)")
     p.add_argument("--kv-layers", type=arguments.spec, action="append", default=[], metavar="SPEC",
-                   help="also run per-layer types, e.g. 'k:0-15=kivi2,16-=kivi1;v:*=kivi1' (repeatable)")
+                   help="also run per-layer types, e.g. 'k:0-15=kivi2,16-=kivi1;v:*=kivi1' (repeatable); none: "
+                        "not the model's kvq.kv_layers")
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=4, help="chunks of the text to evaluate (default: %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1, help="threads (default: all cores)")

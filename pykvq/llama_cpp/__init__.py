@@ -25,7 +25,7 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from pykvq import kv_types, paths
+from pykvq import gguf_metadata, kv_types, paths
 from pykvq.api.llama import KvConfig, add_rpc_servers, kvq_params_applied
 from pykvq.bindings import native
 from pykvq.bindings.log import sink
@@ -129,6 +129,30 @@ def kv_config(kwargs: Mapping[str, object]) -> KvConfig:
     return kv
 
 
+def model_layer_spec(args: tuple, kwargs: Mapping[str, object]) -> str | None:
+    """The model's kvq.kv_layers (pykvq calibrate and convert write it), which its cache takes where kv_layers is not
+    given, whatever type_k/type_v say; None where it has none, or where the file cannot be read here (llama.cpp then
+    says why)."""
+    path = kwargs.get("model_path", args[0] if args else None)
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    try:
+        spec = gguf_metadata.read_kvq(Path(path)).get(gguf_metadata.KEY_LAYERS)
+    except gguf_metadata.GgufError:
+        return None
+    return str(spec) if spec not in (None, "", "none") else None
+
+
+def flash_attn_reason(kv: KvConfig, model_layers: str | None) -> str | None:
+    """Why this Llama's cache needs flash attention (llama-cpp-python's default is off), None where it does not:
+    kivi types given, or a model's own per-layer types where none are given."""
+    if kv.needs_flash_attn:
+        return kv.flash_attn_reason
+    if kv.layers is None and model_layers is not None:
+        return f"the model's kvq.kv_layers ({model_layers}) are read by the fused attention only"
+    return None
+
+
 def draft_length(draft_model: object) -> int | None:
     """How many tokens a llama-cpp-python draft model proposes at a time (LlamaPromptLookupDecoding's
     num_pred_tokens): the rejected ones are removed again, so a kivi cache's rollback must cover them."""
@@ -160,24 +184,25 @@ def _llama_class() -> type:
     upstream_parameters = frozenset(inspect.signature(llama_cpp.Llama.__init__).parameters)
 
     class Llama(llama_cpp.Llama):
-        """llama_cpp.Llama on pykvq's libllama; kv_window, kv_sinks and kv_rotate set the kivi layers (defaults: 128, 0,
-        the model's kvq.kv_rotate else off; kv_rotate also takes a per-layer spec such as "k:*=on;v:0-3=off,4-=on"),
-        kv_layers per-layer types (e.g. "asymkv:16/0"), kv_rollback how many last tokens can be removed exactly
-        (speculative decoding's rejected drafts; default: the draft_model's num_pred_tokens, else 0), kv_type_swa the
-        type name of the sliding-window cache of a Gemma-2/3 or gpt-oss model (default: type_k / type_v), kv_select
-        MiniKV's prompt selection as (heavy-hitter share, recent share[, observation window[, pyramid depth]]), e.g.
-        (0.25, 0.25): n_batch and n_ubatch then default to n_ctx, as a prompt must reach the cache in one ubatch;
-        kv_clip SKVQ's per-layer clip ratios (e.g. "k:*=0.9;v:*=0.85"; default: the model's kvq.kv_clip); kv_dither V's
-        dithered rounding, a spread in [0, 1] or per layer (e.g. "0.5", "v:0-9=1,10-=0"; default: the model's
-        kvq.kv_dither, else nearest). Flash attention is switched on for kivi types, which are read by the fused
-        attention only."""
+        """llama_cpp.Llama on pykvq's libllama; kv_window, kv_sinks and kv_rotate set the kivi layers (defaults: the
+        model's kvq.window, kvq.sinks and kvq.kv_rotate, else 128, 0 and off; kv_rotate also takes a per-layer spec such
+        as "k:*=on;v:0-3=off,4-=on"), kv_layers per-layer types (e.g. "asymkv:16/0"), kv_rollback how many last tokens
+        can be removed exactly (speculative decoding's rejected drafts; default: the draft_model's num_pred_tokens, else
+        0), kv_type_swa the type name of the sliding-window cache of a Gemma-2/3 or gpt-oss model (default: type_k /
+        type_v), kv_select MiniKV's prompt selection as (heavy-hitter share, recent share[, observation window[, pyramid
+        depth]]), e.g. (0.25, 0.25): n_batch and n_ubatch then default to n_ctx, as a prompt must reach the cache in one
+        ubatch; kv_clip SKVQ's per-layer clip ratios (e.g. "k:*=0.9;v:*=0.85"; default: the model's kvq.kv_clip);
+        kv_dither V's dithered rounding, a spread in [0, 1] or per layer (e.g. 0.5, "v:0-9=1,10-=0"; default: the
+        model's kvq.kv_dither, else nearest). Flash attention is switched on for kivi types, and for a model's own
+        kvq.kv_layers where kv_layers is not given: the fused attention alone reads them."""
 
         def __new__(cls, *args, **kwargs) -> Llama:
             # every setting is refused before an instance exists: upstream's __del__ fails on a half-built Llama
             check_kv_options(kwargs, upstream_parameters)
             kv = kv_config(kwargs)
-            if kv.needs_flash_attn and kwargs.get("flash_attn") is False:
-                raise ValueError(f"{kv.flash_attn_reason}: pass flash_attn=True")
+            reason = flash_attn_reason(kv, model_layer_spec(args, kwargs))
+            if reason and kwargs.get("flash_attn") is False:
+                raise ValueError(f"{reason}: pass flash_attn=True")
             if kv.is_kivi and kwargs.get("embedding"):
                 raise ValueError("embedding=True packs up to min(n_batch, 256) texts into one unified KV cache whose "
                                  "cells any text may take; a kivi cache gives each sequence a fixed region of 32-token "
@@ -191,7 +216,7 @@ def _llama_class() -> type:
             rpc_servers = kwargs.pop("rpc_servers", None)
             if rpc_servers:
                 add_rpc_servers(rpc_servers)
-            if kv.needs_flash_attn:
+            if flash_attn_reason(kv, model_layer_spec(args, kwargs)):
                 kwargs["flash_attn"] = True
             if kv_types.selects(kv.select):
                 # llama-cpp-python decodes a prompt in n_batch pieces: selection needs it whole

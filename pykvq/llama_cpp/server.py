@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from pykvq import kv_types
 from pykvq.commands.arguments import rotation, spec
 from pykvq.kv_types import KvSpec, KvTypeError
-from pykvq.llama_cpp import LlamaCppError, kv_config, load
+from pykvq.llama_cpp import LlamaCppError, flash_attn_reason, kv_config, load, model_layer_spec
 
 # what llama_cpp.server reads as false for a boolean option (its cli._parse_bool_arg)
 FALSE_VALUES = {"0", "off", "f", "false", "n", "no"}
@@ -34,8 +34,10 @@ def _parser() -> argparse.ArgumentParser:
                                      description="llama-cpp-python's OpenAI-compatible server on pykvq's KV cache "
                                                  "types: pykvq's options below, then llama_cpp.server's.")
     parser.add_argument("--kv-type", help="K and V cache type by name, e.g. kivi2")
-    parser.add_argument("--kv-window", type=int, help="kivi: recent tokens kept in fp16 (default 128)")
-    parser.add_argument("--kv-sinks", type=int, help="kivi: first tokens kept in fp16 (default 0)")
+    parser.add_argument("--kv-window", type=int, help="kivi: recent tokens kept in fp16 (default: the model's "
+                                                      "kvq.window, else 128)")
+    parser.add_argument("--kv-sinks", type=int, help="kivi: first tokens kept in fp16 (default: the model's "
+                                                     "kvq.sinks, else 0)")
     parser.add_argument("--kv-rollback", type=int, help="kivi: last tokens removable exactly (default: "
                                                         "--draft_model_num_pred_tokens with a --draft_model, else 0)")
     parser.add_argument("--kv-rotate", type=rotation,
@@ -98,10 +100,11 @@ def server_argv(argv: list[str]) -> tuple[list[str], dict[str, object]]:
                 "kv_dither": ours.kv_dither}
     # refused here, with the reason, before any model loads
     kv = kv_config({"type_k": _type_option(rest, "--type_k"), "type_v": _type_option(rest, "--type_v"), **settings})
-    if kv.needs_flash_attn:
+    reason = flash_attn_reason(kv, model_layer_spec((), {"model_path": _option(rest, "--model")}))
+    if reason:
         flash_attn = _option(rest, "--flash_attn")
         if flash_attn is not None and flash_attn.strip().lower() in FALSE_VALUES:
-            raise KvTypeError(f"{kv.flash_attn_reason}: drop --flash_attn {flash_attn} (the server turns it on)")
+            raise KvTypeError(f"{reason}: drop --flash_attn {flash_attn} (the server turns it on)")
         rest += ["--flash_attn", "true"]
     return rest, settings
 
