@@ -84,6 +84,16 @@ def test_closed_standard_streams_are_one_clear_error(smollm2: Path) -> None:
     assert "pykvq: error: standard output is closed" in quiet.stderr
 
 
+@pytest.mark.parametrize("command", ["pykvq info --json", "pykvq run -m {model} -p hi -n 64 -c 256 -t 2 --temp 0"])
+def test_a_reader_that_goes_away_ends_the_command_quietly(smollm2: Path, command: str) -> None:
+    """`pykvq info --json | head -c 20` printed 'pykvq: error: [Errno 32] Broken pipe'."""
+    proc = subprocess.run(["bash", "-c", f"set -o pipefail; {command.format(model=smollm2)} | head -c 20"],
+                          capture_output=True, text=True, timeout=300)
+    assert len(proc.stdout) == 20
+    assert proc.returncode == 128 + signal.SIGPIPE
+    assert "pipe" not in proc.stderr.lower() and "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize(("sent", "code", "message"), [(signal.SIGINT, 130, "pykvq: interrupted"),
                                                        (signal.SIGTERM, 143, "pykvq: terminated")])
 def test_a_signal_mid_generation_ends_with_one_line(smollm2: Path, sent: signal.Signals, code: int,

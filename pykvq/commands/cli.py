@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from types import FrameType
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.handler(args)
+    except BrokenPipeError:
+        # the reader is gone (`| head`): end quietly, as a command killed by SIGPIPE, with nothing left to flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (RuntimeError, OSError, ValueError) as exc:
         # One line, no traceback: these carry a message meant for the user.
         print(f"pykvq: error: {exc}", file=sys.stderr)
