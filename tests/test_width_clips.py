@@ -110,3 +110,17 @@ def test_perplexity_runs_each_type_at_its_widths_ratios(smollm2: Path, hamlet: P
 
     assert got["kivi2"] == ppl("none", WIDTHS["kivi2"])
     assert got[MIX] == ppl(MIX, MIX_CLIP)
+
+
+@pytest.mark.parametrize(("kvq", "words"), [
+    ({}, None),
+    ({gguf_metadata.KEY_CLIP: "none", **{key: "none" for key in gguf_metadata.WIDTH_CLIP_KEYS.values()}}, None),
+    ({gguf_metadata.KEY_CLIP: MIX_CLIP}, f"the model's kvq.kv_clip {MIX_CLIP}"),
+    ({gguf_metadata.KEY_CLIP: MIX_CLIP, gguf_metadata.WIDTH_CLIP_KEYS["kivi2"]: WIDTHS["kivi2"]},
+     "each tensor's ratio at its width"),
+])
+def test_perplexity_says_which_of_the_model_s_ratios_its_runs_take(kvq: dict[str, object], words: str | None) -> None:
+    """A copy calibrated with --kv-clip none was said to clip each tensor at its width's ratio."""
+    said = perplexity.model_clip_words(kvq)
+    assert (said is None) == (words is None)
+    assert words is None or said.startswith(words)

@@ -334,6 +334,18 @@ def join_model_layers(specs: list[KvSpec], model_layers_spec: str, model: Path) 
     specs.extend(parse_specs("", [model_layers_spec]))
 
 
+def model_clip_words(kvq: dict[str, object]) -> str | None:
+    """Which of the model's clip ratios the kivi runs take where no --kv-clip is given; None where every one it has
+    is none (a copy calibrated with --kv-clip none)."""
+    width_keys = gguf_metadata.WIDTH_CLIP_KEYS.values()
+    if all(kvq.get(key, "none") == "none" for key in (gguf_metadata.KEY_CLIP, *width_keys)):
+        return None
+    if any(key in kvq for key in width_keys):
+        return ("each tensor's ratio at its width from the model's kvq.calibration.kivi*_clip where it has that "
+                "width's, else its kvq.kv_clip")
+    return f"the model's kvq.kv_clip {kvq[gguf_metadata.KEY_CLIP]}"
+
+
 def load_json(path: Path) -> tuple[Settings, list[Run]]:
     record = json.loads(path.read_text())
     raw = record["settings"]
@@ -378,11 +390,8 @@ def run(args: argparse.Namespace) -> int:
         # refused before any run, naming the part
         native.resolve_clip(clip, n_layer)
         log.info("kivi runs clip with %s", clip)
-    elif clip is None and any(key in kvq for key in gguf_metadata.WIDTH_CLIP_KEYS.values()):
-        log.info("kivi runs clip each tensor at its width's ratio from the model's kvq.calibration.kivi*_clip where it "
-                 "has that width's, else with its kvq.kv_clip")
-    elif clip is None and gguf_metadata.KEY_CLIP in kvq:
-        log.info("kivi runs clip with the model's kvq.kv_clip %s", kvq[gguf_metadata.KEY_CLIP])
+    elif clip is None and (ratios := model_clip_words(kvq)):
+        log.info("kivi runs clip with %s", ratios)
     rotate = str(kvq.get(gguf_metadata.KEY_ROTATE, "off")) if args.kv_rotate is None else args.kv_rotate
     native.resolve_rotation(rotate, n_layer)
     if rotate != "off":
