@@ -122,6 +122,8 @@ def test_run_reports_each_cache(gemma3_path: Path, args: list[str], label: str, 
                          rf"{bpe} bits per element; the global layers' [0-9.]+ MiB, [0-9.]+ bits per element",
                          proc.stderr)
     assert reported, proc.stderr[-2000:]
+    # the headline named the global layers' types alone, for a cache mostly of the sliding-window layers'
+    assert ("KV cache K kivi2, V kivi2, sliding-window layers f16 (" in proc.stderr) == ("--kv-type-swa" in args)
 
 
 def test_state_round_trip_continues_exactly(gemma3: Model, tokens: list[int]) -> None:

@@ -362,6 +362,9 @@ def _report(timings: Timings, memory: KvMemory, kv: KvConfig) -> None:
         dither = f", V dither {kv.dither}" if kv.dither not in (None, "none") else ""
         settings = f" (window {window}, sinks {sinks}{rollback}{clip}{rotated}{dither})"
     types = f"layers {kv.layers}" if kv.layers not in (None, "none") else f"K {kv.type_k}, V {kv.type_v}"
+    if memory.swa_n_cells and kv.type_swa and kv.layers in (None, "none"):
+        # most of such a cache may be the sliding-window layers': the headline names their type too
+        types += f", sliding-window layers {kv.type_swa}"
     print(f"pykvq: KV cache {types}{settings}: {memory.bytes / MIB:.2f} MiB for "
           f"{memory.n_cells} cells, {memory.bits_per_element:.2f} bits per element; f16 KV would use "
           f"{memory.f16_bytes / MIB:.2f} MiB ({memory.ratio_to_f16:.2f}x)", file=sys.stderr)
