@@ -141,7 +141,8 @@ def kvq_fields(fields: dict[str, object], path: Path) -> dict[str, object]:
     version = kvq.get(KEY_VERSION)
     if kvq and not (_is_whole(version) and version in READ_VERSIONS):
         readable = f"{READ_VERSIONS[0]} to {READ_VERSIONS[-1]}"
-        raise GgufError(f"{path}: kvq.* metadata version {version!r}; this pykvq reads versions {readable}")
+        raise GgufError(f"{path}: kvq.* metadata version {version!r}; this pykvq reads versions {readable} "
+                        "(later ones come from a newer pykvq)")
     return kvq
 
 

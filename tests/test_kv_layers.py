@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykvq import KvConfig, Model, gguf_metadata, kv_types, llama_tools, paths
+from pykvq import KvConfig, LlamaError, Model, gguf_metadata, kv_types, llama_tools, paths
 from pykvq.kv_types import bits_per_element
 
 import device
@@ -143,6 +143,10 @@ def test_metadata_of_another_version_is_refused(smollm2: Path, tmp_path: Path) -
                            "-m", str(future), "-p", "hi", "-n", "2"], capture_output=True, text=True,
                           cwd=tmp_path, timeout=120)
     assert proc.returncode == 1 and "version 5; this pykvq reads versions 1 to 4" in proc.stderr
+    # the cache's own refusal named one flag to ignore the metadata with, then the next one under it, and so on
+    with device.load_model(future) as m, pytest.raises(
+            LlamaError, match=r"version 5; this pykvq reads versions 1 to 4 \(later ones come from a newer pykvq\)$"):
+        m.context(device.context_config(n_ctx=256, kv=KvConfig("kivi2", "kivi2", layers="none")))
 
 
 @pytest.mark.parametrize(("metadata", "message"), [

@@ -54,14 +54,14 @@ static size_t kvq_plain_part_offset(const ggml_tensor * t, uint32_t part, bool i
     return in_regions ? (size_t) part*part_cells*t->nb[1] : (size_t) part*t->nb[2];
 }
 
-// a per-layer spec of the model's own (pykvq calibrate writes them), "" when it has none; `flag` overrides it
-static std::string kvq_model_spec(const llama_model & model, const char * key, const char * flag) {
+// a per-layer spec of the model's own (pykvq calibrate writes them), "" when it has none
+static std::string kvq_model_spec(const llama_model & model, const char * key) {
     char buf[4096];
     // version 2 added kvq.kv_clip, 3 kvq.kv_rotate, 4 kvq.kv_dither; older files are read as they are
     const std::string version = llama_model_meta_val_str(&model, "kvq.version", buf, sizeof(buf)) >= 0 ? buf : "1";
     if (version != "1" && version != "2" && version != "3" && version != "4") {
         throw std::runtime_error("the model's kvq.* metadata is version " + version +
-                                 "; this pykvq reads versions 1 to 4 (" + std::string(flag) + " none ignores it)");
+                                 "; this pykvq reads versions 1 to 4 (later ones come from a newer pykvq)");
     }
     const int32_t n = llama_model_meta_val_str(&model, key, buf, sizeof(buf));
     if (n >= (int32_t) sizeof(buf)) {
@@ -82,7 +82,7 @@ static kvq_spec_source kvq_spec_for(const llama_model & model, const std::string
     if (!given.empty()) {
         return { given, flag };
     }
-    return { kvq_model_spec(model, key, flag), std::string("the model's ") + key };
+    return { kvq_model_spec(model, key), std::string("the model's ") + key };
 }
 
 // The K and V type of every layer: --kv-layers (llama_kvq_set_layer_types), else the model's kvq.kv_layers, else
@@ -144,7 +144,7 @@ static bool kvq_clips_by_width(const llama_model & model, const std::vector<ggml
         if (!used) {
             continue;
         }
-        const std::string width_spec = kvq_model_spec(model, width.key, "--kv-clip");
+        const std::string width_spec = kvq_model_spec(model, width.key);
         if (width_spec.empty()) {
             return false;
         }
