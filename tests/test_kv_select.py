@@ -400,3 +400,20 @@ def test_pykvq_inspect_shows_what_the_model_s_selection_holds(selecting_copy: Pa
     assert f"selected: --kv-select 0.25,0.25 keeps 300 of a {N_PROMPT}-token prompt's cells" in text
     off = subprocess.run([*base, "--kv-select", "off"], capture_output=True, text=True, timeout=120).stdout
     assert "selected:" not in off and "kvq.select = 0.25,0.25" in off
+
+
+def test_pykvq_inspect_shows_what_the_model_s_mix_holds_under_its_selection(smollm2: Path, tmp_path: Path) -> None:
+    """The model's own kvq.kv_layers row had no selected bytes, though a selecting copy's mix is kivi everywhere."""
+    copy = tmp_path / "mix-select.gguf"
+    gguf_metadata.write_copy(smollm2, copy, {gguf_metadata.KEY_SELECT: "0.25,0.25",
+                                             gguf_metadata.KEY_LAYERS: "k:*=kivi4;v:*=kivi2"})
+    out = subprocess.run(["pykvq", "inspect", str(copy), "-c", str(N_PROMPT), "--json"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    held = json.loads(out.stdout)["selection"]["bytes_held"]
+    # SmolLM2's K and V rows are alike: kivi4 K beside kivi2 V holds half of each type's bytes
+    assert held["kvq.kv_layers"] == (held["kivi4"] + held["kivi2"]) / 2
+    text = subprocess.run(["pykvq", "inspect", str(copy), "-c", str(N_PROMPT)], capture_output=True, text=True,
+                          timeout=120).stdout
+    row = [line.split() for line in text.splitlines() if line.strip().startswith("kvq.kv_layers ")][-1]
+    assert len(row) == 4 and float(row[3]) < float(row[2])

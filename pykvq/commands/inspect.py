@@ -170,6 +170,9 @@ def kv_cost(shape: KvShape, label: str, types_k: list[str], types_v: list[str], 
     return KvCost(label, per_token, fixed)
 
 
+MODEL_MIX = "kvq.kv_layers"  # the row of the model's own per-layer types
+
+
 def costs(shape: KvShape, kvq: dict[str, object], window: int, sinks: int) -> list[KvCost]:
     """Every type's (not kivi's where the model refuses them), and the model's own per-layer mix."""
     names = [t for t in kv_types.names() if not (shape.refuses_kivi and t in kv_types.KIVI_BITS)]
@@ -177,7 +180,7 @@ def costs(shape: KvShape, kvq: dict[str, object], window: int, sinks: int) -> li
     layers = kvq.get(gguf_metadata.KEY_LAYERS)
     if isinstance(layers, str):
         types_k, types_v = kv_types.layer_types(layers, shape.n_layer, "kivi2", "kivi2")
-        out.append(kv_cost(shape, "kvq.kv_layers", types_k, types_v, window, sinks))
+        out.append(kv_cost(shape, MODEL_MIX, types_k, types_v, window, sinks))
     return out
 
 
@@ -224,11 +227,22 @@ def _short(value: object) -> str:
     return str(value)
 
 
+def selects_with(info: dict, kv_type: str) -> bool:
+    """Whether a cache of this row's types takes prompt selection: a kivi type, or the model's own mix where every
+    layer of it is kivi (selection needs every layer kivi)."""
+    if kv_type != MODEL_MIX:
+        return kv_type in kv_types.KIVI_BITS
+    types_k, types_v = kv_types.layer_types(str(info["kvq"][gguf_metadata.KEY_LAYERS]), info["shape"]["n_layer"],
+                                            "kivi2", "kivi2")
+    return all(t in kv_types.KIVI_BITS for t in types_k + types_v)
+
+
 def selection(info: dict, select: kv_types.Selection, n_prompt: int) -> dict:
-    """What a prompt of n_prompt tokens holds after prompt selection: its cells, and per kivi type its bytes."""
+    """What a prompt of n_prompt tokens holds after prompt selection: its cells, and the bytes of each row whose
+    types take selection."""
     cells = kv_types.kept_cells(select, n_prompt, info["kivi_window"], info["kivi_sinks"])
     held = {c["kv_type"]: c["bytes_per_token"] * cells + c["fixed_bytes"] for c in info["kv_bytes"]
-            if c["kv_type"] in kv_types.KIVI_BITS}
+            if selects_with(info, c["kv_type"])}
     return {"select": list(select), "n_prompt": n_prompt, "cells": cells, "bytes_held": held}
 
 
@@ -257,7 +271,8 @@ def format_text(info: dict, n_ctx: int, select: dict | None = None) -> str:
         lines.append(line)
     if select:
         lines.append(f"  selected: --kv-select {kv_types.selection_spec(select['select'])} keeps "
-                     f"{select['cells']} of a {n_ctx}-token prompt's cells (kivi types only)")
+                     f"{select['cells']} of a {n_ctx}-token prompt's cells (kivi types, and the model's mix where "
+                     "all kivi)")
     if s["n_recurrent"]:
         lines.append(f"  {s['n_recurrent']} of the {s['n_layer']} layers have no attention, hence no KV (a hybrid's "
                      "recurrent layers: their state is the same whatever the KV type)")
