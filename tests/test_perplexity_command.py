@@ -156,6 +156,12 @@ def test_a_copy_s_one_type_everywhere_runs_once(smollm2: Path, hamlet: Path, tmp
     assert (already in proc.stderr) == (given == ["f16,kivi2"])
 
 
+def test_the_table_s_columns_stay_aligned_past_a_long_label() -> None:
+    runs = [perplexity.Run(label, 30.0, 1.5, 4.0, 4.0, 1.0, [], 1.0) for label in
+            ("f16", "kivi2", "k:0-9=kivi4,10-29=kivi2;v:*=kivi2")]
+    assert len({len(line) for line in perplexity.format_table(runs).splitlines()}) == 1
+
+
 def test_a_dotted_output_prefix_is_kept_whole(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:
     """-o run.kivi2 and -o run.q4_0 wrote run.json and run.png both: the second comparison replaced the first."""
     proc = pykvq_perplexity(smollm2, hamlet, "-t", "2", "--kv-types", "f16", "-o", str(tmp_path / "run.f16"),

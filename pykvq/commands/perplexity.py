@@ -243,16 +243,18 @@ def check_swa_type(type_swa: str, specs: list[KvSpec], model: Path) -> None:
 
 def format_table(runs: list[Run]) -> str:
     with_kld = any(r.kld is not None for r in runs)
-    header = f"{'KV type':<12} {'K bpe':>6} {'V bpe':>6} {'PPL':>9} {'± err':>8} {'Δ% vs f16':>10}"
+    # as wide as the longest label: a per-layer spec's runs past 12 characters
+    w = max(12, *(len(r.kv_type) for r in runs))
+    header = f"{'KV type':<{w}} {'K bpe':>6} {'V bpe':>6} {'PPL':>9} {'± err':>8} {'Δ% vs f16':>10}"
     if with_kld:
         header += f" {'KLD vs f16':>11} {'KLD p99':>8} {'same top %':>10}"
     lines = [header, "-" * len(header)]
     for r in runs:
         if r.failure is not None:
-            lines.append(f"{r.kv_type:<12} failed: {r.failure.splitlines()[0]}")
+            lines.append(f"{r.kv_type:<{w}} failed: {r.failure.splitlines()[0]}")
             continue
         delta = "" if r.delta_pct is None else f"{r.delta_pct:+.2f}"
-        line = f"{r.kv_type:<12} {r.bpe_k:>6.2f} {r.bpe_v:>6.2f} {r.ppl:>9.4f} {r.error:>8.4f} {delta:>10}"
+        line = f"{r.kv_type:<{w}} {r.bpe_k:>6.2f} {r.bpe_v:>6.2f} {r.ppl:>9.4f} {r.error:>8.4f} {delta:>10}"
         if with_kld and r.kld is not None:
             p99 = "" if r.kld_p99 is None else f"{r.kld_p99:.4f}"
             line += f" {r.kld:>11.5f} {p99:>8} {r.same_top_pct:>10.2f}"
