@@ -237,13 +237,15 @@ def _completion(llm, prompt: str) -> str:
     return llm.create_completion(prompt, max_tokens=48, temperature=0)["choices"][0]["text"]
 
 
-def test_prompt_lookup_decoding_removes_its_rejected_drafts_exactly(smollm2: Path, hamlet: Path) -> None:
+@pytest.mark.parametrize("n_batch", [512, 128])
+def test_prompt_lookup_decoding_removes_its_rejected_drafts_exactly(smollm2: Path, hamlet: Path, n_batch: int) -> None:
     """llama-cpp-python's speculative decoding removes the drafted tokens the model rejects: the kivi ring's default
     slack (one token) refused that, and the next decode failed ("llama_decode returned -1"). The draft model's
-    length now sets kv_rollback; the text is the one generated without drafts."""
+    length now sets kv_rollback; the text is the one generated without drafts. A prompt over n_batch tokens (128)
+    failed in upstream's eval ("could not broadcast input array"), whose scores kept n_batch rows."""
     prompt = _repeat_prompt(hamlet)
-    plain = _completion(_kivi2_llama(smollm2), prompt)
-    assert _completion(_kivi2_llama(smollm2, draft_model=_prompt_lookup(8)), prompt) == plain
+    plain = _completion(_kivi2_llama(smollm2, n_batch=n_batch), prompt)
+    assert _completion(_kivi2_llama(smollm2, n_batch=n_batch, draft_model=_prompt_lookup(8)), prompt) == plain
 
 
 def test_the_server_s_draft_model_sets_the_rollback(smollm2: Path, hamlet: Path, tmp_path: Path) -> None:

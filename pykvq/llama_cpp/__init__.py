@@ -218,6 +218,10 @@ def _llama_class() -> type:
                 add_rpc_servers(rpc_servers)
             if flash_attn_reason(kv, model_layer_spec(args, kwargs)):
                 kwargs["flash_attn"] = True
+            if kwargs.get("draft_model") is not None:
+                # a draft model turns upstream's logits_all on, but its scores keep n_batch rows unless the argument
+                # says so: a prompt and reply past n_batch tokens failed to broadcast into them
+                kwargs["logits_all"] = True
             if kv_types.selects(kv.select):
                 # llama-cpp-python decodes a prompt in n_batch pieces: selection needs it whole
                 n_ctx = kwargs.get("n_ctx", 512) or 512
