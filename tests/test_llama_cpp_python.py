@@ -125,6 +125,21 @@ def test_a_dither_spread_may_be_a_number(smollm2: Path) -> None:
     llm.close()
 
 
+def test_a_closed_llama_refuses_what_would_reach_freed_memory(smollm2: Path) -> None:
+    """Upstream's close() frees the model and context and keeps their pointers: a completion after it crashed the
+    process (status -11), with any KV type."""
+    from pykvq.llama_cpp import Llama
+    llm = Llama(model_path=str(smollm2), n_ctx=256, verbose=False, **device.LLAMA_KWARGS)
+    llm.close()
+    closed = "this Llama is closed: close\\(\\) freed its model and context"
+    for call in (lambda: llm.create_completion("Hi", max_tokens=3), lambda: llm.create_chat_completion(
+            [{"role": "user", "content": "Hi"}], max_tokens=3), lambda: llm.eval([1, 2]), llm.n_ctx,
+                 llm.save_state, llm.reset):
+        with pytest.raises(RuntimeError, match=closed):
+            call()
+    llm.close()  # twice is harmless, as upstream's
+
+
 def test_unknown_type_int_is_refused(smollm2: Path) -> None:
     from pykvq.llama_cpp import Llama
     with pytest.raises(ValueError, match=r"unknown KV cache type 99; valid: .*43 \(kivi2\)"):

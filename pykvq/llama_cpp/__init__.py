@@ -20,7 +20,8 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-from collections.abc import Collection, Mapping
+import functools
+from collections.abc import Callable, Collection, Mapping
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -267,7 +268,29 @@ def _llama_class() -> type:
                                    "keeps the last N tokens removable (a draft model's rejected tokens)")
             super().eval(tokens)
 
+        def close(self) -> None:
+            super().close()
+            self._freed = True
+
+    for name in FREED_GUARDS:
+        setattr(Llama, name, _refused_once_freed(getattr(Llama, name)))
     return Llama
+
+
+# what reaches llama.cpp through a Llama's model or context: upstream's close() frees them and keeps the pointers,
+# so any of these after it crashed the process (create_completion and chat through tokenize, generate through eval)
+FREED_GUARDS = ("tokenize", "detokenize", "eval", "sample", "embed", "save_state", "load_state", "reset", "n_ctx",
+                "n_embd", "n_vocab", "token_eos", "token_bos", "token_nl", "pooling_type")
+
+
+def _refused_once_freed(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        if getattr(self, "_freed", False):
+            raise RuntimeError("this Llama is closed: close() freed its model and context; create another Llama")
+        return method(self, *args, **kwargs)
+
+    return guarded
 
 
 def __getattr__(name: str):
