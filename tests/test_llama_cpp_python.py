@@ -375,6 +375,17 @@ def test_llama_cpp_python_still_gets_the_log(smollm2: Path, capfd: pytest.Captur
     assert "the model has 30 layers (0-29)" in capfd.readouterr().err
 
 
+def test_loading_llama_cpp_python_keeps_pykvq_s_own_api_quiet(smollm2: Path, tmp_path: Path) -> None:
+    """llama-cpp-python's log callback prints every line until a Llama sets its level: with it installed, pykvq's
+    Model printed llama.cpp's whole log (about 2,400 lines for a load and an eval)."""
+    code = ("import pykvq.llama_cpp as lc, sys\nlc.load()\nfrom pykvq import Model\n"
+            "with Model(sys.argv[1], n_gpu_layers=0) as m, m.context() as c:\n    c.eval(m.tokenize('Hello there'))\n")
+    proc = subprocess.run([sys.executable, "-P", "-c", code, str(smollm2)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("\n") < 10, proc.stderr[:3000]
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["--kv-type", "kivi2+rot"], "True None None --type_k 43 --type_v 43 --flash_attn true"),
     (["--kv-type", "asymkv:16/0"], "None asymkv:16/0 None --type_k 43 --type_v 43 --flash_attn true"),

@@ -18,6 +18,7 @@ The OpenAI-compatible server on the same terms: ``python -m pykvq.llama_cpp.serv
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import sys
 import functools
@@ -170,11 +171,17 @@ def _explained(exc: Exception) -> str:
 
 def _share_log() -> None:
     """llama-cpp-python replaced llama.cpp's log callback when imported (one per process): pykvq's takes it back,
-    so pykvq's exceptions keep llama.cpp's reasons, and hands every line on to llama-cpp-python's."""
+    so pykvq's exceptions keep llama.cpp's reasons, and hands every line on to llama-cpp-python's once a Llama has
+    set that one's level (verbose); before, its level lets everything through, which llama-cpp-python alone never
+    shows (its first call into llama.cpp is a Llama's), and which pykvq's own Model printed: thousands of lines."""
     from llama_cpp import _logger
 
+    def forward(level: int, text: bytes) -> None:
+        if _logger.logger.level != logging.NOTSET:
+            _logger.llama_log_callback(level, text, None)
+
     kept = sink()
-    kept.forward = lambda level, text: _logger.llama_log_callback(level, text, None)
+    kept.forward = forward
     kept.install()
 
 
