@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run HERE before a GPU session: what the GPU machine (no network, 64 MiB per command) needs beside the tree.
-#   build/upstream-prepatched  the pruned, pre-patched llama.cpp (python -m pykvq.devtools.dev prune), ~30 MiB
+#   build/upstream-prepatched  the pruned, pre-patched llama.cpp (python -m pykvq.devtools.dev prune), ~23 MiB
 #   .whl/                      wheels its image lacks, for its Python 3.12: cffi, pycparser, gguf, pytest-timeout, and
 #                              llama-cpp-python (its Python package only) with its server's packages
 #   .gpu-carry/prebuilt/       the CUDA wheel (sm_90) CI builds (.ci/cuda-build), with the hash of its sources: the
