@@ -140,6 +140,15 @@ def test_a_closed_llama_refuses_what_would_reach_freed_memory(smollm2: Path) -> 
     llm.close()  # twice is harmless, as upstream's
 
 
+def test_a_sliding_window_type_on_a_model_without_them_is_named(smollm2: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """kv_type_swa on SmolLM2 was accepted without a word, where pykvq run says it changes nothing."""
+    from pykvq.llama_cpp import Llama
+    Llama(model_path=str(smollm2), n_ctx=256, verbose=False, type_k=pykvq.GGML_TYPE_KIVI2,
+          type_v=pykvq.GGML_TYPE_KIVI2, kv_type_swa="q8_0", **device.LLAMA_KWARGS).close()
+    assert f"kv_type_swa q8_0 changes nothing: {smollm2.name} has no sliding-window layers" in caplog.text
+
+
 def test_unknown_type_int_is_refused(smollm2: Path) -> None:
     from pykvq.llama_cpp import Llama
     with pytest.raises(ValueError, match=r"unknown KV cache type 99; valid: .*43 \(kivi2\)"):

@@ -32,6 +32,8 @@ from pykvq.api.llama import KvConfig, add_rpc_servers, kvq_params_applied
 from pykvq.bindings import native
 from pykvq.bindings.log import sink
 
+log = logging.getLogger(__name__)
+
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the release whose llama.cpp pykvq patches (pykvq/upstream.py)
 LIB_PATH_ENV = "LLAMA_CPP_LIB_PATH"
 MTMD_PATH_ENV = "MTMD_CPP_LIB"  # the folder of libmtmd, which the multimodal chat handlers load
@@ -242,6 +244,9 @@ def _llama_class() -> type:
                 except ValueError as exc:
                     # e.g. the model's kvq.* metadata it could not use
                     raise ValueError(_explained(exc)) from exc
+            if kv.type_swa is not None and llama_cpp.llama_model_n_swa(self.model) == 0:
+                log.warning("kv_type_swa %s changes nothing: %s has no sliding-window layers", kv.type_swa,
+                            Path(self.model_path).name)
             if llama_cpp.llama_model_has_encoder(self.model):
                 # llama-cpp-python decodes without llama_encode, which aborts the process at the first eval
                 self.close()
