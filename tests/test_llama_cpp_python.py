@@ -112,6 +112,9 @@ def test_a_calibrated_copy_loads_with_its_own_types(smollm2: Path, hamlet: Path,
             np.testing.assert_array_equal(np.asarray(llm.scores[:len(tokens)]), ctx.eval(tokens, all_logits=True))
     llm.close()
     assert server_argv(["--model", str(copy)])[0][-2:] == ["--flash_attn", "true"]
+    # a type given wins over the copy's, as in `pykvq run`: --kv-type f16 ran its kivi mix
+    rest, settings = server_argv(["--model", str(copy), "--kv-type", "f16"])
+    assert settings["kv_layers"] == "none" and "--flash_attn" not in rest
     assert "--flash_attn" not in server_argv(["--model", str(smollm2)])[0]
     with pytest.raises(ValueError, match=r"the model's kvq.kv_layers \(k:\*=kivi4;v:\*=kivi2\) are read by the "
                                          r"fused attention only: pass flash_attn=True"):
@@ -396,14 +399,14 @@ def test_loading_llama_cpp_python_keeps_pykvq_s_own_api_quiet(smollm2: Path, tmp
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (["--kv-type", "kivi2+rot"], "True None None --type_k 43 --type_v 43 --flash_attn true"),
+    (["--kv-type", "kivi2+rot"], "True none None --type_k 43 --type_v 43 --flash_attn true"),
     (["--kv-type", "asymkv:16/0"], "None asymkv:16/0 None --type_k 43 --type_v 43 --flash_attn true"),
     (["--kv-type", "kivi2", "--kv-layers", "k:*=kivi4;v:*=kivi2"],
      "None k:*=kivi4;v:*=kivi2 None --type_k 43 --type_v 43 --flash_attn true"),
     (["--kv-type", "kivi2", "--kv-rollback", "0", "--draft_model", "prompt-lookup-decoding"],
-     "None None 0 --draft_model prompt-lookup-decoding --type_k 43 --type_v 43 --flash_attn true"),
+     "None none 0 --draft_model prompt-lookup-decoding --type_k 43 --type_v 43 --flash_attn true"),
     (["--kv-layers", "k:*=kivi4;v:*=f16"], "None k:*=kivi4;v:*=f16 None --flash_attn true"),
-    (["--type_k", "43", "--type_v", "43"], "None None None --type_k 43 --type_v 43 --flash_attn true"),
+    (["--type_k", "43", "--type_v", "43"], "None none None --type_k 43 --type_v 43 --flash_attn true"),
 ], ids=["rotation", "asymkv", "kv-layers", "explicit-rollback", "layers-alone", "type-ids"])
 def test_the_server_takes_every_part_of_the_kv_type(args: list[str], expected: str) -> None:
     """`--kv-type asymkv:16/0` ran as uniform kivi2 and `kivi2+rot` without rotation: the server dropped the

@@ -124,7 +124,7 @@ def kv_config(kwargs: Mapping[str, object]) -> KvConfig:
     if options["rollback"] is None:
         options["rollback"] = draft_length(kwargs.get("draft_model"))
     kv = KvConfig(name(kwargs.get("type_k")), name(kwargs.get("type_v")), **options)
-    if kv.layers is None and (kv.type_k in kv_types.KIVI_BITS) != (kv.type_v in kv_types.KIVI_BITS):
+    if kv.layers in (None, "none") and (kv.type_k in kv_types.KIVI_BITS) != (kv.type_v in kv_types.KIVI_BITS):
         raise ValueError(f"a kivi K type needs a kivi V type and the other way round: type_k {kwargs.get('type_k')} "
                          f"({kv.type_k}) and type_v {kwargs.get('type_v')} ({kv.type_v}); pass the same kivi type "
                          "for both (or per-layer types with kv_layers)")

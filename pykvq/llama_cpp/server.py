@@ -3,7 +3,8 @@
     python -m pykvq.llama_cpp.server --model model.gguf --kv-type kivi2 [--kv-window 64] [llama_cpp.server options]
 
 takes every option of ``python -m llama_cpp.server`` plus pykvq's: ``--kv-type`` (any form `pykvq run` takes:
-kivi2, kivi2+rot, asymkv:16/0) sets --type_k, --type_v and --flash_attn true; ``--kv-window``, ``--kv-sinks``,
+kivi2, kivi2+rot, asymkv:16/0) sets --type_k, --type_v and --flash_attn true (a type given, here or as --type_k
+/--type_v, wins over a model's kvq.kv_layers, as in `pykvq run`); ``--kv-window``, ``--kv-sinks``,
 ``--kv-rollback``, ``--kv-rotate``, ``--kv-layers``, ``--kv-clip``, ``--kv-dither`` and ``--kv-type-swa`` set the kivi
 layers of every model the server loads. Its models are pykvq.llama_cpp.Llama objects (``--rpc_servers`` included).
 """
@@ -95,6 +96,9 @@ def server_argv(argv: list[str]) -> tuple[list[str], dict[str, object]]:
     # every part of the spec, as `pykvq run` takes it: kivi2+rot rotates, asymkv:16/0 sets per-layer types
     rotate = ours.kv_rotate if ours.kv_rotate is not None else (True if spec and spec.rotate else None)
     layers = ours.kv_layers if ours.kv_layers is not None else (spec.layers if spec else None)
+    if layers is None and (spec or _option(rest, "--type_k") or _option(rest, "--type_v")):
+        # types given win over a model's kvq.kv_layers, as in `pykvq run`: --kv-type f16 ran a calibrated copy's mix
+        layers = "none"
     settings = {"kv_window": ours.kv_window, "kv_sinks": ours.kv_sinks, "kv_rotate": rotate, "kv_layers": layers,
                 "kv_rollback": ours.kv_rollback, "kv_type_swa": ours.kv_type_swa, "kv_clip": ours.kv_clip,
                 "kv_dither": ours.kv_dither}
@@ -208,6 +212,8 @@ def serving_llama(settings: dict[str, object]) -> type:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="pykvq: %(message)s")
+    # llama-cpp-python prints llama.cpp's log (by the server's --verbose): pykvq's copy of it would double each line
+    logging.getLogger("pykvq.llama").setLevel(logging.CRITICAL)
     try:
         rest, settings = server_argv(sys.argv[1:] if argv is None else argv)
         llama_cpp = load()
