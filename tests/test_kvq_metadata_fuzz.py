@@ -504,8 +504,9 @@ def _serve(path: Path, log: Path) -> tuple[int | None, dict | None]:
     """Start the server on ``path`` and send one completion: (exit status if it stopped, the answer if any)."""
     port = free_port()
     with log.open("w") as sink:
+        # no --kv-type: a type given would win over the model's kvq.kv_layers, as in `pykvq run`
         proc = subprocess.Popen([sys.executable, "-m", "pykvq.llama_cpp.server", "--model", str(path),
-                                 "--kv-type", "kivi2", "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "256",
+                                 "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "256",
                                  "--n_threads", "1", "--n_gpu_layers", str(device.NGL)],
                                 stdout=subprocess.DEVNULL, stderr=sink, cwd=log.parent)
         try:
