@@ -322,10 +322,9 @@ def output_files(prefix: str) -> OutputFiles:
     return OutputFiles(base.with_name(base.name + ".json"), base.with_name(base.name + ".png"))
 
 
-def join_model_layers(specs: list[KvSpec], model_layers_spec: str, model: Path) -> None:
+def join_model_layers(specs: list[KvSpec], model_layers_spec: str, n_layer: int) -> None:
     """The model's kvq.kv_layers as one more run, unless it is one type everywhere that a run already compares (a
     calibrated copy whose mix fell back to kivi2 everywhere: the same cache, so the same figures, at a run's cost)."""
-    n_layer = model_info.read_shape(gguf_metadata.read_fields(model)).n_layer
     types_k, types_v = kv_types.layer_types(model_layers_spec, n_layer, "kivi2", "kivi2")
     if len(set(types_k + types_v)) == 1 and any(
             spec.name == types_k[0] and not spec.rotate and not spec.layers for spec in specs):
@@ -366,12 +365,13 @@ def run(args: argparse.Namespace) -> int:
                  (gguf_metadata.KEY_ROTATE, args.kv_rotate), (gguf_metadata.KEY_DITHER, args.kv_dither))
     given = [key for key, value in overrides if value is not None]
     kvq = model_info.checked_kvq(args.model, ignored=given)
+    n_layer = model_info.read_shape(gguf_metadata.read_fields(args.model)).n_layer
     model_layers_spec = kvq.get(gguf_metadata.KEY_LAYERS)
     if model_layers_spec and args.kv_type_swa is not None and sliding_window_model(args.model):
         log.info("the model's kvq.kv_layers is left out of the comparison: its per-layer types name the "
                  "sliding-window layers' types, which --kv-type-swa %s would not change", args.kv_type_swa)
     elif model_layers_spec:
-        join_model_layers(specs, model_layers_spec, args.model)
+        join_model_layers(specs, model_layers_spec, n_layer)
     if args.kv_type_swa not in kv_types.KIVI_BITS and not any(
             spec.is_kivi or spec.layers for spec in specs):
         arguments.warn_unused_kivi_flags(args, "the runs' caches")
@@ -386,7 +386,6 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_type_swa is not None:
         kv_types.type_id(args.kv_type_swa)  # an unknown name is refused before any run, with the valid ones
         check_swa_type(args.kv_type_swa, specs, args.model)
-    n_layer = model_info.read_shape(gguf_metadata.read_fields(args.model)).n_layer
     clip = args.kv_clip
     if clip not in (None, "none"):
         # refused before any run, naming the part

@@ -217,7 +217,10 @@ def _llama_class() -> type:
                 raise ValueError("embedding=True packs up to min(n_batch, 256) texts into one unified KV cache whose "
                                  "cells any text may take; a kivi cache gives each sequence a fixed region of 32-token "
                                  "tiles: embed with an f16 or q8_0 KV cache")
-            return super().__new__(cls)
+            llm = super().__new__(cls)
+            # for __init__, which would read the model's header again
+            llm._needs_flash_attn = reason is not None
+            return llm
 
         def __init__(self, *args, **kwargs) -> None:
             kv = kv_config(kwargs)
@@ -226,7 +229,7 @@ def _llama_class() -> type:
             rpc_servers = kwargs.pop("rpc_servers", None)
             if rpc_servers:
                 add_rpc_servers(rpc_servers)
-            if flash_attn_reason(kv, model_layer_spec(args, kwargs)):
+            if self._needs_flash_attn:
                 kwargs["flash_attn"] = True
             if kwargs.get("draft_model") is not None:
                 # a draft model turns upstream's logits_all on, but its scores keep n_batch rows unless the argument
