@@ -180,6 +180,17 @@ def bits_per_element(name: str, n_ctx: int, window: int, n_sink: int, rollback: 
     raise KvTypeError(f"unknown KV cache type {name!r}")
 
 
+# the clip "ratio" mse of --kv-clip, as the cache resolves it (ggml-kvq.h's GGML_KVQ_CLIP_MSE): each quantization
+# group's range searched for least squared error
+CLIP_MSE = 0.0
+CLIP_MSE_NAME = "mse"
+
+
+def clip_text(ratio: float) -> str:
+    """A clip ratio as --kv-clip writes it."""
+    return CLIP_MSE_NAME if ratio == CLIP_MSE else f"{ratio:g}"
+
+
 def per_layer_spec(values: dict[str, list[str]], neutral: str) -> str:
     """The per-layer spec form (--kv-layers, --kv-clip, --kv-rotate) of one value per layer for each part (k, v),
     runs of equal values as ranges, a part that is ``neutral`` everywhere left out; "none" when every part is."""

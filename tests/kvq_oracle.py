@@ -47,9 +47,48 @@ def _dithered_codes(t: np.ndarray, qmax: int, spread: float, key: int) -> np.nda
     return codes
 
 
+# the clip "ratio" mse: each block's range searched for least squared error (ggml-kvq.h's GGML_KVQ_CLIP_MSE)
+CLIP_MSE = 0.0
+MSE_STEP = np.float32(0.04)
+MSE_STEPS = 8
+
+
+def _fp16_range(lo: np.float32, hi: np.float32, qmax: int) -> tuple[np.float16, np.float16]:
+    d_wanted = np.float32(np.float32(hi - lo) / np.float32(qmax))
+    return np.float16(min(d_wanted, FP16_MAX)), np.float16(lo)
+
+
+def _squared_error(v: np.ndarray, lo: np.float32, hi: np.float32, qmax: int) -> np.float32:
+    """Sum over the block's values, in order, of (m + d*code - value)^2, each step rounded to float32."""
+    d16, m16 = _fp16_range(lo, hi, qmax)
+    d, m = np.float32(d16), np.float32(m16)
+    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+    codes = np.rint(np.clip((v - m) * inv, 0, qmax)).astype(np.float32)
+    errors = (m + d * codes) - v
+    return np.add.accumulate(errors * errors, dtype=np.float32)[-1]
+
+
+def _searched_range(v: np.ndarray, lo: np.float32, hi: np.float32, qmax: int) -> tuple[np.float32, np.float32]:
+    """Candidates [lo + w*a*STEP, hi - w*b*STEP] for a, b in 0..STEPS (a outer), w = hi - lo; the first of least
+    squared error."""
+    width = np.float32(hi - lo)
+    if not width > 0:
+        return lo, hi
+    best, chosen = np.float32(np.inf), (lo, hi)
+    for a in range(MSE_STEPS + 1):
+        low = np.float32(lo + np.float32(width * np.float32(np.float32(a) * MSE_STEP)))
+        for b in range(MSE_STEPS + 1):
+            high = np.float32(hi - np.float32(width * np.float32(np.float32(b) * MSE_STEP)))
+            error = _squared_error(v, low, high, qmax)
+            if error < best:
+                best, chosen = error, (low, high)
+    return chosen
+
+
 def quantize_block(x: np.ndarray, bits: int, clip: float = 1.0, spread: float = 0.0, key: int = 0) -> bytes:
-    """One block; clip (SKVQ): the range [min, max] narrowed to [clip*min, clip*max] in float32, values beyond it
-    given the end codes. spread > 0: V's dithered rounding, value i drawn with key + i (dither_threshold)."""
+    """One block; clip (SKVQ): the range [min, max] narrowed to [clip*min, clip*max] in float32, or searched
+    (CLIP_MSE), values beyond it given the end codes. spread > 0: V's dithered rounding, value i drawn with key + i
+    (dither_threshold)."""
     x = np.asarray(x, dtype=np.float32)
     assert x.shape == (QK,)
     nbytes, qmax = QK * bits // 8, (1 << bits) - 1
@@ -58,9 +97,11 @@ def quantize_block(x: np.ndarray, bits: int, clip: float = 1.0, spread: float = 
     qs = np.zeros(nbytes, dtype=np.uint8)
     if not present.any():
         return np.float16(0).tobytes() + np.float16(0).tobytes() + qs.tobytes()
-    lo, hi = v[present].min() * np.float32(clip), v[present].max() * np.float32(clip)
-    d_wanted = np.float32(np.float32(hi - lo) / np.float32(qmax))
-    d16, m16 = np.float16(min(d_wanted, FP16_MAX)), np.float16(lo)
+    if clip == CLIP_MSE:
+        lo, hi = _searched_range(v[present], v[present].min(), v[present].max(), qmax)
+    else:
+        lo, hi = v[present].min() * np.float32(clip), v[present].max() * np.float32(clip)
+    d16, m16 = _fp16_range(lo, hi, qmax)
     d, m = np.float32(d16), np.float32(m16)
     inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
     with np.errstate(invalid="ignore"):

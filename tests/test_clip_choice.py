@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pykvq.calibration.clip_choice import MAX_TURNS, PER_LAYER, ClipChoice, choose_clip
+from pykvq.kv_types import CLIP_MSE, CLIP_MSE_NAME
 from pykvq.calibration.clip_ratios import RATIOS
 
 N_LAYER = 3
@@ -10,10 +11,14 @@ N_LAYER = 3
 PER_LAYER_RATIOS = {"k": [1.0, 0.85, 0.9], "v": [0.8, 0.75, 0.8]}
 
 
-def scripted(kld_of, calls: list | None = None):  # noqa: ANN001, ANN201
+def scripted(kld_of, calls: list | None = None, mse_gain: float = -1.0):  # noqa: ANN001, ANN201
+    """Measures by ``kld_of``; V searched per group (mse) measures as unclipped V less ``mse_gain`` (by default
+    worse than anything)."""
     def measure(ratios: dict[str, list[float]]) -> float:
         if calls is not None:
             calls.append({part: list(values) for part, values in ratios.items()})
+        if ratios["v"] == [CLIP_MSE] * N_LAYER:
+            return kld_of({**ratios, "v": [1.0] * N_LAYER}) - mse_gain
         return kld_of(ratios)
     return measure
 
@@ -85,12 +90,25 @@ def test_the_turns_end_at_their_cap_and_a_later_tie_keeps_the_current_choice() -
 def test_the_ratio_search_stops_past_the_best_and_ties_stay_unclipped() -> None:
     choice = choose_clip(scripted(lambda r: (r["k"][-1] - 0.8) ** 2 + (r["v"][-1] - 0.85) ** 2), PER_LAYER_RATIOS)
     # each part stops at the first ratio that measures worse than the best so far; per-layer measured last
-    assert list(first_turn(choice, "v")) == ["1", "0.95", "0.9", "0.85", "0.8", PER_LAYER]
+    assert list(first_turn(choice, "v")) == ["1", "0.95", "0.9", "0.85", "0.8", CLIP_MSE_NAME, PER_LAYER]
     assert list(first_turn(choice, "k")) == ["1", "0.95", "0.9", "0.85", "0.8", "0.75", PER_LAYER]
     assert choice.chosen == {"k": [0.8] * N_LAYER, "v": [0.85] * N_LAYER}
     flat = choose_clip(scripted(lambda r: 0.5), PER_LAYER_RATIOS)
     # nothing measures worse, so every ratio is measured, and unclipped stays
-    assert flat.spec == "none" and list(first_turn(flat, "v")) == [f"{r:g}" for r in RATIOS] + [PER_LAYER]
+    assert flat.spec == "none" and list(first_turn(flat, "v")) == [f"{r:g}" for r in RATIOS] + [CLIP_MSE_NAME,
+                                                                                                 PER_LAYER]
+
+
+def test_v_also_tries_each_group_s_range_of_least_squared_error_and_k_does_not() -> None:
+    """mse in every layer is one more candidate of V's, kept where it measures lowest; K's tiles never try it."""
+    calls: list[dict[str, list[float]]] = []
+    choice = choose_clip(scripted(lambda r: 0.01 + (r["k"][0] - 0.9) ** 2 + (r["v"][0] - 0.9) ** 2, calls, 0.02),
+                         PER_LAYER_RATIOS)
+    assert choice.chosen == {"k": [0.9] * N_LAYER, "v": [CLIP_MSE] * N_LAYER}
+    assert choice.spec == "k:0-2=0.9;v:0-2=mse"
+    assert all(CLIP_MSE_NAME in klds for part, klds in choice.turns if part == "v")
+    assert all(CLIP_MSE_NAME not in klds for part, klds in choice.turns if part == "k")
+    assert not any(CLIP_MSE in c["k"] for c in calls)
 
 
 def test_per_layer_ratios_already_measured_as_one_ratio_are_not_measured_again() -> None:

@@ -10,7 +10,7 @@ import pytest
 from pykvq.calibration import clip_ratios as cc
 
 
-@pytest.mark.parametrize("clip", [1.0, 0.85, 0.6])
+@pytest.mark.parametrize("clip", [1.0, 0.85, 0.6, oracle.CLIP_MSE], ids=["1", "0.85", "0.6", "mse"])
 def test_fake_quantization_is_the_format(clip: float) -> None:
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((5, 96)) * rng.uniform(0.1, 5, (5, 1))).astype(np.float32)

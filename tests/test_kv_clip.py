@@ -12,6 +12,7 @@ import pytest
 from pykvq import gguf_metadata, llama_tools
 from pykvq.api.llama import KvConfig, LlamaError, Model
 from pykvq.bindings import native
+from pykvq.kv_types import CLIP_MSE
 
 import device
 
@@ -49,6 +50,19 @@ def test_clipping_changes_what_the_quantized_cells_say(model: Model, tokens: lis
     assert np.abs(both - k_only).max() > 1e-2 and np.abs(both - v_only).max() > 1e-2
 
 
+def test_mse_searches_each_v_group_in_the_real_cache(model: Model, tokens: list[int]) -> None:
+    """v:*=mse reaches the kernels: the first tokens, which read no quantized V, are untouched, later ones move; it
+    resolves to GGML_KVQ_CLIP_MSE per layer and mixes with ratios (another spec, other logits)."""
+    plain = logits(model, tokens)
+    searched = logits(model, tokens, clip="v:*=mse")
+    np.testing.assert_array_equal(searched[:16], plain[:16])
+    assert np.abs(searched[-32:] - plain[-32:]).max() > 1e-2
+    mixed = logits(model, tokens, clip="k:*=0.9;v:0-14=mse,15-=0.8")
+    assert np.abs(mixed - searched).max() > 1e-2
+    k, v = native.resolve_clip("k:*=0.9;v:0-1=mse,2-=0.8", 4)
+    assert k == pytest.approx([0.9] * 4) and v == pytest.approx([CLIP_MSE, CLIP_MSE, 0.8, 0.8])
+
+
 def test_per_layer_ratios_apply_to_their_layers(model: Model, tokens: list[int]) -> None:
     """A ratio given to some layers only: layers left at 1 are untouched, so clipping only the last layer differs
     less from plain than clipping every layer, and a split spec equals the same ratios written per layer."""
@@ -83,7 +97,8 @@ def test_the_model_s_ratios_apply_and_the_command_line_wins(smollm2: Path, tmp_p
 
 
 @pytest.mark.parametrize(("spec", "needle"), [
-    ("k:*=1.2", "'1.2' is not a clip ratio in (0, 1]"),
+    ("k:*=1.2", "'1.2' is not a clip ratio in (0, 1] or mse"),
+    ("v:*=MSE", "'MSE' is not a clip ratio in (0, 1] or mse"),
     ("k:*=0", "'0' is not a clip ratio in (0, 1]"),
     ("k:*=nan", "'nan' is not a clip ratio in (0, 1]"),
     ("k:*=kivi2", "'kivi2' is not a clip ratio"),

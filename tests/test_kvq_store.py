@@ -17,6 +17,7 @@ import pytest
 from kvq_layer import Case
 
 from pykvq.bindings.ggml_types import GGML_TYPE_KIVI1, GGML_TYPE_KIVI4
+from pykvq.kv_types import CLIP_MSE
 
 CASES = {
     "d64-h2-w16-3-streams": (Case(64, 2, 2, 16, 0), [29, 3, 64]),
@@ -26,6 +27,7 @@ CASES = {
     "d16-h4-w32-2-streams": (Case(16, 4, 4, 32, 0), [31, 7]),
     "d64-h2-w16-2-streams-v1-dither": (Case(64, 2, 2, 16, 0, v_type=GGML_TYPE_KIVI1, v_spread=1.0), [29, 3]),
     "d32-h2-w32-s2-v2-half-dither": (Case(32, 2, 2, 32, 2, clip_v=0.9, v_spread=0.5), [40]),
+    "d64-h2-w16-s2-mse-half-dither": (Case(64, 2, 2, 16, 2, clip_k=CLIP_MSE, clip_v=CLIP_MSE, v_spread=0.5), [29, 3]),
     "d576-latent-w32-s2-k4-clip-2-streams": (Case(576, 16, 1, 32, 2, GGML_TYPE_KIVI4, clip_k=0.9, head_dim_v=512,
                                                   latent=True), [30, 5]),
 }

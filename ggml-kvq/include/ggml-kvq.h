@@ -53,8 +53,18 @@ GGML_API size_t quantize_kivi2(const float * GGML_RESTRICT src, void * GGML_REST
 GGML_API size_t quantize_kivi4(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix);
 GGML_API size_t quantize_kivi1(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix);
 
+// The clip "ratio" that gives each block the range of least squared error instead of a fixed ratio (SKVQ's clipping
+// per group): each end of the range moves in by 0, 1, ..., GGML_KVQ_MSE_STEPS times GGML_KVQ_MSE_STEP of its width,
+// and the first candidate of least sum of squared errors wins (a tie keeps the wider range). It pays for V's
+// per-token groups, whose squared error is what the attention output sees; K's per-channel tiles lose by it (their
+// outlier tokens matter more than their bulk).
+#define GGML_KVQ_CLIP_MSE  0.0f
+#define GGML_KVQ_MSE_STEP  0.04f
+#define GGML_KVQ_MSE_STEPS 8
+
 // One block of 32 values with `bits`-bit codes, its range [min, max] first narrowed to [clip*min, clip*max]
-// (SKVQ's clipped dynamic quantization, clip in (0, 1]; 1: the plain format), values beyond it given the end codes
+// (SKVQ's clipped dynamic quantization, clip in (0, 1]; 1: the plain format; GGML_KVQ_CLIP_MSE: searched), values
+// beyond it given the end codes
 GGML_API void ggml_kvq_quantize_block(const float * GGML_RESTRICT x, void * GGML_RESTRICT block, int bits, float clip);
 
 // The same with V's dithered rounding: value i's code is floor(t) + 1 when the fraction of t = (x - m)/d reaches a

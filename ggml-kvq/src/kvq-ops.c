@@ -26,7 +26,7 @@ static void kvq_check_seal(const struct ggml_tensor * k_tiles, const struct ggml
                            const struct ggml_tensor * k_cur, const struct ggml_tensor * k_idxs, int32_t n_sink,
                            int32_t n_seq, float clip) {
     GGML_ASSERT(ggml_kvq_is_kivi(k_tiles->type) && ggml_is_contiguous(k_tiles));
-    GGML_ASSERT(clip > 0.0f && clip <= 1.0f);
+    GGML_ASSERT(clip >= GGML_KVQ_CLIP_MSE && clip <= 1.0f);
     GGML_ASSERT(k_tiles->ne[0] == (int64_t) kvq_n_embd(k_cur)*QK_KIVI);
     GGML_ASSERT(k_tiles->ne[2] == k_fp16->ne[2] && k_tiles->ne[3] == 1);
     kvq_check_batch(k_fp16, k_cur, k_idxs, n_sink, n_seq);
@@ -38,7 +38,7 @@ static void kvq_check_v_rows(const struct ggml_tensor * v_rows, int64_t n_embd, 
     GGML_ASSERT(ggml_kvq_is_kivi(v_rows->type) && ggml_is_contiguous(v_rows) && ggml_n_dims(v_rows) <= 2);
     GGML_ASSERT(n_embd == v_rows->ne[0] && n_embd % QK_KIVI == 0);
     GGML_ASSERT(idxs->type == GGML_TYPE_I64 && ggml_is_contiguous(idxs) && idxs->ne[0] == n_rows);
-    GGML_ASSERT(clip > 0.0f && clip <= 1.0f);
+    GGML_ASSERT(clip >= GGML_KVQ_CLIP_MSE && clip <= 1.0f);
 }
 
 // op params: { op, window, n_sink, scale, n_seq, kv_size, mask_all_streams }; SEAL_K's and STORE_V's clip at

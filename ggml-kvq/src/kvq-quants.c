@@ -24,13 +24,75 @@ static float kivi_clip_bound(float v, float clip) {
     return r;
 }
 
+// a product rounded on its own (see kivi_clip_bound)
+static float kivi_product(float a, float b) {
+    volatile float r = a*b;
+    return r;
+}
+
+// the fp16 d and m that dequantization uses for the range [lo, hi]
+static void kivi_range_dm(float lo, float hi, int qmax, uint16_t * dm) {
+    const float d_wanted = (hi - lo)/qmax;
+    dm[0] = GGML_FP32_TO_FP16(d_wanted > KIVI_FP16_MAX ? KIVI_FP16_MAX : d_wanted);
+    dm[1] = GGML_FP32_TO_FP16(lo);
+}
+
+// nearest code of a value, t = (x - m)/d clamped before converting: with a subnormal d, t can exceed the range of int
+static float kivi_clamped_step(float x, float m, float id, int qmax) {
+    const float t = (kivi_saturate(x) - m)*id;
+    return t < 0.0f ? 0.0f : (t > qmax ? (float) qmax : t);
+}
+
+// the block's sum of squared errors under the range [lo, hi], in value order
+static float kivi_range_sse(const float * GGML_RESTRICT x, int qmax, float lo, float hi) {
+    uint16_t dm[2];
+    kivi_range_dm(lo, hi, qmax, dm);
+    const float d  = GGML_FP16_TO_FP32(dm[0]);
+    const float m  = GGML_FP16_TO_FP32(dm[1]);
+    const float id = d > 0.0f ? 1.0f/d : 0.0f;
+    float sse = 0.0f;
+    for (int i = 0; i < QK_KIVI; ++i) {
+        if (isnan(x[i])) {
+            continue;
+        }
+        const float e = (m + kivi_product(d, nearbyintf(kivi_clamped_step(x[i], m, id, qmax)))) - kivi_saturate(x[i]);
+        sse += kivi_product(e, e);
+    }
+    return sse;
+}
+
+// GGML_KVQ_CLIP_MSE: [lo, hi] narrowed to the candidate range of least squared error (ggml-kvq.h)
+static void kivi_search_range(const float * GGML_RESTRICT x, int qmax, float * lo, float * hi) {
+    const float w = *hi - *lo;
+    if (!(w > 0.0f)) {
+        return;
+    }
+    float best = INFINITY;
+    float best_lo = *lo;
+    float best_hi = *hi;
+    for (int a = 0; a <= GGML_KVQ_MSE_STEPS; ++a) {
+        const float l = *lo + kivi_product(w, a*GGML_KVQ_MSE_STEP);
+        for (int b = 0; b <= GGML_KVQ_MSE_STEPS; ++b) {
+            const float h   = *hi - kivi_product(w, b*GGML_KVQ_MSE_STEP);
+            const float sse = kivi_range_sse(x, qmax, l, h);
+            if (sse < best) {
+                best    = sse;
+                best_lo = l;
+                best_hi = h;
+            }
+        }
+    }
+    *lo = best_lo;
+    *hi = best_hi;
+}
+
 // One block. The codes are computed from the fp16-rounded d and m that dequantization will use, with
 // a subtraction, a multiplication and a round-to-nearest-even (or the dither's integer threshold): no operation a
 // compiler could fuse, so SIMD paths and the numpy oracle reproduce it exactly.
 void ggml_kvq_quantize_block_dithered(const float * GGML_RESTRICT x, void * GGML_RESTRICT out, int bits, float clip,
                                       int32_t spread16, uint64_t key) {
     GGML_ASSERT(spread16 >= 0 && spread16 <= 65536);
-    GGML_ASSERT(clip > 0.0f && clip <= 1.0f);
+    GGML_ASSERT(clip >= GGML_KVQ_CLIP_MSE && clip <= 1.0f);
     uint8_t   * block  = (uint8_t *) out;
     const int   nbytes = QK_KIVI*bits/8;
     const int   qmax   = (1 << bits) - 1;
@@ -52,12 +114,14 @@ void ggml_kvq_quantize_block_dithered(const float * GGML_RESTRICT x, void * GGML
         dm[1] = GGML_FP32_TO_FP16(0.0f);
         return;
     }
-    // SKVQ's clipping: the range narrowed about zero; values beyond it take the end codes
-    lo = kivi_clip_bound(lo, clip);
-    hi = kivi_clip_bound(hi, clip);
-    const float d_wanted = (hi - lo)/qmax;
-    dm[0] = GGML_FP32_TO_FP16(d_wanted > KIVI_FP16_MAX ? KIVI_FP16_MAX : d_wanted);
-    dm[1] = GGML_FP32_TO_FP16(lo);
+    // SKVQ's clipping: the range narrowed about zero, or searched per block; values beyond it take the end codes
+    if (clip == GGML_KVQ_CLIP_MSE) {
+        kivi_search_range(x, qmax, &lo, &hi);
+    } else {
+        lo = kivi_clip_bound(lo, clip);
+        hi = kivi_clip_bound(hi, clip);
+    }
+    kivi_range_dm(lo, hi, qmax, dm);
     const float d  = GGML_FP16_TO_FP32(dm[0]);
     const float m  = GGML_FP16_TO_FP32(dm[1]);
     const float id = d > 0.0f ? 1.0f/d : 0.0f;
@@ -65,9 +129,7 @@ void ggml_kvq_quantize_block_dithered(const float * GGML_RESTRICT x, void * GGML
         if (isnan(x[i])) {
             continue;
         }
-        const float t = (kivi_saturate(x[i]) - m)*id;
-        // clamp before converting: with a subnormal d, t can exceed the range of int
-        const float tc = t < 0.0f ? 0.0f : (t > qmax ? (float) qmax : t);
+        const float tc = kivi_clamped_step(x[i], m, id, qmax);
         const int   q  = spread16 == 0 ? (int) nearbyintf(tc) : ggml_kvq_dithered_code(tc, qmax, spread16, key + i);
         qs[i % nbytes] |= (uint8_t) (q << ((i / nbytes)*bits));
     }

@@ -94,7 +94,8 @@ LLAMA_API bool llama_kvq_resolve_layer_types(const char * spec, int32_t n_layer,
 // SKVQ's clipped quantization for the kivi layers of KV caches created afterwards: per layer, a ratio in (0, 1]
 // that narrows each quantization group's range [min, max] to [ratio*min, ratio*max] before its step is taken
 // (values beyond it get the end codes), in the per-layer spec form with ratios for types, e.g.
-// "k:*=0.9;v:0-3=1,4-=0.85" (a part left out: 1, no clipping). "" (or NULL): no spec, a model's "kvq.kv_clip"
+// "k:*=0.9;v:0-3=1,4-=0.85" (a part left out: 1, no clipping); "mse" in place of a ratio searches each group for its
+// range of least squared error (GGML_KVQ_CLIP_MSE). "" (or NULL): no spec, a model's "kvq.kv_clip"
 // metadata applies if it has one (pykvq calibrate writes it); "none": no clipping, metadata ignored. Returns
 // false (see llama_kvq_last_error) when the spec does not parse. Also "clip" in llama_kvq_set_param.
 LLAMA_API bool         llama_kvq_set_clip(const char * spec);

@@ -4,7 +4,7 @@
 //
 //   spec    := "asymkv:" L_K "/" L_V | part (";" part)*      (asymkv: types only)
 //   part    := ("k" | "v") ":" rule ("," rule)*
-//   rule    := range "=" VALUE                     (a type name, a ratio in (0, 1], or on/off)
+//   rule    := range "=" VALUE                     (a type name, a ratio in (0, 1] or mse, or on/off)
 //   range   := "*" | N | N "-" | N "-" M            (layers, inclusive; "N-" runs to the last layer)
 //
 // asymkv:L_K/L_V is AsymKV's notation: K is kivi2 in the first L_K layers and kivi1 after, V likewise.
@@ -15,6 +15,7 @@
 #include "llama-kvq-layers.h"
 
 #include "ggml.h"
+#include "ggml-kvq.h"
 #include "llama-kvq.h"
 
 #include <cstdlib>
@@ -108,10 +109,13 @@ ggml_type kvq_parse_type(const std::string & name, const std::string & where) {
 }
 
 float kvq_parse_clip(const std::string & value, const std::string & where) {
+    if (value == "mse") {
+        return GGML_KVQ_CLIP_MSE;
+    }
     char * end = nullptr;
     const float v = std::strtof(value.c_str(), &end);
     if (value.empty() || *end != '\0' || !(v > 0.0f && v <= 1.0f)) {
-        kvq_fail(where, "'" + value + "' is not a clip ratio in (0, 1]");
+        kvq_fail(where, "'" + value + "' is not a clip ratio in (0, 1] or mse");
     }
     return v;
 }

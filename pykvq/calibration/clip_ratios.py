@@ -24,6 +24,9 @@ BITS = 2
 # third, but the pass key lost its lead at 1024 tokens (-0.035 to -0.118) and Hamlet's PPL did not improve
 RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 NO_CLIP = 1.0
+# ggml-kvq.h's GGML_KVQ_MSE_STEP and GGML_KVQ_MSE_STEPS
+MSE_STEP = np.float32(0.04)
+MSE_STEPS = 8
 # the attention is computed whole ([heads, tokens, tokens] per layer): longer calibration texts are judged on their
 # first tokens, which are a sequence of their own under the contract
 MAX_TOKENS = 1024
@@ -44,17 +47,41 @@ def each_layer(layer_qkv: LayerQkv, n_layer: int, progress: Callable[[], None] |
             progress()
 
 
-def fake_quantize(x: np.ndarray, bits: int, clip: float) -> np.ndarray:
-    """``x`` with each group of 32 consecutive values along the last axis replaced by its kivi dequantization, the
-    group's range first narrowed by ``clip``."""
-    groups = x.reshape(*x.shape[:-1], -1, GROUP)
-    lo = groups.min(-1, keepdims=True) * np.float32(clip)
-    hi = groups.max(-1, keepdims=True) * np.float32(clip)
+def _dequantized(groups: np.ndarray, bits: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     qmax = (1 << bits) - 1
-    step = np.minimum((hi - lo) / qmax, 65504.0).astype(np.float16).astype(np.float32)
+    step = np.minimum((hi - lo) / np.float32(qmax), 65504.0).astype(np.float16).astype(np.float32)
     low = lo.astype(np.float16).astype(np.float32)
     codes = np.clip(np.rint((groups - low) / np.where(step > 0, step, 1.0)), 0, qmax)
-    return (low + step * np.where(step > 0, codes, 0.0)).reshape(x.shape)
+    return low + step * np.where(step > 0, codes, 0.0)
+
+
+def _searched_range(groups: np.ndarray, bits: int, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """kv_types.CLIP_MSE: each group's candidate range of least squared error, its ends moved in by multiples of
+    MSE_STEP of its width (ggml-kvq.h's GGML_KVQ_CLIP_MSE); the first least wins."""
+    width = hi - lo
+    best = np.full(lo.shape, np.inf, dtype=np.float32)
+    best_lo, best_hi = lo, hi
+    for a in range(MSE_STEPS + 1):
+        low = lo + width * np.float32(np.float32(a) * MSE_STEP)
+        for b in range(MSE_STEPS + 1):
+            high = hi - width * np.float32(np.float32(b) * MSE_STEP)
+            sse = np.square(_dequantized(groups, bits, low, high) - groups).sum(-1, keepdims=True, dtype=np.float32)
+            better = sse < best
+            best = np.where(better, sse, best)
+            best_lo, best_hi = np.where(better, low, best_lo), np.where(better, high, best_hi)
+    return best_lo, best_hi
+
+
+def fake_quantize(x: np.ndarray, bits: int, clip: float) -> np.ndarray:
+    """``x`` with each group of 32 consecutive values along the last axis replaced by its kivi dequantization, the
+    group's range first narrowed by ``clip`` (kv_types.CLIP_MSE: searched per group)."""
+    groups = x.reshape(*x.shape[:-1], -1, GROUP).astype(np.float32, copy=False)
+    lo, hi = groups.min(-1, keepdims=True), groups.max(-1, keepdims=True)
+    if clip == kv_types.CLIP_MSE:
+        lo, hi = _searched_range(groups, bits, lo, hi)
+    else:
+        lo, hi = lo * np.float32(clip), hi * np.float32(clip)
+    return _dequantized(groups, bits, lo, hi).reshape(x.shape)
 
 
 def _fp16(x: np.ndarray) -> np.ndarray:
@@ -183,4 +210,5 @@ def per_layer_ratios(layer_qkv: LayerQkv, n_layer: int, window: int, sinks: int,
 def clip_spec_per_layer(ratios: dict[str, list[float]]) -> str:
     """The --kv-clip form of per-layer ratios (k, v: one per layer), runs of equal ratios as ranges; "none" when
     nothing clips."""
-    return kv_types.per_layer_spec({part: [f"{r:g}" for r in values] for part, values in ratios.items()}, "1")
+    return kv_types.per_layer_spec({part: [kv_types.clip_text(r) for r in values] for part, values in ratios.items()},
+                                   "1")

@@ -436,7 +436,8 @@ def add_perplexity_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-sinks", type=int,
                    help="kivi: first tokens kept in fp16 for good (default: the model's kvq.sinks, else 0)")
     p.add_argument("--kv-clip", type=arguments.spec, metavar="SPEC",
-                   help="kivi runs: SKVQ's per-layer clip ratios, e.g. 'k:*=0.9;v:*=0.85'; 'none' ignores a model's "
+                   help="kivi runs: SKVQ's per-layer clip ratios, or mse (each group's range of least squared error), "
+                        "e.g. 'k:*=0.9;v:*=mse'; 'none' ignores a model's "
                         "kvq.kv_clip (default: the model's kvq.kv_clip, else none)")
     p.add_argument("--kv-rotate", metavar="on|off|SPEC", type=arguments.rotation,
                    help="kivi runs without +rot: Hadamard rotation, on, off or per layer, e.g. 'k:*=on;v:0-3=off' "

@@ -66,8 +66,8 @@ def add_run_command(commands: argparse._SubParsersAction) -> None:
                         "kvq.kv_layers")
     p.add_argument("--kv-clip", type=arguments.spec, metavar="SPEC",
                    help="kivi: SKVQ's clipping, per-layer ratios in (0, 1] that narrow each quantization group's "
-                        "range, e.g. 'k:*=0.9;v:*=0.85'; 'none' ignores a model's kvq.kv_clip (default: the model's "
-                        "kvq.kv_clip, else none)")
+                        "range, or mse (each group's range of least squared error), e.g. 'k:*=0.9;v:*=mse'; 'none' "
+                        "ignores a model's kvq.kv_clip (default: the model's kvq.kv_clip, else none)")
     p.add_argument("--kv-dither", type=arguments.spec, metavar="SPREAD|SPEC",
                    help="kivi: V's dithered rounding, a spread in [0, 1] (0: nearest, 1: stochastic rounding) for "
                         "every layer or per layer, e.g. 0.5 or 'v:0-9=1,10-=0': repeated tokens' V errors then "

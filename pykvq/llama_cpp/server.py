@@ -46,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                              "model's kvq.kv_rotate, else off)")
     parser.add_argument("--kv-layers", type=spec,
                         help="per-layer K/V types, e.g. asymkv:16/0 or k:0-15=kivi2,16-=kivi1;v:*=kivi1")
-    parser.add_argument("--kv-clip", type=spec, help="kivi: SKVQ's per-layer clip ratios, e.g. k:*=0.9;v:*=0.85")
+    parser.add_argument("--kv-clip", type=spec,
+                        help="kivi: SKVQ's per-layer clip ratios, or mse (each group's range of least squared error), "
+                             "e.g. k:*=0.9;v:*=mse")
     parser.add_argument("--kv-dither", type=spec,
                         help="kivi: V's dithered rounding, a spread in [0, 1] or per layer, e.g. 0.5 or v:0-9=1,10-=0 "
                              "(default: the model's kvq.kv_dither, else nearest)")

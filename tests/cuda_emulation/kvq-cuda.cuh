@@ -129,6 +129,7 @@ static inline int __float_as_int(float x) {
 
 // the _rn intrinsics: single IEEE operations, as host float arithmetic is when nothing contracts it (-std=c++20)
 static inline float __fmul_rn(float a, float b) { return a*b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fdiv_rn(float a, float b) { return a/b; }
 static inline float __frcp_rn(float a) { return 1.0f/a; }

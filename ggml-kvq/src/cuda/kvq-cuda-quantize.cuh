@@ -24,6 +24,69 @@ static __device__ __forceinline__ float kvq_saturate(float x) {
     return x > KVQ_FP16_MAX ? KVQ_FP16_MAX : (x < -KVQ_FP16_MAX ? -KVQ_FP16_MAX : x);
 }
 
+// the fp16 d and m of the range [lo, hi] (kvq-quants.c's kivi_range_dm)
+template <int qmax>
+static __device__ __forceinline__ void kvq_range_dm(const float lo, const float hi, half & dh, half & mh) {
+    const float d_wanted = __fdiv_rn(__fsub_rn(hi, lo), (float) qmax);
+    dh = __float2half_rn(d_wanted > KVQ_FP16_MAX ? KVQ_FP16_MAX : d_wanted);
+    mh = __float2half_rn(lo);
+}
+
+// (x - m)/d clamped to the codes' range (kivi_clamped_step)
+template <int qmax>
+static __device__ __forceinline__ float kvq_clamped_step(const float x, const float m, const float id) {
+    const float t = __fmul_rn(__fsub_rn(kvq_saturate(x), m), id);
+    return t < 0.0f ? 0.0f : (t > qmax ? (float) qmax : t);
+}
+
+// the block's sum of squared errors under [lo, hi], in value order (kivi_range_sse)
+template <int qmax>
+static __device__ float kvq_range_sse(const float * x, const float lo, const float hi) {
+    half dh;
+    half mh;
+    kvq_range_dm<qmax>(lo, hi, dh, mh);
+    const float d  = __half2float(dh);
+    const float m  = __half2float(mh);
+    const float id = d > 0.0f ? __frcp_rn(d) : 0.0f;
+    float sse = 0.0f;
+#pragma unroll
+    for (int i = 0; i < QK_KIVI; ++i) {
+        if (kvq_is_nan(x[i])) {
+            continue;
+        }
+        const float q = rintf(kvq_clamped_step<qmax>(x[i], m, id));
+        const float e = __fsub_rn(__fadd_rn(m, __fmul_rn(d, q)), kvq_saturate(x[i]));
+        sse = __fadd_rn(sse, __fmul_rn(e, e));
+    }
+    return sse;
+}
+
+// GGML_KVQ_CLIP_MSE: the candidate range of least squared error (kivi_search_range)
+template <int qmax>
+static __device__ void kvq_search_range(const float * x, float & lo, float & hi) {
+    const float w = __fsub_rn(hi, lo);
+    if (!(w > 0.0f)) {
+        return;
+    }
+    float best    = INFINITY;
+    float best_lo = lo;
+    float best_hi = hi;
+    for (int a = 0; a <= GGML_KVQ_MSE_STEPS; ++a) {
+        const float l = __fadd_rn(lo, __fmul_rn(w, __fmul_rn((float) a, GGML_KVQ_MSE_STEP)));
+        for (int b = 0; b <= GGML_KVQ_MSE_STEPS; ++b) {
+            const float h   = __fsub_rn(hi, __fmul_rn(w, __fmul_rn((float) b, GGML_KVQ_MSE_STEP)));
+            const float sse = kvq_range_sse<qmax>(x, l, h);
+            if (sse < best) {
+                best    = sse;
+                best_lo = l;
+                best_hi = h;
+            }
+        }
+    }
+    lo = best_lo;
+    hi = best_hi;
+}
+
 // One block of 32 values into a 4-byte aligned block: fp16 d and m, then the codes (byte i % nbytes,
 // bit (i / nbytes)*bits), assembled as 32-bit words; the range clipped by `clip`, the codes dithered by spread16
 // and key (ggml_kvq_quantize_block_dithered; 0: nearest).
@@ -61,11 +124,17 @@ static __device__ void kvq_quantize_block(const float * x, uint32_t * block, con
         }
         return;
     }
-    lo = __fmul_rn(kvq_saturate(lo), clip);
-    hi = __fmul_rn(kvq_saturate(hi), clip);
-    const float d_wanted = __fdiv_rn(__fsub_rn(hi, lo), (float) qmax);
-    const half  dh = __float2half_rn(d_wanted > KVQ_FP16_MAX ? KVQ_FP16_MAX : d_wanted);
-    const half  mh = __float2half_rn(lo);
+    lo = kvq_saturate(lo);
+    hi = kvq_saturate(hi);
+    if (clip == GGML_KVQ_CLIP_MSE) {
+        kvq_search_range<qmax>(x, lo, hi);
+    } else {
+        lo = __fmul_rn(lo, clip);
+        hi = __fmul_rn(hi, clip);
+    }
+    half dh;
+    half mh;
+    kvq_range_dm<qmax>(lo, hi, dh, mh);
     const float d  = __half2float(dh);
     const float m  = __half2float(mh);
     const float id = d > 0.0f ? __frcp_rn(d) : 0.0f;
@@ -76,8 +145,7 @@ static __device__ void kvq_quantize_block(const float * x, uint32_t * block, con
         if (kvq_is_nan(x[i])) {
             continue;
         }
-        const float t = __fmul_rn(__fsub_rn(kvq_saturate(x[i]), m), id);
-        const float tc = t < 0.0f ? 0.0f : (t > qmax ? (float) qmax : t);
+        const float tc = kvq_clamped_step<qmax>(x[i], m, id);
         const int   q  = spread16 == 0 ? (int) rintf(tc) : ggml_kvq_dithered_code(tc, qmax, spread16, key + i);
         qs[i % nbytes / 4] |= (uint32_t) q << (8*(i % nbytes % 4) + i / nbytes*bits);
     }
