@@ -30,11 +30,24 @@ static float kivi_product(float a, float b) {
     return r;
 }
 
-// the fp16 d and m that dequantization uses for the range [lo, hi]
-static void kivi_range_dm(float lo, float hi, int qmax, uint16_t * dm) {
+// the codes' grid of the range [lo, hi]: fp16 step and minimum as stored (dequantization uses them), and the values
+// the codes are computed from
+typedef struct {
+    uint16_t dm[2];
+    float    d;
+    float    m;
+    float    id;
+} kivi_grid;
+
+static kivi_grid kivi_range_grid(float lo, float hi, int qmax) {
     const float d_wanted = (hi - lo)/qmax;
-    dm[0] = GGML_FP32_TO_FP16(d_wanted > KIVI_FP16_MAX ? KIVI_FP16_MAX : d_wanted);
-    dm[1] = GGML_FP32_TO_FP16(lo);
+    kivi_grid g;
+    g.dm[0] = GGML_FP32_TO_FP16(d_wanted > KIVI_FP16_MAX ? KIVI_FP16_MAX : d_wanted);
+    g.dm[1] = GGML_FP32_TO_FP16(lo);
+    g.d     = GGML_FP16_TO_FP32(g.dm[0]);
+    g.m     = GGML_FP16_TO_FP32(g.dm[1]);
+    g.id    = g.d > 0.0f ? 1.0f/g.d : 0.0f;
+    return g;
 }
 
 // nearest code of a value, t = (x - m)/d clamped before converting: with a subnormal d, t can exceed the range of int
@@ -45,17 +58,14 @@ static float kivi_clamped_step(float x, float m, float id, int qmax) {
 
 // the block's sum of squared errors under the range [lo, hi], in value order
 static float kivi_range_sse(const float * GGML_RESTRICT x, int qmax, float lo, float hi) {
-    uint16_t dm[2];
-    kivi_range_dm(lo, hi, qmax, dm);
-    const float d  = GGML_FP16_TO_FP32(dm[0]);
-    const float m  = GGML_FP16_TO_FP32(dm[1]);
-    const float id = d > 0.0f ? 1.0f/d : 0.0f;
+    const kivi_grid g = kivi_range_grid(lo, hi, qmax);
     float sse = 0.0f;
     for (int i = 0; i < QK_KIVI; ++i) {
         if (isnan(x[i])) {
             continue;
         }
-        const float e = (m + kivi_product(d, nearbyintf(kivi_clamped_step(x[i], m, id, qmax)))) - kivi_saturate(x[i]);
+        const float q = nearbyintf(kivi_clamped_step(x[i], g.m, g.id, qmax));
+        const float e = (g.m + kivi_product(g.d, q)) - kivi_saturate(x[i]);
         sse += kivi_product(e, e);
     }
     return sse;
@@ -121,15 +131,14 @@ void ggml_kvq_quantize_block_dithered(const float * GGML_RESTRICT x, void * GGML
         lo = kivi_clip_bound(lo, clip);
         hi = kivi_clip_bound(hi, clip);
     }
-    kivi_range_dm(lo, hi, qmax, dm);
-    const float d  = GGML_FP16_TO_FP32(dm[0]);
-    const float m  = GGML_FP16_TO_FP32(dm[1]);
-    const float id = d > 0.0f ? 1.0f/d : 0.0f;
+    const kivi_grid g = kivi_range_grid(lo, hi, qmax);
+    dm[0] = g.dm[0];
+    dm[1] = g.dm[1];
     for (int i = 0; i < QK_KIVI; ++i) {
         if (isnan(x[i])) {
             continue;
         }
-        const float tc = kivi_clamped_step(x[i], m, id, qmax);
+        const float tc = kivi_clamped_step(x[i], g.m, g.id, qmax);
         const int   q  = spread16 == 0 ? (int) nearbyintf(tc) : ggml_kvq_dithered_code(tc, qmax, spread16, key + i);
         qs[i % nbytes] |= (uint8_t) (q << ((i / nbytes)*bits));
     }

@@ -24,12 +24,26 @@ static __device__ __forceinline__ float kvq_saturate(float x) {
     return x > KVQ_FP16_MAX ? KVQ_FP16_MAX : (x < -KVQ_FP16_MAX ? -KVQ_FP16_MAX : x);
 }
 
-// the fp16 d and m of the range [lo, hi] (kvq-quants.c's kivi_range_dm)
+// the codes' grid of the range [lo, hi]: fp16 step and minimum as stored, and the values the codes are computed from
+// (kvq-quants.c's kivi_range_grid)
+struct kvq_grid {
+    half  dh;
+    half  mh;
+    float d;
+    float m;
+    float id;
+};
+
 template <int qmax>
-static __device__ __forceinline__ void kvq_range_dm(const float lo, const float hi, half & dh, half & mh) {
+static __device__ __forceinline__ kvq_grid kvq_range_grid(const float lo, const float hi) {
     const float d_wanted = __fdiv_rn(__fsub_rn(hi, lo), (float) qmax);
-    dh = __float2half_rn(d_wanted > KVQ_FP16_MAX ? KVQ_FP16_MAX : d_wanted);
-    mh = __float2half_rn(lo);
+    kvq_grid g;
+    g.dh = __float2half_rn(d_wanted > KVQ_FP16_MAX ? KVQ_FP16_MAX : d_wanted);
+    g.mh = __float2half_rn(lo);
+    g.d  = __half2float(g.dh);
+    g.m  = __half2float(g.mh);
+    g.id = g.d > 0.0f ? __frcp_rn(g.d) : 0.0f;
+    return g;
 }
 
 // (x - m)/d clamped to the codes' range (kivi_clamped_step)
@@ -42,20 +56,15 @@ static __device__ __forceinline__ float kvq_clamped_step(const float x, const fl
 // the block's sum of squared errors under [lo, hi], in value order (kivi_range_sse)
 template <int qmax>
 static __device__ float kvq_range_sse(const float * x, const float lo, const float hi) {
-    half dh;
-    half mh;
-    kvq_range_dm<qmax>(lo, hi, dh, mh);
-    const float d  = __half2float(dh);
-    const float m  = __half2float(mh);
-    const float id = d > 0.0f ? __frcp_rn(d) : 0.0f;
+    const kvq_grid g = kvq_range_grid<qmax>(lo, hi);
     float sse = 0.0f;
 #pragma unroll
     for (int i = 0; i < QK_KIVI; ++i) {
         if (kvq_is_nan(x[i])) {
             continue;
         }
-        const float q = rintf(kvq_clamped_step<qmax>(x[i], m, id));
-        const float e = __fsub_rn(__fadd_rn(m, __fmul_rn(d, q)), kvq_saturate(x[i]));
+        const float q = rintf(kvq_clamped_step<qmax>(x[i], g.m, g.id));
+        const float e = __fsub_rn(__fadd_rn(g.m, __fmul_rn(g.d, q)), kvq_saturate(x[i]));
         sse = __fadd_rn(sse, __fmul_rn(e, e));
     }
     return sse;
@@ -132,12 +141,7 @@ static __device__ void kvq_quantize_block(const float * x, uint32_t * block, con
         lo = __fmul_rn(lo, clip);
         hi = __fmul_rn(hi, clip);
     }
-    half dh;
-    half mh;
-    kvq_range_dm<qmax>(lo, hi, dh, mh);
-    const float d  = __half2float(dh);
-    const float m  = __half2float(mh);
-    const float id = d > 0.0f ? __frcp_rn(d) : 0.0f;
+    const kvq_grid g = kvq_range_grid<qmax>(lo, hi);
 
     uint32_t qs[nbytes/4] = {};
 #pragma unroll
@@ -145,11 +149,11 @@ static __device__ void kvq_quantize_block(const float * x, uint32_t * block, con
         if (kvq_is_nan(x[i])) {
             continue;
         }
-        const float tc = kvq_clamped_step<qmax>(x[i], m, id);
+        const float tc = kvq_clamped_step<qmax>(x[i], g.m, g.id);
         const int   q  = spread16 == 0 ? (int) rintf(tc) : ggml_kvq_dithered_code(tc, qmax, spread16, key + i);
         qs[i % nbytes / 4] |= (uint32_t) q << (8*(i % nbytes % 4) + i / nbytes*bits);
     }
-    block[0] = (uint32_t) __half_as_ushort(dh) | (uint32_t) __half_as_ushort(mh) << 16;
+    block[0] = (uint32_t) __half_as_ushort(g.dh) | (uint32_t) __half_as_ushort(g.mh) << 16;
 #pragma unroll
     for (int w = 0; w < nbytes/4; ++w) {
         block[1 + w] = qs[w];
