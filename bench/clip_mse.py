@@ -29,6 +29,7 @@ log = logging.getLogger("clip_mse")
 UPSTREAM = ("f16", "q4_0")
 CLIPS = ("none", "v:*=0.9", "v:*=mse", "k:*=mse")
 MODELS = ("smollm2", "gemma3-270m", "qwen2.5-coder-1.5b")
+COLLAPSE_PCT = 100.0    # a ΔPPL beyond it is a collapse, as the README's tables write it
 
 
 def model_rows(settings: perplexity.Settings) -> list[dict]:
@@ -43,6 +44,7 @@ def model_rows(settings: perplexity.Settings) -> list[dict]:
 
 
 def plot(path: Path, record: dict) -> None:
+    """ΔPPL bars per setting and model; a collapse (over COLLAPSE_PCT) drawn to the axis' end with its figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,11 +52,17 @@ def plot(path: Path, record: dict) -> None:
 
     models = record["models"]
     labels = ["q4_0", *(f"kivi2 {c}" for c in CLIPS)]
+    deltas = [[r["delta_pct"] or 0.0 for r in m["rows"] if r["kv_type"] != "f16"] for m in models]
+    end = 1.15 * max([d for ds in deltas for d in ds if d < COLLAPSE_PCT], default=1.0)
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(models)
-    for m, model in enumerate(models):
-        deltas = [r["delta_pct"] or 0.0 for r in model["rows"] if r["kv_type"] != "f16"]
-        ax.barh([i + m * width for i in range(len(labels))], deltas, height=width, label=model["model"])
+    for m, (model, ds) in enumerate(zip(models, deltas, strict=True)):
+        ys = [i + m * width for i in range(len(labels))]
+        ax.barh(ys, [min(d, end) for d in ds], height=width, label=model["model"])
+        for y, d in zip(ys, ds, strict=True):
+            if d >= COLLAPSE_PCT:
+                ax.text(end, y, f" collapsed: {d:+.0f}% ", ha="right", va="center", fontsize=7, color="white")
+    ax.set_xlim(0, end)
     ax.set_yticks([i + width * (len(models) - 1) / 2 for i in range(len(labels))], labels)
     ax.invert_yaxis()
     ax.set_xlabel("ΔPPL vs f16 KV (%)")
