@@ -125,6 +125,20 @@ def test_an_impossible_block_count_is_an_error_not_a_crash(n_layer: int, tmp_pat
     assert f"impossible block count {n_layer} (1 to 512 layers)" in proc.stderr
 
 
+def test_two_equal_token_strings_are_an_error_not_a_crash(tmp_path: Path) -> None:
+    """Found by the fuzz above (a byte of a token string made it another's): llama.cpp's vocabulary loader aborted
+    the process (GGML_ASSERT); patch 0018 makes it a load error."""
+    path = tmp_path / "tokens.gguf"
+    random_model.write(replace(random_model.SHAPES["tiny"], n_layer=2), path)
+    blob = path.read_bytes()
+    assert blob.count(b"<t1>") == 1
+    path.write_bytes(blob.replace(b"<t1>", b"<t0>"))
+    proc = subprocess.run(["pykvq", "run", *device.TOOL_ARGS, "-m", str(path), "-p", "hello", "-n", "2", "-c", "256",
+                           "-t", "1"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "corrupt vocabulary: " in proc.stderr and " distinct token strings" in proc.stderr
+
+
 def test_a_vocabulary_that_throws_is_an_error_not_a_crash(tmp_path: Path) -> None:
     """SentencePiece without byte tokens: llama.cpp's tokenizer throws on text it cannot map; the C API must
     report it (patch: llama_tokenize), not terminate the program."""
