@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from decode_speed import RESULTS, resolve_model, save_results
-from readme_tables import clip_mse_record_table
+from readme_tables import COLLAPSE_PCT, clip_mse_record_table
 
 from pykvq import assets
 from pykvq.bindings import native
@@ -29,7 +29,6 @@ log = logging.getLogger("clip_mse")
 UPSTREAM = ("f16", "q4_0")
 CLIPS = ("none", "v:*=0.9", "v:*=mse", "k:*=mse")
 MODELS = ("smollm2", "gemma3-270m", "qwen2.5-coder-1.5b")
-COLLAPSE_PCT = 100.0    # a ΔPPL beyond it is a collapse, as the README's tables write it
 
 
 def model_rows(settings: perplexity.Settings) -> list[dict]:

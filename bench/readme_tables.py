@@ -14,6 +14,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ALL_LAYERS = -1  # n_gpu_layers: every layer on the device
+COLLAPSE_PCT = 100.0  # a ΔPPL from which the tables write a run as collapsed
 
 
 def perplexity_table(path: Path) -> str:
@@ -390,7 +391,7 @@ def clip_mse_cell(row: dict) -> str:
 
 def delta_words(delta: float) -> str:
     """A perplexity change in percent; a collapse in whole percent."""
-    return f"{delta:+.2f}%" if abs(delta) < 100 else f"{delta:+.0f}% (collapsed)"
+    return f"{delta:+.2f}%" if abs(delta) < COLLAPSE_PCT else f"{delta:+.0f}% (collapsed)"
 
 
 def clip_search_words(c: dict) -> str:
