@@ -1,12 +1,13 @@
 """SKVQ's clipping per group (--kv-clip 'v:*=mse') against one clip ratio and no clipping, for plain kivi2.
 
     python bench/clip_mse.py [--models smollm2 gemma3-270m qwen2.5-coder-1.5b] [--ctx 2048] [--chunks 4] [-t 2]
-                             [--ngl N]
+                             [--sinks N] [--ngl N]
 
-llama-perplexity scores Hamlet on each model with f16 and upstream's q4_0 KV, then kivi2 (window 128, no sinks, no
-rotation, no calibration) unclipped, with V's ranges at 0.9, with each V block's range of least squared error
-(`v:*=mse`) and with each K block's (`k:*=mse`). Each run's wall time is its prefill of every chunk, where the
-search's cost shows. Writes bench/results/clip-mse-c<ctx>.json and .png and prints a table.
+llama-perplexity scores Hamlet on each model with f16 and upstream's q4_0 KV, then kivi2 (window 128, --sinks
+attention sinks, default none; no rotation, no calibration) unclipped, with V's ranges at 0.9, with each V block's
+range of least squared error (`v:*=mse`) and with each K block's (`k:*=mse`). Each run's wall time is its prefill of
+every chunk, where the search's cost shows. Writes bench/results/clip-mse-c<ctx>[-sinks<N>].json and .png and prints
+a table.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from decode_speed import RESULTS, resolve_model, save_results
-from readme_tables import COLLAPSE_PCT, clip_mse_record_table
+from readme_tables import COLLAPSE_PCT, clip_mse_record_table, sinks_words
 
 from pykvq import assets
 from pykvq.bindings import native
@@ -65,7 +66,8 @@ def plot(path: Path, record: dict) -> None:
     ax.set_yticks([i + width * (len(models) - 1) / 2 for i in range(len(labels))], labels)
     ax.invert_yaxis()
     ax.set_xlabel("ΔPPL vs f16 KV (%)")
-    ax.set_title(f"{record['text']}, n_ctx {record['n_ctx']}, {record['chunks']} chunks, window {record['window']}")
+    ax.set_title(f"{record['text']}, n_ctx {record['n_ctx']}, {record['chunks']} chunks, window {record['window']}, "
+                 f"{sinks_words(record)}")
     ax.grid(alpha=0.3, axis="x")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("-t", "--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--sinks", type=int, default=0, help="attention sinks of every kivi2 run (default: none)")
     parser.add_argument("--ngl", type=int, default=None, help="layers on the GPU (default: llama-perplexity's)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp"))
     args = parser.parse_args(argv)
@@ -86,14 +89,16 @@ def main(argv: list[str] | None = None) -> None:
     text = assets.shakespeare_text("hamlet_gut")
     window = native.kvq_default_params().window
     record = {"text": text.name, "n_ctx": args.ctx, "chunks": args.chunks, "window": window,
-              "threads": args.threads, "n_gpu_layers": args.ngl, "models": []}
+              "sinks": args.sinks, "threads": args.threads, "n_gpu_layers": args.ngl, "models": []}
     for name in args.models:
         model, label = resolve_model(name, args.workdir)
         log.info("%s", label)
-        settings = perplexity.Settings(model, text, args.ctx, args.chunks, args.threads, window, 0,
-                                       n_gpu_layers=args.ngl)
+        settings = perplexity.Settings(model, text, args.ctx, args.chunks, args.threads, window,
+                                       args.sinks, n_gpu_layers=args.ngl)
         record["models"].append({"model": Path(label).stem, "rows": model_rows(settings)})
-    save_results(RESULTS / f"clip-mse-c{args.ctx}", record, plot, clip_mse_record_table)
+    # a study with sinks beside the record without, not over it
+    study = f"-sinks{args.sinks}" if args.sinks else ""
+    save_results(RESULTS / f"clip-mse-c{args.ctx}{study}", record, plot, clip_mse_record_table)
 
 
 if __name__ == "__main__":

@@ -371,9 +371,9 @@ def clip_mse_record_table(record: dict) -> str:
     kivi = [r for r in record["models"][0]["rows"] if r["kv_type"] == "kivi2"]
     columns = ["q4_0", *("kivi2" if r["clip"] == "none" else f"`{r['clip']}`" for r in kivi)]
     lines = [f"SKVQ's clipping per group for plain kivi2 ({record['text']}, n_ctx {record['n_ctx']}, "
-             f"{record['chunks']} chunks, window {record['window']}, no sinks, no rotation, no calibration; ΔPPL "
-             f"against f16 KV, and each run's wall time on {record['threads']} threads, its prefill of every chunk; "
-             "bench/clip_mse.py):", "",
+             f"{record['chunks']} chunks, window {record['window']}, {sinks_words(record)}, no rotation, no "
+             f"calibration; ΔPPL against f16 KV, and each run's wall time on {record['threads']} threads, its prefill "
+             "of every chunk; bench/clip_mse.py):", "",
              "| model | f16 PPL | " + " | ".join(columns) + " |",
              "| --- | ---: | " + " | ".join("---:" for _ in columns) + " |"]
     for model in record["models"]:
@@ -381,6 +381,12 @@ def clip_mse_record_table(record: dict) -> str:
         cells = [clip_mse_cell(r) for r in rows if r["kv_type"] != "f16"]
         lines.append(f"| {model['model']} | {rows[0]['ppl']:.4f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def sinks_words(record: dict) -> str:
+    """The attention sinks of a clip study's kivi2 runs (none in records from before they were an option)."""
+    n_sink = record.get("sinks", 0)
+    return f"{n_sink} sink{'s' if n_sink > 1 else ''}" if n_sink else "no sinks"
 
 
 def clip_mse_cell(row: dict) -> str:
@@ -451,10 +457,11 @@ def minikv_table(path: Path) -> str:
 
 
 def clip_words(spec: str | None) -> str:
-    """A clip spec as a table caption says it: uniform ratios spelled out, per-layer ones left to the JSON."""
+    """A clip spec as a table caption says it: one ratio (or mse) per part spelled out, per-layer ones left to the
+    JSON."""
     if not spec or spec == "none":
         return "no clipping"
-    return f"--kv-clip '{spec}'" if all("*" in part for part in spec.split(";")) else "per-layer clip ratios"
+    return f"--kv-clip '{spec}'" if all(part.count("=") == 1 for part in spec.split(";")) else "per-layer clip ratios"
 
 
 def rotation_words(calibration: dict) -> str:

@@ -43,6 +43,11 @@ def test_the_table_names_the_mix_and_the_verdicts() -> None:
     assert "calibrated kivi2: +3.00% against q4_1's +2.80%: **not met**" in table
     assert "`--kv-layers 'k:0=kivi4,1-=kivi1;v:*=kivi2'`" in table
     assert "chose 4 sinks, a 64-token window (--kv-window auto), " in table
+    # one ratio (or mse) a part is spelled out, by layer range or by "*"; several a part are the JSON's to tell
+    for spec, words in (("k:0-17=0.95;v:0-17=mse", "--kv-clip 'k:0-17=0.95;v:0-17=mse'"),
+                        ("k:*=0.9", "--kv-clip 'k:*=0.9'"), ("k:0=0.9,1-17=0.8;v:*=mse", "per-layer clip ratios")):
+        record["calibration"]["kvq.kv_clip"] = spec
+        assert f"(--kv-window auto), {words} and " in recipe_record_table(record)
 
 
 def test_the_table_says_which_v_dither_was_chosen_or_that_none_was_measured() -> None:
