@@ -36,9 +36,9 @@ def assert_the_held_out_check_decided(meta: dict, stdout: str, n_tokens: int, n_
     types_k, types_v = kv_types.layer_types(meta[gguf_metadata.KEY_LAYERS], n_layer, "kivi2", "kivi2")
     uniform = set(types_k + types_v) == {"kivi2"}
     if meta["kvq.calibration.held_out"] == 0:
-        assert uniform and "held-out" not in stdout
+        assert uniform and "the refined mix on" not in stdout
         return
-    assert meta["kvq.calibration.held_out"] == n_tokens and f"on {n_tokens} held-out tokens" in stdout
+    assert meta["kvq.calibration.held_out"] == n_tokens and f"the refined mix on {n_tokens} held-out tokens" in stdout
     mix, everywhere = meta["kvq.calibration.held_out_kld"]
     assert (mix > everywhere) == uniform == ("kivi2 everywhere taken instead" in stdout)
 
@@ -61,6 +61,11 @@ def test_calibrate_writes_a_mix_within_budget_that_run_uses(smollm2: Path, hamle
     # the mixes kept within kivi2 everywhere's divergence on the text (the budget affords it)
     assert "a mix's prose divergence kept within kivi2 everywhere's" in proc.stdout
     assert_the_held_out_check_decided(meta, proc.stdout, 64 * held_out.CHUNKS)
+    # the clip choice held against each part's runner-up on the same held-out text, and the copy's kivi2 ratios
+    # the checked choice
+    checked = next(line for line in proc.stdout.splitlines() if line.startswith("each part's clip choice against"))
+    assert f"its runner-up on {64 * held_out.CHUNKS} held-out tokens" in checked and "; K " in checked
+    assert checked.endswith(f"-> --kv-clip '{meta[gguf_metadata.KEY_KIVI2_CLIP]}'")
     assert all(len(meta[f"kvq.calibration.kld_{p}_{w}"]) == N_LAYER for p in "kv" for w in ("kivi4", "kivi1"))
     assert meta["kvq.calibration.sensitivity"] == "attention"
     # the window given is the one measured at, and the copy's

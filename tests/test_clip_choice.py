@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pykvq.calibration.clip_choice import MAX_TURNS, PER_LAYER, ClipChoice, choose_clip
+import pytest
+
+from pykvq.calibration.clip_choice import MAX_TURNS, PER_LAYER, ClipChoice, check_held_out, choose_clip
 from pykvq.kv_types import CLIP_MSE, CLIP_MSE_NAME
 from pykvq.calibration.clip_ratios import RATIOS
 
@@ -123,3 +125,59 @@ def test_the_specs_spell_the_chosen_and_the_per_layer_ratios() -> None:
     choice = ClipChoice({"k": [1.0, 1.0], "v": [0.9, 0.9]}, {"k": [0.9, 1.0], "v": [1.0, 1.0]}, [])
     assert choice.spec == "v:0-1=0.9"
     assert choice.per_layer_spec == "k:0=0.9,1=1"
+
+
+def test_each_part_s_runner_up_is_the_best_other_candidate_of_its_last_turn() -> None:
+    """Gemma 3's case: with V searched, K at 0.95 beats K's per-layer ratios on the probe by a hair."""
+    def kld(ratios: dict[str, list[float]]) -> float:
+        k = 0.0433 if ratios["k"] == PER_LAYER_RATIOS["k"] else {1.0: 0.0532, 0.95: 0.0425}.get(ratios["k"][0], 0.0466)
+        return k + (0.0 if ratios["v"] == [CLIP_MSE] * N_LAYER else 0.01 + 0.001 * (1 - ratios["v"][0]))
+
+    choice = choose_clip(kld, PER_LAYER_RATIOS)
+    assert choice.chosen == {"k": [0.95] * N_LAYER, "v": [CLIP_MSE] * N_LAYER}
+    assert choice.runners_up["k"] == PER_LAYER_RATIOS["k"]
+    # V's last turn: unclipped (0.0425 + 0.01) is the best of what is not mse
+    assert choice.runners_up["v"] == [1.0] * N_LAYER
+
+
+def held_out(kld_of, calls: list):  # noqa: ANN001, ANN201
+    def measure_all(candidates: list[dict[str, list[float]]]) -> list[float]:
+        calls.append(candidates)
+        return [kld_of(c) for c in candidates]
+    return measure_all
+
+
+def test_the_held_out_text_turns_a_close_call_and_keeps_the_rest() -> None:
+    per_layer_k = PER_LAYER_RATIOS["k"]
+    choice = ClipChoice({"k": [0.95] * N_LAYER, "v": [CLIP_MSE] * N_LAYER}, PER_LAYER_RATIOS, [],
+                        {"k": per_layer_k, "v": [1.0] * N_LAYER})
+    calls: list = []
+    # K's per-layer ratios win on held-out text, V's unclipped runner-up loses there
+    checked = check_held_out(choice, held_out(lambda r: 0.0443 - 0.0048 * (r["k"] == per_layer_k)
+                                              + 0.01 * (r["v"] == [1.0] * N_LAYER), calls))
+    assert checked.chosen == {"k": per_layer_k, "v": [CLIP_MSE] * N_LAYER}
+    assert checked.spec == "k:0=1,1=0.85,2=0.9;v:0-2=mse"
+    assert checked.klds == [("v", {CLIP_MSE_NAME: 0.0443, "1": 0.0543}),
+                            ("k", {"0.95": 0.0443, PER_LAYER: pytest.approx(0.0395)})]
+    # one pass over the held-out text: every combination of choice and runner-up measured at once
+    assert len(calls) == 1 and len(calls[0]) == 4
+
+
+def test_k_is_held_out_with_v_s_final_choice_in_place_and_a_tie_keeps_the_probe_s() -> None:
+    choice = ClipChoice({"k": [0.95] * N_LAYER, "v": [0.9] * N_LAYER}, PER_LAYER_RATIOS, [],
+                        {"k": [1.0] * N_LAYER, "v": [0.95] * N_LAYER})
+    # V's runner-up wins; with it, K unclipped ties K at 0.95 (and would win with V's choice)
+    checked = check_held_out(choice, held_out(lambda r: 0.01 - 0.002 * (r["v"][0] == 0.95)
+                                              - 0.001 * (r["k"][0] == 1.0 and r["v"][0] == 0.9), []))
+    assert checked.chosen == {"k": [0.95] * N_LAYER, "v": [0.95] * N_LAYER}
+    assert [part for part, _ in checked.klds] == ["v", "k"]
+    assert checked.klds[1][1] == {"0.95": 0.008, "1": 0.008}
+
+
+def test_a_part_without_a_runner_up_is_not_held_out() -> None:
+    """Multi-head latent attention chooses K alone; V has no candidates."""
+    choice = ClipChoice({"k": [0.9] * N_LAYER, "v": [1.0] * N_LAYER}, PER_LAYER_RATIOS, [], {"k": [1.0] * N_LAYER})
+    calls: list = []
+    checked = check_held_out(choice, held_out(lambda r: r["k"][0], calls))
+    assert checked.chosen == choice.chosen and [part for part, _ in checked.klds] == ["k"]
+    assert calls == [[choice.chosen, {**choice.chosen, "k": [1.0] * N_LAYER}]]

@@ -14,12 +14,19 @@ on SmolLM2 more than any one V ratio from 0.95 to 0.75). The two interact: on Sm
 than unclipped V with K unclipped, better with K at 0.95 (and Hamlet's PPL agreed: +3.32% for K alone, +2.66% for
 both), so the parts take turns, each with the other's latest choice in place, until a turn changes nothing (a later
 turn changes a part only for a strictly lower divergence), at most MAX_TURNS.
+
+The probe is short, and its close calls can go either way: on Gemma 3 270M, with V searched, K at 0.95 in every layer
+measured 0.0425 against 0.0433 for K's per-layer ratios, while Hamlet's perplexity put them at +5.11% and +3.33%, and
+2048 held-out tokens of the calibration text at 0.0443 and 0.0395. So each part's choice is then held against its
+runner-up (the best other candidate of its last turn) on held-out text (check_held_out): V's first, with K's choice
+in place, then K's with V's final one; the runner-up takes over only where it measures strictly lower there.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pykvq import kv_types
 from pykvq.calibration.clip_ratios import RATIOS, clip_spec_per_layer
@@ -45,6 +52,8 @@ class ClipChoice:
     chosen: Ratios
     per_layer: Ratios
     turns: list[tuple[str, dict[str, float]]]
+    # per part, the best candidate of its last turn other than its choice (none where it had no other)
+    runners_up: Ratios = field(default_factory=dict)
 
     @property
     def spec(self) -> str:
@@ -53,6 +62,24 @@ class ClipChoice:
     @property
     def per_layer_spec(self) -> str:
         return clip_spec_per_layer(self.per_layer)
+
+    @staticmethod
+    def label(values: list[float]) -> str:
+        """A candidate as the turns name it (per-layer ratios that are all one are measured as that one)."""
+        return kv_types.clip_text(values[0]) if len(set(values)) == 1 else PER_LAYER
+
+
+@dataclass(frozen=True)
+class HeldOutClip:
+    """The clip choice after its held-out check: each part's ratios, and per part checked its choice's and its
+    runner-up's KL divergence on the held-out text (choice first)."""
+
+    chosen: Ratios
+    klds: list[tuple[str, dict[str, float]]]
+
+    @property
+    def spec(self) -> str:
+        return clip_spec_per_layer(self.chosen)
 
 
 def _part_candidates(measure: Callable[[list[float]], float], n_layer: int, per_layer: list[float],
@@ -81,6 +108,7 @@ def choose_clip(measure: Callable[[Ratios], float], per_layer: Ratios, ratios: S
     n_layer = len(per_layer["k"])
     chosen: Ratios = {part: [1.0] * n_layer for part in per_layer}
     turns: list[tuple[str, dict[str, float]]] = []
+    runners_up: dict[str, list[float] | None] = {}
     # a turn's first candidate (unclipped) or the part's current choice is often measured already
     memo: dict[tuple[tuple[float, ...], ...], float] = {}
 
@@ -106,4 +134,26 @@ def choose_clip(measure: Callable[[Ratios], float], per_layer: Ratios, ratios: S
         else:
             unchanged += 1
         turns.append((part, {label: kld for label, (_, kld) in candidates.items()}))
-    return ClipChoice(chosen, per_layer, turns)
+        others = [(kld, values) for values, kld in candidates.values() if values != chosen[part]]
+        runners_up[part] = min(others, key=lambda other: other[0])[1] if others else None
+    return ClipChoice(chosen, per_layer, turns, {p: v for p, v in runners_up.items() if v is not None})
+
+
+def check_held_out(choice: ClipChoice, measure_all: Callable[[list[Ratios]], list[float]]) -> HeldOutClip:
+    """Each part's choice against its runner-up on held-out text, in the turns' order, each with the earlier parts'
+    final choice in place; ``measure_all`` takes every combination of choices and runners-up at once (one pass over
+    the held-out text, its f16 reference computed once)."""
+    parts = [p for p in ORDER if p in choice.runners_up]
+    picks = list(itertools.product((False, True), repeat=len(parts)))
+    klds = dict(zip(picks, measure_all([{**choice.chosen, **{p: choice.runners_up[p] for p, take in
+                                                            zip(parts, pick, strict=True) if take}}
+                                        for pick in picks]), strict=True))
+    taken = [False] * len(parts)
+    out: list[tuple[str, dict[str, float]]] = []
+    for i, part in enumerate(parts):
+        mine, theirs = klds[tuple(taken)], klds[(*taken[:i], True, *taken[i + 1:])]
+        out.append((part, {ClipChoice.label(choice.chosen[part]): mine,
+                           ClipChoice.label(choice.runners_up[part]): theirs}))
+        taken[i] = theirs < mine
+    chosen = {**choice.chosen, **{p: choice.runners_up[p] for p, take in zip(parts, taken, strict=True) if take}}
+    return HeldOutClip(chosen, out)

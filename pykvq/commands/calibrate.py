@@ -1,4 +1,5 @@
-"""`pykvq calibrate`: choose the kivi sinks count, the rotation, SKVQ's clip ratios and the fp16 window, find each
+"""`pykvq calibrate`: choose the kivi sinks count, the rotation, SKVQ's clip ratios (each part's choice held against
+its runner-up on held-out text, pykvq.calibration.clip_choice) and the fp16 window, find each
 layer's K and V sensitivity on a text (from the f16 run's attention, or measured one tensor at a time), choose
 per-layer widths for a budget, refine them by measuring mixes (pykvq.calibration.mix_cost ranks them), check the
 refined mix against kivi2 everywhere on held-out text (pykvq.calibration.held_out), choose V's dithered rounding for
@@ -33,7 +34,7 @@ from pykvq.calibration import (attention_scale, attention_sensitivity, clip_rati
 from pykvq.calibration.allocation import (BITS, PARTS, Allocation, Refinement, Sensitivity, allocate, budget_argument,
                                           format_allocation, refine)
 from pykvq.calibration.attention_sensitivity import WidthErrors
-from pykvq.calibration.clip_choice import ClipChoice, choose_clip
+from pykvq.calibration.clip_choice import ClipChoice, HeldOutClip, Ratios, check_held_out, choose_clip
 from pykvq.calibration.dither_choice import DitherChoice, choose_dither
 from pykvq.calibration.held_out import HeldOutCheck
 from pykvq.calibration.mix_cost import MixCost
@@ -296,21 +297,35 @@ class Calibrator:
                        mean_kld(self.reference, log_probs, self.probe.prose_weights()),
                        self.retrieval_kld(layers, clip, dither), prose_limit)
 
-    def held_out_klds(self, stretches: list[list[int]], mixes: list[dict[tuple[str, int], str]],
-                      widths: list[WidthErrors]) -> list[float]:
-        """Each mix's KL divergence against f16 KV over the stretches (each one context, every token alike), each
-        tensor clipped at its width's ratio."""
-        totals = np.zeros(len(mixes))
-        with tqdm(total=len(stretches) * (1 + len(mixes)), unit="run", desc="held-out check") as progress:
+    def held_out_klds(self, stretches: list[list[int]], kvs: list[KvConfig], desc: str) -> list[float]:
+        """Each cache's KL divergence against f16 KV over the stretches (each one context, every token alike)."""
+        totals = np.zeros(len(kvs))
+        with tqdm(total=len(stretches) * (1 + len(kvs)), unit="run", desc=desc) as progress:
             for tokens in stretches:
                 reference = self._log_probs(tokens, KvConfig(layers="none"))
                 progress.update()
                 weights = np.full(len(tokens), 1.0 / len(tokens))
-                for i, types in enumerate(mixes):
-                    layers, clip = self._mix(types, widths)
-                    totals[i] += mean_kld(reference, self._log_probs(tokens, self._kv(layers, clip=clip)), weights)
+                for i, kv in enumerate(kvs):
+                    totals[i] += mean_kld(reference, self._log_probs(tokens, kv), weights)
                     progress.update()
         return [float(t) for t in totals / len(stretches)]
+
+    def held_out_mix_klds(self, stretches: list[list[int]], mixes: list[dict[tuple[str, int], str]],
+                          widths: list[WidthErrors]) -> list[float]:
+        """Each mix's KL divergence against f16 KV over the stretches, each tensor clipped at its width's ratio."""
+        mixed = [self._mix(types, widths) for types in mixes]
+        return self.held_out_klds(stretches, [self._kv(layers, clip=clip) for layers, clip in mixed], "held-out check")
+
+    def held_out_clip(self, stretches: list[list[int]], choice: ClipChoice) -> HeldOutClip:
+        """The clip choice held against each part's runner-up over the stretches (clip_choice.check_held_out), kivi2
+        everywhere."""
+        return check_held_out(choice, lambda candidates: self.held_out_klds(
+            stretches, [self._kv("none", clip=clip_ratios.clip_spec_per_layer(r)) for r in candidates],
+            "clip held-out check"))
+
+    def held_out_stretches(self, text: list[int]) -> list[list[int]]:
+        """The text's stretches of the probe's length after the probe's text (pykvq.calibration.held_out)."""
+        return held_out.stretches(text, self.probe.n_tokens - self.probe.recall, self.probe.n_tokens)
 
     def dither_choice(self, types: dict[tuple[str, int], str], widths: list[WidthErrors],
                       prose_limit: float | None) -> DitherChoice[MixCost]:
@@ -386,6 +401,25 @@ def kivi2_everywhere(allocation: Allocation) -> Allocation:
     return Allocation(dict.fromkeys(allocation.types, REFERENCE), allocation.n_layer, 0.0)
 
 
+def no_held_out_words(probe: Probe, what: str) -> str:
+    return (f"the text holds no {probe.n_tokens} tokens after the probe's: {what} is not checked on held-out text (a "
+            "longer text gets the check)")
+
+
+def checked_clip(calibrator: Calibrator, text: list[int], choice: ClipChoice) -> Ratios:
+    """The clip choice after its held-out check (clip_choice.check_held_out), or as the probe made it where the text
+    holds no held-out stretch or no part had a runner-up."""
+    stretches = calibrator.held_out_stretches(text)
+    if not stretches:
+        print(no_held_out_words(calibrator.probe, "the clip choice"))
+        return choice.chosen
+    if not choice.runners_up:
+        return choice.chosen
+    checked = calibrator.held_out_clip(stretches, choice)
+    print(format_held_out_clip(checked, len(stretches) * calibrator.probe.n_tokens) + f" -> --kv-clip '{checked.spec}'")
+    return checked.chosen
+
+
 def checked_mix(calibrator: Calibrator, text: list[int], result: Refinement[MixCost],
                 widths: list[WidthErrors]) -> tuple[Allocation, HeldOutCheck | None]:
     """The refined mix, or kivi2 everywhere where it is lower over the text's stretches of the probe's length after the
@@ -395,14 +429,12 @@ def checked_mix(calibrator: Calibrator, text: list[int], result: Refinement[MixC
     everywhere = kivi2_everywhere(allocation)
     if result.measured.prose_limit is None or allocation.spec() == everywhere.spec():
         return allocation, None
-    probe = calibrator.probe
-    stretches = held_out.stretches(text, probe.n_tokens - probe.recall, probe.n_tokens)
+    stretches = calibrator.held_out_stretches(text)
     if not stretches:
-        print(f"the text holds no {probe.n_tokens} tokens after the probe's: the refined mix is not checked on "
-              "held-out text (a longer text gets the check)")
+        print(no_held_out_words(calibrator.probe, "the refined mix"))
         return allocation, None
-    mix, kivi2 = calibrator.held_out_klds(stretches, [allocation.types, everywhere.types], widths)
-    check = HeldOutCheck(len(stretches) * probe.n_tokens, mix, kivi2)
+    mix, kivi2 = calibrator.held_out_mix_klds(stretches, [allocation.types, everywhere.types], widths)
+    check = HeldOutCheck(len(stretches) * calibrator.probe.n_tokens, mix, kivi2)
     print(check)
     return (allocation if check.keeps_mix else everywhere), check
 
@@ -549,8 +581,9 @@ def calibrate(args: argparse.Namespace, probe: Probe) -> None:
                   + ", ".join(f"{spec}: {kld:.4f}" for spec, kld in klds.items()) + f" -> --kv-rotate '{probe.rotate}'")
         if args.kv_clip == "auto":
             choice = calibrator.clip_choice()
-            probe = calibrator.probe = replace(probe, clip=choice.spec)
-            print(format_clip_choice(choice) + f" -> --kv-clip '{probe.clip}'")
+            print(format_clip_choice(choice) + f" -> --kv-clip '{choice.spec}'")
+            chosen = checked_clip(calibrator, tokens, choice)
+            probe = calibrator.probe = replace(probe, clip=clip_ratios.clip_spec_per_layer(chosen))
         if args.kv_window == "auto":
             windows = calibrator.window_choice(args.kv_window_ctx or model.n_ctx_train)
             probe = calibrator.probe = replace(probe, window=windows.chosen)
@@ -614,6 +647,13 @@ def format_clip_choice(choice: ClipChoice) -> str:
                       for part, klds in choice.turns)
     return ("kivi2 everywhere, KL divergence against f16 KV by clip ratio (V's with K unclipped, then each part's "
             f"with the other's choice in place): {turns}")
+
+
+def format_held_out_clip(checked: HeldOutClip, n_tokens: int) -> str:
+    parts = "; ".join(f"{part.upper()} " + ", ".join(f"{label}: {kld:.4f}" for label, kld in klds.items())
+                      for part, klds in checked.klds)
+    return (f"each part's clip choice against its runner-up on {n_tokens} held-out tokens of the text (after the "
+            f"probe's), KL divergence against f16 KV: {parts}")
 
 
 def format_dither_choice(choice: DitherChoice[MixCost]) -> str:
